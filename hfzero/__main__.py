@@ -1,0 +1,5 @@
+import sys
+
+from hfzero.cli import main
+
+sys.exit(main())

@@ -1,0 +1,184 @@
+"""ZeroConfig: the single source of hfzero's options, validated once.
+
+Field names are the option names everywhere else: the Trainer and the launcher expose field ``x``
+as ``--zero_x``, the accelerate integration reads ``HFZERO_X`` from the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Literal
+
+import torch
+
+DtypeName = Literal["fp32", "bf16", "fp16"]
+
+_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ConfigError(ValueError):
+    """A ZeroConfig value is invalid; the message names the field and what to do."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """Options of the ZeRO engine.
+
+    Attributes are documented one by one below; every one is validated in ``__post_init__``.
+    """
+
+    stage: int = 2
+    """ZeRO stage: 0 = DDP-equivalent baseline, 1 = optimizer states sharded (P_os), 2 = + gradients
+    (P_os+g), 3 = + parameters (P_os+g+p)."""
+
+    dtype: DtypeName = "fp32"
+    """Parameter and gradient dtype on the device: "fp32", "bf16" or "fp16". With 16-bit dtypes the
+    optimizer steps fp32 master weights of the rank's shard (the paper's 2 + 2 + 12 bytes per
+    parameter with Adam); "fp16" adds dynamic loss scaling."""
+
+    reduce_bucket_size: int = 25_000_000
+    """Elements per gradient bucket. Buckets are the unit of reduction and of sharding: each bucket
+    is padded to a multiple of the world size and every rank owns an equal slice of it. Stage 2
+    holds at most ``max_inflight_buckets`` of them in flight, whatever the model size (ZeRO-R CB)."""
+
+    allgather_bucket_size: int = 25_000_000
+    """Stage 3: elements of prefetched (gathered ahead of use) parameters allowed in flight.
+    Stages 1-2 gather updated parameters one reduce bucket per collective."""
+
+    overlap_comm: bool = True
+    """Launch each bucket's reduction asynchronously as soon as it is full, overlapping backward."""
+
+    max_inflight_buckets: int = 2
+    """Bucket reductions allowed in flight at once; launching one more waits for the oldest."""
+
+    reduce_scatter_impl: Literal["auto", "native", "all_reduce"] = "auto"
+    """How a reduce-scatter is carried out. "native" calls the backend's reduce_scatter; "all_reduce"
+    all-reduces and keeps the owned slice; "auto" picks per backend by measurement (gloo:
+    all-reduce, 100 MB in ~70 ms against ~125 ms for reduce_scatter; NCCL: native, half the bytes)."""
+
+    param_persistence_threshold: int = 100_000
+    """Stage 3: parameters with fewer elements stay whole on every rank (counted as PARAM_FULL)."""
+
+    offload_optimizer: bool = False
+    """Keep fp32 master weights and optimizer states on the CPU (the parameters stay on their device)."""
+
+    loss_scale: float = 0.0
+    """fp16 only: a fixed loss scale, or 0 for dynamic loss scaling."""
+
+    initial_loss_scale: float = 2.0**16
+    """fp16 dynamic scaling: the starting scale."""
+
+    loss_scale_window: int = 1000
+    """fp16 dynamic scaling: steps without overflow before the scale doubles."""
+
+    loss_scale_hysteresis: int = 2
+    """fp16 dynamic scaling: overflows tolerated before the scale halves."""
+
+    min_loss_scale: float = 1.0
+    """fp16 dynamic scaling: the scale never drops below this."""
+
+    def __post_init__(self) -> None:
+        _check(self.stage in (0, 1, 2, 3), "stage", self.stage, "must be 0, 1, 2 or 3")
+        _check(self.dtype in _DTYPES, "dtype", self.dtype, 'must be "fp32", "bf16" or "fp16"')
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "max_inflight_buckets", "loss_scale_window",
+                     "loss_scale_hysteresis"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value,
+                   "must be a positive integer")
+        _check(isinstance(self.param_persistence_threshold, int) and self.param_persistence_threshold >= 0,
+               "param_persistence_threshold", self.param_persistence_threshold, "must be an integer >= 0")
+        _check(self.reduce_scatter_impl in ("auto", "native", "all_reduce"), "reduce_scatter_impl",
+               self.reduce_scatter_impl, 'must be "auto", "native" or "all_reduce"')
+        for name in ("overlap_comm", "offload_optimizer"):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be true or false")
+        _check(self.loss_scale >= 0, "loss_scale", self.loss_scale, "must be >= 0 (0 = dynamic)")
+        _check(self.initial_loss_scale > 0, "initial_loss_scale", self.initial_loss_scale, "must be > 0")
+        _check(self.min_loss_scale > 0, "min_loss_scale", self.min_loss_scale, "must be > 0")
+        _check(self.min_loss_scale <= self.initial_loss_scale, "min_loss_scale", self.min_loss_scale,
+               f"must not exceed initial_loss_scale ({self.initial_loss_scale})")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of parameters and gradients on the device."""
+        return _DTYPES[self.dtype]
+
+    @property
+    def mixed_precision(self) -> bool:
+        """True when parameters are 16-bit and the optimizer steps fp32 master weights."""
+        return self.dtype != "fp32"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def field_doc(cls, name: str) -> str:
+        """The docstring written under field ``name`` (used for generated CLI help)."""
+        return _FIELD_DOCS.get(name, "")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "ZeroConfig":
+        """Build a config from a mapping, rejecting unknown keys with the list of valid ones."""
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ConfigError(f"unknown ZeroConfig option(s) {unknown}; valid options are {cls.field_names()}")
+        return cls(**values)
+
+    @classmethod
+    def from_strings(cls, values: dict[str, str]) -> "ZeroConfig":
+        """Build a config from string values (command line, environment), converting each by its field type."""
+        converted: dict[str, Any] = {}
+        defaults = cls()
+        for key, raw in values.items():
+            if key not in cls.field_names():
+                raise ConfigError(f"unknown ZeroConfig option {key!r}; valid options are {cls.field_names()}")
+            converted[key] = _convert(key, raw, type(getattr(defaults, key)))
+        return cls.from_dict(converted)
+
+
+def _convert(name: str, raw: str, kind: type) -> Any:
+    try:
+        if kind is bool:
+            lowered = raw.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if kind is int:
+            return int(float(raw)) if "e" in raw.lower() else int(raw)
+        if kind is float:
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ConfigError(f"ZeroConfig.{name}: cannot read {raw!r} as {kind.__name__}") from None
+
+
+def _check(ok: bool, name: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"ZeroConfig.{name}={value!r} is invalid: {name} {rule}.")
+
+
+def _read_field_docs() -> dict[str, str]:
+    """Collect the string literal under each field (the torchtitan convention) from this module's source."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    tree = ast.parse(inspect.getsource(ZeroConfig))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+_FIELD_DOCS = _read_field_docs()

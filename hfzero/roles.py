@@ -1,0 +1,58 @@
+"""Memory roles: one enum shared by the engine, the profiler and the dashboard.
+
+Each role names a kind of tensor memory the engine holds. Model states (the paper's term) are the
+parameters, gradients and optimizer states in the form the stage keeps them; everything else is
+transient and bounded separately (ZeRO-R's constant-size buffers).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class MemoryRole(str, enum.Enum):
+    """What a block of engine-held memory is for.
+
+    Attributes:
+        PARAM_FULL: unsharded 16-bit (or fp32) parameters resident on every rank (stages 0-2, and
+            stage-3 parameters below the persistence threshold). Frozen parameters count here.
+        PARAM_SHARD: this rank's slice of the flat parameters (stage 3).
+        GRAD_FULL: full gradients kept until the step (stages 0-1): a flat buffer shaped like the
+            trainable parameters.
+        GRAD_SHARD: this rank's slice of the reduced gradients (stages 2-3).
+        MASTER_SHARD: fp32 master weights for this rank's slice (mixed precision only; in fp32
+            the parameters are their own master copy).
+        OPTIM_STATE: optimizer states (e.g. Adam's exp_avg and exp_avg_sq) for this rank's slice.
+        GRAD_BUCKET: gradients waiting in a fixed-size bucket for their reduction (transient), and
+            the local accumulator used when reduction is deferred (``no_sync``) at stage 2.
+        GRAD_FP32: fp32 gradients of the rank's slice, materialized between the end of
+            accumulation and the optimizer step (transient).
+        PARAM_GATHERED: stage-3 units gathered for compute (transient).
+        COMM_BUFFER: communication scratch buffers (transient).
+        ACT_CHECKPOINT: activation checkpoints kept for the backward pass (transient).
+    """
+
+    PARAM_FULL = "param_full"
+    PARAM_SHARD = "param_shard"
+    GRAD_FULL = "grad_full"
+    GRAD_SHARD = "grad_shard"
+    MASTER_SHARD = "master_shard"
+    OPTIM_STATE = "optim_state"
+    GRAD_BUCKET = "grad_bucket"
+    GRAD_FP32 = "grad_fp32"
+    PARAM_GATHERED = "param_gathered"
+    COMM_BUFFER = "comm_buffer"
+    ACT_CHECKPOINT = "act_checkpoint"
+
+
+MODEL_STATE_ROLES: frozenset[MemoryRole] = frozenset(
+    {
+        MemoryRole.PARAM_FULL,
+        MemoryRole.PARAM_SHARD,
+        MemoryRole.GRAD_FULL,
+        MemoryRole.GRAD_SHARD,
+        MemoryRole.MASTER_SHARD,
+        MemoryRole.OPTIM_STATE,
+    }
+)
+"""Roles that make up the paper's "model states"; the rest are transient."""

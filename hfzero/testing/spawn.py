@@ -1,0 +1,96 @@
+"""One process-spawning harness for every multi-process test, example check and benchmark.
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` spawned processes (fork deadlocks
+once torch has started its thread pool), initializes a gloo process group in each, calls
+``fn(rank, world_size, *args)`` and returns the list of per-rank results. A failing rank's traceback
+is raised in the parent; a run past ``timeout`` is killed and reported instead of hanging.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class WorkerFailure(RuntimeError):
+    """A spawned rank raised, died or timed out; the message holds its traceback or exit code."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str, threads: int,
+            results: Any, args: tuple[Any, ...]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    code = 0
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - report everything to the parent, then exit non-zero
+        results.put((rank, "error", traceback.format_exc()))
+        code = 1
+    # Workers may abort in interpreter teardown after destroy_process_group; the result is already
+    # reported, so leave without running it (a real failure above still exits 1).
+    os._exit(code)
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+                    timeout: float = 300.0, threads: int | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results by rank.
+
+    ``fn`` and ``args`` must be picklable (module-level functions). Raises WorkerFailure with the
+    failing rank's traceback, or with the ranks still running after ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, backend, threads, results, args),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                        and r not in outputs]
+                if dead:
+                    raise WorkerFailure(f"rank(s) {dead} died with exit code(s) "
+                                        f"{[procs[r].exitcode for r in dead]} before reporting") from None
+                if time.monotonic() > deadline:
+                    running = [r for r in range(world_size) if r not in outputs]
+                    raise WorkerFailure(f"timed out after {timeout:.0f}s; ranks {running} never finished "
+                                        "(a collective mismatch or a hang)") from None
+                continue
+            if status == "error":
+                raise WorkerFailure(f"rank {rank} failed:\n{payload}")
+            outputs[rank] = payload
+        return [outputs[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
