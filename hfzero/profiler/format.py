@@ -1,0 +1,45 @@
+"""Names and constants of the profile format, shared by the writer and the reader.
+
+Pure Python (no torch), so the dashboard can import it. The format itself is documented in
+``docs/profile-format.md``; a change to anything here that breaks old readers bumps
+``FORMAT_VERSION``.
+"""
+
+from __future__ import annotations
+
+import re
+
+FORMAT_VERSION = 1
+"""Version written into ``header.json`` and into the first record of every rank file."""
+
+HEADER_FILE = "header.json"
+"""The run's header: configuration, model, versions, host and the estimator's prediction."""
+
+RANK_FILE_PATTERN = re.compile(r"^rank-(\d+)\.jsonl$")
+"""Per-rank JSON-lines files, ``rank-<global rank>.jsonl``."""
+
+KINDS = ("phase", "step", "event")
+"""Values of a record's ``kind``."""
+
+PHASES = ("forward", "backward", "step")
+"""Values of a phase record's ``phase``."""
+
+EDGES = ("begin", "end")
+"""Values of a phase record's ``edge``."""
+
+EVENT_START = "start"
+"""The first record of every rank file: carries ``format_version``, ``run_id`` and the rank's identity."""
+
+EVENT_STOP = "stop"
+"""The last record of a rank file whose profiler was stopped (absent after a crash)."""
+
+EVENT_CUDA_SNAPSHOT = "cuda_snapshot"
+"""Per-segment summary of ``torch.cuda.memory_snapshot()`` (only with ``cuda_snapshot=True``)."""
+
+COMM_FIELDS = ("calls", "elements", "bytes", "seconds")
+"""Fields of one collective kind's entry in a record's ``comm`` mapping."""
+
+
+def rank_file_name(rank: int) -> str:
+    """The file name of global rank ``rank``'s records."""
+    return f"rank-{rank}.jsonl"
