@@ -1,0 +1,264 @@
+"""``hfzero estimate``: the paper's per-device model-state memory, the largest model that fits, and an
+activation estimate for a transformer config. See ``docs/estimate.md``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from hfzero import estimate as est
+
+_GB = 1e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Request:
+    """The validated command line."""
+
+    params: float | None
+    config: str | None
+    dp: int
+    mp: int
+    dtype: str
+    optimizer: str
+    offload_optimizer: bool
+    persistent_params: float
+    memory: float | None
+    headroom: float
+    seq_len: int | None
+    batch_size: int | None
+    checkpointing: bool
+    fused_attention: bool
+    as_json: bool
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``estimate`` subcommand."""
+    parser = subparsers.add_parser(
+        "estimate",
+        help="per-device model-state memory of ZeRO stages 0-3 (Rajbhandari et al.), largest model that fits",
+        description="Per-device model-state bytes for ZeRO stages 0-3 (GB = 1e9 bytes), the largest model that "
+        "fits a device, and an activation-memory estimate for a transformer config.",
+    )
+    size = parser.add_argument_group("model size (one of --params, --config; or only --memory)")
+    size.add_argument("--params", metavar="N", help="total parameter count, e.g. 7.5e9")
+    size.add_argument("--config", metavar="PATH", help="a Hugging Face config.json or a local model directory")
+    layout = parser.add_argument_group("layout and precision")
+    layout.add_argument("--dp", metavar="N", default="1", help="data-parallel degree N_d (default 1)")
+    layout.add_argument("--mp", metavar="N", default="1", help="model-parallel degree; Ψ = params / mp (default 1)")
+    layout.add_argument("--dtype", default="bf16", help="fp32 | bf16 | fp16 (default bf16)")
+    layout.add_argument("--optimizer", default="adam", help="adam | adamw | sgd_momentum | sgd (default adam)")
+    layout.add_argument("--offload-optimizer", action="store_true",
+                        help="master weights and optimizer states in CPU memory (reported separately)")
+    layout.add_argument("--persistent-params", metavar="N", default="0",
+                        help="stage 3: parameters kept whole on every rank (default 0)")
+    fit = parser.add_argument_group("fitting")
+    fit.add_argument("--memory", metavar="BYTES", help="device memory in bytes, e.g. 32e9: adds max_params per stage")
+    fit.add_argument("--headroom", metavar="FRACTION", default=str(est.DEFAULT_HEADROOM),
+                     help=f"fraction of --memory kept free when choosing a stage (default {est.DEFAULT_HEADROOM})")
+    acts = parser.add_argument_group("activations (need --config)")
+    acts.add_argument("--seq-len", metavar="S", help="sequence length")
+    acts.add_argument("--batch-size", metavar="B", help="micro-batch size per device")
+    acts.add_argument("--checkpointing", action="store_true", help="full activation checkpointing, one per layer")
+    acts.add_argument("--fused-attention", action="store_true",
+                      help="flash / memory-efficient attention: no s x s score tensors are stored")
+    parser.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the estimate; on bad input print one error line to stderr and return 2."""
+    try:
+        request = _read_request(args)
+        result = _estimate(request)
+    except est.EstimateError as exc:
+        print(f"hfzero estimate: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if request.as_json else _render(result))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading the command line
+# --------------------------------------------------------------------------------------------------
+
+
+def _number(option: str, raw: str | None, what: str, *, integer: bool = False, allow_zero: bool = False) -> Any:
+    """``raw`` read as a finite positive (or non-negative) number; None stays None."""
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
+    if ok and integer:
+        ok = value == int(value)
+    if not ok:
+        kind = "an integer" if integer else "a number"
+        bound = ">= 0" if allow_zero else "> 0"
+        raise est.EstimateError(f"{option} must be {kind} {bound} ({what}), got {raw!r}")
+    return int(value) if integer else value
+
+
+def _read_request(args: argparse.Namespace) -> _Request:
+    if args.params is not None and args.config is not None:
+        raise est.EstimateError("give either --params or --config, not both")
+    if args.params is None and args.config is None and args.memory is None:
+        raise est.EstimateError("give the model size with --params N or --config PATH (or --memory BYTES alone for "
+                                "the largest model that fits)")
+    headroom = _number("--headroom", args.headroom, "a fraction of --memory", allow_zero=True)
+    if headroom >= 1:
+        raise est.EstimateError(f"--headroom must be below 1 (a fraction of --memory), got {args.headroom!r}")
+    request = _Request(
+        params=_number("--params", args.params, "the parameter count, e.g. 7.5e9"),
+        config=args.config,
+        dp=_number("--dp", args.dp, "the data-parallel degree", integer=True),
+        mp=_number("--mp", args.mp, "the model-parallel degree", integer=True),
+        dtype=args.dtype,
+        optimizer=args.optimizer,
+        offload_optimizer=args.offload_optimizer,
+        persistent_params=_number("--persistent-params", args.persistent_params, "a parameter count", allow_zero=True),
+        memory=_number("--memory", args.memory, "device memory in bytes, e.g. 32e9"),
+        headroom=headroom,
+        seq_len=_number("--seq-len", args.seq_len, "tokens per sequence", integer=True),
+        batch_size=_number("--batch-size", args.batch_size, "sequences per device", integer=True),
+        checkpointing=args.checkpointing,
+        fused_attention=args.fused_attention,
+        as_json=args.json,
+    )
+    _check_activation_options(request)
+    return request
+
+
+def _check_activation_options(request: _Request) -> None:
+    if (request.seq_len is None) != (request.batch_size is None):
+        raise est.EstimateError("the activation estimate needs both --seq-len and --batch-size")
+    if request.seq_len is not None and request.config is None:
+        raise est.EstimateError("the activation estimate needs the model's shape: pass --config PATH instead of --params")
+    if request.seq_len is None and (request.checkpointing or request.fused_attention):
+        raise est.EstimateError("--checkpointing and --fused-attention need --seq-len and --batch-size")
+
+
+# --------------------------------------------------------------------------------------------------
+# Computing
+# --------------------------------------------------------------------------------------------------
+
+
+def _per_stage(function: Any, first: float, request: _Request, precision: est.PrecisionBytes) -> dict[str, float]:
+    """``function(first, dp, stage, ...)`` for every stage, keyed "0".."3"."""
+    return {
+        str(stage): function(
+            first, request.dp, stage, mp=request.mp, param_bytes=precision.param_bytes,
+            grad_bytes=precision.grad_bytes, optimizer_k=precision.optimizer_k,
+            persistent_params=request.persistent_params, offload_optimizer=request.offload_optimizer,
+        )
+        for stage in est.STAGES
+    }
+
+
+def _estimate(request: _Request) -> dict[str, Any]:
+    precision = est.precision_bytes(request.dtype, request.optimizer)
+    params = float(est.params_from_config(request.config)) if request.config else request.params
+    result: dict[str, Any] = {
+        "params": params, "config": request.config, "dp": request.dp, "mp": request.mp, "dtype": request.dtype,
+        "optimizer": request.optimizer, "offload_optimizer": request.offload_optimizer,
+        "persistent_params": request.persistent_params, "memory": request.memory, "headroom": request.headroom,
+        "bytes_per_param": precision._asdict(),
+    }
+    if params is not None:
+        result["model_states_bytes"] = _per_stage(est.model_states_bytes, params, request, precision)
+        if request.offload_optimizer:
+            result["model_states_cpu_bytes"] = _per_stage(est.model_states_cpu_bytes, params, request, precision)
+    activations = _activations(request, precision) if request.seq_len is not None else None
+    if activations is not None:
+        result["activations"] = activations
+    if request.memory is not None:
+        result["max_params"] = _per_stage(est.max_params, request.memory, request, precision)
+        if params is not None:
+            result["auto_stage"] = _auto_stage(params, request, precision, activations)
+    return result
+
+
+def _activations(request: _Request, precision: est.PrecisionBytes) -> dict[str, Any]:
+    shape = est.TransformerShape.from_hf_config(request.config)
+    estimate = est.activation_bytes(
+        shape, request.seq_len, request.batch_size, checkpointing=request.checkpointing,
+        dtype_bytes=precision.param_bytes, tp=request.mp, fused_attention=request.fused_attention,
+    )
+    return {
+        "estimate": "Korthikanti et al. 2022 (arXiv 2205.05198); an estimate, not a measurement",
+        "seq_len": request.seq_len, "batch_size": request.batch_size, "checkpointing": request.checkpointing,
+        "fused_attention": request.fused_attention, "per_layer_bytes": estimate.per_layer,
+        "layers_bytes": estimate.layers, "head_bytes": estimate.head, "total_bytes": estimate.total,
+    }
+
+
+def _auto_stage(params: float, request: _Request, precision: est.PrecisionBytes,
+                activations: dict[str, Any] | None) -> int | None:
+    """The smallest stage that fits ``--memory`` with headroom and the activation estimate; None if none."""
+    try:
+        return est.choose_stage(
+            params, request.dp, request.memory, headroom=request.headroom,
+            reserved_bytes=activations["total_bytes"] if activations else 0.0, mp=request.mp,
+            param_bytes=precision.param_bytes, grad_bytes=precision.grad_bytes, optimizer_k=precision.optimizer_k,
+            persistent_params=request.persistent_params, offload_optimizer=request.offload_optimizer,
+        )
+    except est.EstimateError:
+        return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------------
+
+
+def _render(result: dict[str, Any]) -> str:
+    bpp = result["bytes_per_param"]
+    lines = [
+        f"dp {result['dp']}, mp {result['mp']}, {result['dtype']} + {result['optimizer']}: "
+        f"{bpp['param_bytes']} + {bpp['grad_bytes']} + K={bpp['optimizer_k']} bytes per parameter"
+        + (", optimizer states offloaded to CPU" if result["offload_optimizer"] else ""),
+    ]
+    if result["params"] is not None:
+        lines.insert(0, f"model: {result['params'] / 1e9:.4g}B parameters" + (f" ({result['config']})" if result["config"] else ""))
+    lines += _stage_table(result)
+    if "activations" in result:
+        lines += _activation_lines(result["activations"])
+    if "auto_stage" in result:
+        stage = result["auto_stage"]
+        lines.append(f"smallest stage that fits {result['memory'] / _GB:g} GB with {result['headroom']:.0%} headroom: "
+                     + (f"{stage} ({est.STAGE_NAMES[stage]})" if stage is not None else "none"))
+    return "\n".join(lines)
+
+
+def _stage_table(result: dict[str, Any]) -> list[str]:
+    columns = [(key, title) for key, title in (("model_states_bytes", "device GB"), ("model_states_cpu_bytes", "CPU GB"),
+                                              ("max_params", "max params")) if key in result]
+    header = f"{'stage':<14}" + "".join(f"{title:>14}" for _, title in columns)
+    rows = [header]
+    for stage in est.STAGES:
+        cells = []
+        for key, _ in columns:
+            value = result[key][str(stage)]
+            cells.append(f"{value / 1e9:>13.2f}B" if key == "max_params" else f"{value / _GB:>14.2f}")
+        rows.append(f"{stage} {est.STAGE_NAMES[stage]:<12}" + "".join(cells))
+    return ["model states per device (GB = 1e9 bytes)" if "model_states_bytes" in result
+            else f"largest model whose model states fit {result['memory'] / _GB:g} GB per device"] + rows
+
+
+def _activation_lines(acts: dict[str, Any]) -> list[str]:
+    mode = ("full checkpointing" if acts["checkpointing"] else "no checkpointing") + ", " + (
+        "fused attention" if acts["fused_attention"] else "attention scores stored")
+    return [
+        f"activations per device, ESTIMATE (Korthikanti et al. 2022): seq {acts['seq_len']}, batch "
+        f"{acts['batch_size']}, {mode}",
+        f"  one layer  {acts['per_layer_bytes'] / _GB:10.2f} GB",
+        f"  layers     {acts['layers_bytes'] / _GB:10.2f} GB",
+        f"  head       {acts['head_bytes'] / _GB:10.2f} GB  (embedding, final norm, fp32 logits)",
+        f"  total      {acts['total_bytes'] / _GB:10.2f} GB",
+    ]

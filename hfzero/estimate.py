@@ -1,0 +1,472 @@
+"""The ZeRO paper's memory model: model-state bytes per device, the largest model that fits, Ψ from a
+Hugging Face config, an activation-memory estimate, and the smallest stage that fits.
+
+Model states (see ``docs/estimate.md`` and the "model states" section of the architecture note) are
+parameters, gradients and optimizer states in the form a stage keeps them. With Ψ parameters per
+model-parallel rank (Ψ = num_params / mp), N_d data-parallel ranks, ``p`` bytes per parameter,
+``g`` bytes per gradient and ``K`` bytes of optimizer state per parameter, one device holds
+(Rajbhandari et al., arXiv 1910.02054, Section 5 and Figure 1)::
+
+    stage 0 (baseline)    (p + g + K) Ψ
+    stage 1 (P_os)        (p + g) Ψ + K Ψ / N_d
+    stage 2 (P_os+g)      p Ψ + (g + K) Ψ / N_d
+    stage 3 (P_os+g+p)    (p + g + K) Ψ / N_d
+
+With bf16/fp16 and Adam (p = g = 2, K = 12) these are the paper's 16Ψ, 4Ψ + 12Ψ/N_d,
+2Ψ + 14Ψ/N_d and 16Ψ/N_d. Each of the three parts starts being sharded at one stage
+(``_SHARDED_FROM_STAGE``); the formulas above are that single policy written out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from hfzero.logging import get_logger
+
+logger = get_logger(__name__)
+
+STAGES: tuple[int, ...] = (0, 1, 2, 3)
+"""The ZeRO stages: 0 = baseline data parallelism, 1 = P_os, 2 = P_os+g, 3 = P_os+g+p."""
+
+STAGE_NAMES: dict[int, str] = {0: "baseline", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
+"""The paper's name for each stage."""
+
+_SHARDED_FROM_STAGE: dict[str, int] = {"params": 3, "grads": 2, "optimizer": 1}
+"""The first stage at which each part of the model states is divided over the N_d ranks."""
+
+DEFAULT_HEADROOM: float = 0.2
+"""Fraction of device memory ``choose_stage`` keeps free for what the formula does not count:
+gradient buckets, gathered stage-3 units, communication buffers, the allocator's caching and
+fragmentation (the paper reports OOMs with over 30% of memory free before ZeRO-R's MD)."""
+
+
+class EstimateError(ValueError):
+    """An input to the estimator is invalid or unreadable; the message names it and what to do."""
+
+
+class PrecisionBytes(NamedTuple):
+    """Bytes per parameter of each model-state part for one dtype and optimizer.
+
+    Attributes:
+        param_bytes: the parameter as the device holds it (2 for bf16/fp16, 4 for fp32).
+        grad_bytes: its gradient, in the parameter's dtype.
+        optimizer_k: the paper's K: fp32 master copy (mixed precision only) plus optimizer states.
+    """
+
+    param_bytes: int
+    grad_bytes: int
+    optimizer_k: int
+
+
+class ModelStateBytes(NamedTuple):
+    """Per-device bytes of each model-state part (wherever it lives, device or CPU).
+
+    Attributes:
+        params: parameters (full, or the rank's shard plus persistent parameters at stage 3).
+        grads: gradients (full, or the rank's shard from stage 2).
+        optimizer: the K part: fp32 master weights (mixed precision) and optimizer states.
+    """
+
+    params: float
+    grads: float
+    optimizer: float
+
+
+_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+_OPTIMIZER_STATES: dict[str, int] = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}
+"""fp32 state tensors per parameter: Adam's exp_avg and exp_avg_sq, SGD's momentum buffer, none."""
+
+
+def precision_bytes(dtype: str = "bf16", optimizer: str = "adam") -> PrecisionBytes:
+    """Map a dtype name and an optimizer kind to ``(param_bytes, grad_bytes, K)``.
+
+    Optimizer states are fp32 (4 bytes each). With a 16-bit dtype the optimizer also steps an fp32
+    master copy (4 more bytes); in fp32 the parameter is its own master copy::
+
+        dtype      optimizer       p  g  K
+        bf16/fp16  adam, adamw     2  2  12  (master 4 + exp_avg 4 + exp_avg_sq 4)
+        bf16/fp16  sgd_momentum    2  2  8   (master 4 + momentum 4)
+        bf16/fp16  sgd             2  2  4   (master 4)
+        fp32       adam, adamw     4  4  8   (exp_avg 4 + exp_avg_sq 4)
+        fp32       sgd_momentum    4  4  4   (momentum 4)
+        fp32       sgd             4  4  0
+    """
+    if dtype not in _DTYPE_BYTES:
+        raise EstimateError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_BYTES)}")
+    if optimizer not in _OPTIMIZER_STATES:
+        raise EstimateError(f"unknown optimizer {optimizer!r}; use one of {sorted(_OPTIMIZER_STATES)}")
+    width = _DTYPE_BYTES[dtype]
+    master = 4 if width < 4 else 0
+    return PrecisionBytes(width, width, master + 4 * _OPTIMIZER_STATES[optimizer])
+
+
+def _check_layout(dp: int, stage: int, mp: int) -> None:
+    for name, value in (("dp", dp), ("mp", mp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise EstimateError(f"{name} must be a positive integer, got {value!r}")
+    if stage not in STAGES:
+        raise EstimateError(f"stage must be one of {list(STAGES)}, got {stage!r}")
+
+
+def _check_count(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise EstimateError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def _shard_divisor(part: str, stage: int, dp: int) -> int:
+    """N_d if ``part`` ("params", "grads" or "optimizer") is sharded at ``stage``, else 1."""
+    return dp if stage >= _SHARDED_FROM_STAGE[part] else 1
+
+
+def model_states_breakdown(
+    num_params: float,
+    dp: int,
+    stage: int,
+    *,
+    mp: int = 1,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    optimizer_k: int = 12,
+    persistent_params: float = 0,
+) -> ModelStateBytes:
+    """Per-device bytes of parameters, gradients and the K part, wherever they live.
+
+    Ψ = ``num_params / mp``. ``persistent_params`` (a subset of ``num_params``, also divided by
+    ``mp``) matters at stage 3 only: those parameters stay whole on every rank, so their
+    parameter bytes are ``param_bytes`` each in full, and they are not part of the sharded flat
+    parameters: params = param_bytes * ((Ψ - P) / N_d + P) with P = persistent_params / mp. Their
+    gradients and optimizer states are sharded like every other parameter's, so grads and the K part
+    use the plain formula. At stages 0-2 all parameters are whole anyway and P changes nothing.
+    """
+    _check_layout(dp, stage, mp)
+    _check_count("num_params", num_params)
+    _check_count("persistent_params", persistent_params)
+    if persistent_params > num_params:
+        raise EstimateError(f"persistent_params ({persistent_params:g}) exceeds num_params ({num_params:g})")
+    psi, persistent = num_params / mp, persistent_params / mp
+    if stage >= _SHARDED_FROM_STAGE["params"]:
+        params = param_bytes * ((psi - persistent) / dp + persistent)
+    else:
+        params = param_bytes * psi
+    grads = grad_bytes * psi / _shard_divisor("grads", stage, dp)
+    optimizer = optimizer_k * psi / _shard_divisor("optimizer", stage, dp)
+    return ModelStateBytes(params, grads, optimizer)
+
+
+def model_states_bytes(
+    num_params: float,
+    dp: int,
+    stage: int,
+    *,
+    mp: int = 1,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    optimizer_k: int = 12,
+    persistent_params: float = 0,
+    offload_optimizer: bool = False,
+) -> float:
+    """Per-device (accelerator) model-state bytes of the paper's formula for ``stage``.
+
+    Stage 0 (p+g+K)Ψ, stage 1 (p+g)Ψ + KΨ/N_d, stage 2 pΨ + (g+K)Ψ/N_d, stage 3 (p+g+K)Ψ/N_d, with
+    Ψ = num_params / mp and N_d = dp; see ``model_states_breakdown`` for ``persistent_params``.
+    With ``offload_optimizer`` the K part lives in CPU memory (``model_states_cpu_bytes``) and is
+    left out here.
+    """
+    parts = model_states_breakdown(
+        num_params, dp, stage, mp=mp, param_bytes=param_bytes, grad_bytes=grad_bytes,
+        optimizer_k=optimizer_k, persistent_params=persistent_params,
+    )
+    return parts.params + parts.grads + (0.0 if offload_optimizer else parts.optimizer)
+
+
+def model_states_cpu_bytes(
+    num_params: float,
+    dp: int,
+    stage: int,
+    *,
+    mp: int = 1,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    optimizer_k: int = 12,
+    persistent_params: float = 0,
+    offload_optimizer: bool = False,
+) -> float:
+    """CPU bytes per rank of model states: the K part (KΨ, or KΨ/N_d from stage 1) when
+    ``offload_optimizer`` is set, else 0. Same arguments as ``model_states_bytes``."""
+    if not offload_optimizer:
+        _check_layout(dp, stage, mp)
+        return 0.0
+    return model_states_breakdown(
+        num_params, dp, stage, mp=mp, param_bytes=param_bytes, grad_bytes=grad_bytes,
+        optimizer_k=optimizer_k, persistent_params=persistent_params,
+    ).optimizer
+
+
+def max_params(
+    device_memory_bytes: float,
+    dp: int,
+    stage: int,
+    *,
+    mp: int = 1,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    optimizer_k: int = 12,
+    persistent_params: float = 0,
+    offload_optimizer: bool = False,
+) -> float:
+    """The largest total parameter count (across the ``mp`` model-parallel ranks) whose model states
+    fit in ``device_memory_bytes`` per device: the inverse of ``model_states_bytes``.
+
+    Device bytes are affine in the parameter count: (bytes of one more parameter) * count + (the
+    fixed cost of ``persistent_params`` at stage 3). Returns 0 when even that fixed cost does not fit.
+    """
+    _check_count("device_memory_bytes", device_memory_bytes)
+    kwargs: dict[str, Any] = dict(
+        mp=mp, param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_k=optimizer_k,
+        offload_optimizer=offload_optimizer,
+    )
+    # The fixed cost: the persistent parameters' bytes beyond their share of an even shard.
+    fixed = model_states_bytes(persistent_params, dp, stage, persistent_params=persistent_params, **kwargs)
+    fixed -= model_states_bytes(persistent_params, dp, stage, **kwargs)
+    per_param = model_states_bytes(float(mp), dp, stage, **kwargs) / mp
+    return max(0.0, (device_memory_bytes - fixed) / per_param)
+
+
+def choose_stage(
+    num_params: float,
+    dp: int,
+    device_memory_bytes: float,
+    *,
+    headroom: float = DEFAULT_HEADROOM,
+    reserved_bytes: float = 0.0,
+    **state_kwargs: Any,
+) -> int:
+    """The smallest ZeRO stage whose model states fit, for ``--zero_stage auto``.
+
+    A stage fits when model_states_bytes + ``reserved_bytes`` (e.g. an activation estimate) is at
+    most ``(1 - headroom) * device_memory_bytes``; ``headroom`` (default ``DEFAULT_HEADROOM``) is kept
+    for buffers and fragmentation the formula does not count. ``state_kwargs`` are the keyword
+    arguments of ``model_states_bytes`` (mp, param_bytes, ...). Smaller stages communicate less
+    (stages 0-2 move 2Ψ per step, stage 3 3Ψ), so the smallest fitting one is preferred.
+
+    Raises:
+        EstimateError: no stage fits; the message gives the stage-3 need and the budget.
+    """
+    if not 0 <= headroom < 1:
+        raise EstimateError(f"headroom must be in [0, 1), got {headroom!r}")
+    budget = (1 - headroom) * device_memory_bytes - reserved_bytes
+    for stage in STAGES:
+        need = model_states_bytes(num_params, dp, stage, **state_kwargs)
+        if need <= budget:
+            logger.debug("stage %d fits: %.3g bytes of a %.3g-byte budget", stage, need, budget)
+            return stage
+    raise EstimateError(
+        f"no ZeRO stage fits {num_params:.3g} parameters on dp={dp}: stage 3 needs {need / 1e9:.2f} GB per device "
+        f"but only {budget / 1e9:.2f} GB is available after headroom and reserved bytes; add devices, "
+        "model parallelism or offload_optimizer"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Ψ from a Hugging Face config
+# --------------------------------------------------------------------------------------------------
+
+
+def load_hf_config(source: Any) -> Any:
+    """A ``transformers.PretrainedConfig`` from a config object, a ``config.json`` path or a local
+    model directory holding one. Reads local files only (no hub, no network).
+
+    Raises:
+        EstimateError: the file is missing, is not valid JSON, or names no known ``model_type``.
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(source, PretrainedConfig):
+        return source
+    path = os.path.join(source, "config.json") if os.path.isdir(source) else os.fspath(source)
+    if not os.path.isfile(path):
+        raise EstimateError(f"config file {path!r} not found; pass a config.json or a model directory holding one")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            values = json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EstimateError(f"cannot read {path!r} as JSON ({exc}); pass a valid Hugging Face config.json") from None
+    if not isinstance(values, dict) or "model_type" not in values:
+        raise EstimateError(f"{path!r} has no \"model_type\" key; pass a Hugging Face config.json")
+    model_type = values.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **values)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise EstimateError(f"{path!r}: cannot build a config for model_type {model_type!r} ({exc})") from None
+
+
+def _meta_model(config: Any) -> torch.nn.Module:
+    """Instantiate ``config``'s model on the meta device (no memory, no weights): the causal-LM
+    class when there is one, else the base ``AutoModel``."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            logger.debug("no causal-LM class for %s; counting AutoModel", type(config).__name__)
+            return AutoModel.from_config(config)
+
+
+def count_params(model: torch.nn.Module) -> int:
+    """Parameters of ``model``, each counted once (tied weights, such as embeddings shared with the
+    output layer, are one parameter)."""
+    return sum(p.numel() for p in set(model.parameters()))
+
+
+def params_from_config(source: Any) -> int:
+    """Ψ (total parameters, tied weights counted once) of the model a Hugging Face config describes.
+
+    ``source`` is a ``PretrainedConfig``, a ``config.json`` path or a local model directory. The
+    model is built on the meta device, so this costs no memory and reads no weights.
+    """
+    config = load_hf_config(source)
+    try:
+        model = _meta_model(config)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise EstimateError(f"cannot build a {type(config).__name__} model to count its parameters ({exc})") from None
+    return count_params(model)
+
+
+# --------------------------------------------------------------------------------------------------
+# Activation memory (an estimate)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerShape:
+    """The sizes of a decoder-only transformer that set its activation memory.
+
+    Attributes:
+        hidden_size: h, the model width.
+        num_layers: L, the transformer layers.
+        num_heads: a, the attention heads.
+        vocab_size: V, the output vocabulary.
+        ffn_size: the MLP's inner width (4h in GPT-style models).
+    """
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    vocab_size: int
+    ffn_size: int
+
+    @classmethod
+    def from_hf_config(cls, source: Any) -> "TransformerShape":
+        """Read the shape from a Hugging Face config (object, config.json or model directory), using
+        its standard attribute names (``hidden_size``, ``num_hidden_layers``, ...; GPT-2's ``n_embd``
+        etc. map onto them). The MLP width is ``intermediate_size`` or ``n_inner`` when set, else 4h.
+
+        Raises:
+            EstimateError: the config lacks one of these sizes (not a decoder transformer).
+        """
+        config = load_hf_config(source)
+        sizes: dict[str, int] = {}
+        for field, attr in (("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers"),
+                            ("num_heads", "num_attention_heads"), ("vocab_size", "vocab_size")):
+            value = getattr(config, attr, None)
+            if not isinstance(value, int) or value < 1:
+                raise EstimateError(
+                    f"{type(config).__name__} has no positive integer {attr!r}; the activation estimate needs a "
+                    "decoder transformer config (hidden_size, num_hidden_layers, num_attention_heads, vocab_size)"
+                )
+            sizes[field] = value
+        ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+        return cls(**sizes, ffn_size=int(ffn) if ffn else 4 * sizes["hidden_size"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationEstimate:
+    """Estimated activation bytes per device for one forward/backward (see ``activation_bytes``).
+
+    Attributes:
+        per_layer: bytes one transformer layer keeps for backward (its working set).
+        layers: bytes all layers hold at the peak: L * per_layer, or with checkpointing the L saved
+            layer inputs plus one layer's working set during its recomputation.
+        head: embedding dropout mask, final layer-norm and output-layer inputs, and fp32 logits.
+        total: layers + head.
+        checkpointing: whether full activation checkpointing (one checkpoint per layer) is assumed.
+    """
+
+    per_layer: float
+    layers: float
+    head: float
+    total: float
+    checkpointing: bool
+
+
+def layer_activation_bytes(
+    shape: TransformerShape, seq_len: int, batch_size: int, *, dtype_bytes: int = 2, tp: int = 1,
+    fused_attention: bool = False,
+) -> float:
+    """ESTIMATE of the bytes one transformer layer saves for backward, after Korthikanti et al.,
+    "Reducing Activation Recomputation in Large Transformer Models" (arXiv 2205.05198), Section 4.
+
+    Their 16-bit count with a 4h MLP and tensor parallelism t (no sequence parallelism) is
+    s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes per layer; with t = 1 the familiar s*b*h*(34 + 5*a*s/h).
+    Written by tensors, with e = ``dtype_bytes`` and 1-byte dropout masks:
+
+    - replicated across TP ranks: 4 values of s*b*h (attention and MLP inputs, two layer-norm inputs)
+      and 2 dropout masks: s*b*h*(4e + 2);
+    - split over TP ranks: Q, K, V, the projection input, and the MLP's two inner tensors
+      (2 * ffn/h values; 8 for ffn = 4h): s*b*h*e*(4 + 2*ffn/h)/t;
+    - attention scores: softmax output, its dropout mask and dropout output: a*s*s*b*(2e + 1)/t.
+      ``fused_attention`` (flash / memory-efficient SDPA kernels) never stores these and drops
+      the term.
+
+    Dropout masks are counted even for models without dropout, so this leans high by 2 of 34.
+    """
+    sbh = seq_len * batch_size * shape.hidden_size
+    replicated = sbh * (4 * dtype_bytes + 2)
+    split = sbh * dtype_bytes * (4 + 2 * shape.ffn_size / shape.hidden_size) / tp
+    scores = 0.0 if fused_attention else shape.num_heads * seq_len**2 * batch_size * (2 * dtype_bytes + 1) / tp
+    return replicated + split + scores
+
+
+def head_activation_bytes(
+    shape: TransformerShape, seq_len: int, batch_size: int, *, dtype_bytes: int = 2, tp: int = 1,
+) -> float:
+    """ESTIMATE of the activations outside the layers (Korthikanti et al., Section 4.3): the input
+    embedding's dropout mask (s*b*h), the final layer-norm and output-layer inputs (2 * e*s*b*h),
+    and the logits kept in fp32 for the cross-entropy loss (4*s*b*V/t)."""
+    sbh = seq_len * batch_size * shape.hidden_size
+    return sbh * (1 + 2 * dtype_bytes) + 4 * seq_len * batch_size * shape.vocab_size / tp
+
+
+def activation_bytes(
+    shape: TransformerShape, seq_len: int, batch_size: int, *, checkpointing: bool = False, dtype_bytes: int = 2,
+    tp: int = 1, fused_attention: bool = False,
+) -> ActivationEstimate:
+    """ESTIMATE of activation bytes per device for sequence ``seq_len`` and micro-batch ``batch_size``.
+
+    Without checkpointing every layer keeps its working set: L * ``layer_activation_bytes``.
+    With full activation checkpointing (one checkpoint per layer, recomputed in backward) the layers
+    keep their e*s*b*h inputs (2*s*b*h in 16 bits, replicated on TP ranks: the redundancy ZeRO-R's
+    P_a removes) plus one layer's working set while it is recomputed: L*e*s*b*h + per_layer.
+    Both add ``head_activation_bytes``. Not counted: temporaries inside a kernel, the allocator's
+    caching and fragmentation, and the gradient of the logits during the loss backward.
+    """
+    if min(seq_len, batch_size, dtype_bytes, tp) < 1:
+        raise EstimateError("seq_len, batch_size, dtype_bytes and tp must be positive")
+    per_layer = layer_activation_bytes(
+        shape, seq_len, batch_size, dtype_bytes=dtype_bytes, tp=tp, fused_attention=fused_attention
+    )
+    if checkpointing:
+        layers = shape.num_layers * dtype_bytes * seq_len * batch_size * shape.hidden_size + per_layer
+    else:
+        layers = shape.num_layers * per_layer
+    head = head_activation_bytes(shape, seq_len, batch_size, dtype_bytes=dtype_bytes, tp=tp)
+    return ActivationEstimate(per_layer=per_layer, layers=layers, head=head, total=layers + head,
+                              checkpointing=checkpointing)
