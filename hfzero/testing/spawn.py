@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -43,10 +44,14 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, backe
             out = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, "ok", out))
+        # Plain pickle (in-band bytes): torch's queue reducers share tensors through file descriptors
+        # that die with this process. These bytes only travel between the harness's own processes.
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report everything to the parent, then exit non-zero
         results.put((rank, "error", traceback.format_exc()))
         code = 1
+    results.close()
+    results.join_thread()  # flush the result before leaving: os._exit skips the queue's feeder thread
     # Workers may abort in interpreter teardown after destroy_process_group; the result is already
     # reported, so leave without running it (a real failure above still exits 1).
     os._exit(code)
@@ -86,7 +91,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
                 continue
             if status == "error":
                 raise WorkerFailure(f"rank {rank} failed:\n{payload}")
-            outputs[rank] = payload
+            outputs[rank] = pickle.loads(payload)
         return [outputs[r] for r in range(world_size)]
     finally:
         for p in procs:

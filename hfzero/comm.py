@@ -1,0 +1,187 @@
+"""Collectives with byte accounting and profiler labels: the only place hfzero calls torch.distributed.
+
+Every collective runs under ``torch.profiler.record_function("hfzero::<kind>")`` and is counted in
+``CommStats`` by kind. Volumes follow the paper's convention (logical elements per rank): an
+all-reduce of n elements counts 2n (a reduce-scatter plus an all-gather), a reduce-scatter of an
+n-element input counts n, an all-gather into an n-element output counts n. ``bytes`` is elements
+times the element size. An implementation choice (e.g. a reduce-scatter carried out as an all-reduce
+on gloo) does not change the logical count; ``CommStats.impl_calls`` records what actually ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from hfzero.logging import get_logger
+
+logger = get_logger(__name__)
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# Measured on the machines we run on (see benchmarks/collectives.py): on gloo a 100 MB reduce_scatter
+# took ~125 ms against ~70 ms for an all-reduce of the same input; NCCL's reduce-scatter moves half
+# the bytes of an all-reduce. One table decides, so no call site carries a backend branch.
+_REDUCE_SCATTER_VIA_ALL_REDUCE = {"gloo": True, "nccl": False}
+
+
+@dataclasses.dataclass
+class CommStats:
+    """Cumulative figures for one collective kind on one rank."""
+
+    calls: int = 0
+    elements: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    """Wall time from launch until the caller's wait returned (overlapped time included)."""
+    impl_calls: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+class Handle:
+    """An in-flight collective: ``wait()`` blocks until it is done, then runs its completion step once."""
+
+    def __init__(self, work: Any, stats: CommStats, started: float, then: Callable[[], None] | None = None):
+        self._work = work
+        self._stats = stats
+        self._started = started
+        self._then = then
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        if self._then is not None:
+            self._then()
+        self._stats.seconds += time.perf_counter() - self._started
+        self._done = True
+
+
+class Communicator:
+    """Collectives over one process group (any sub-group of a mesh, never assumed to be WORLD).
+
+    Holds no tensor memory of its own; ``stats()`` returns cumulative CommStats per kind.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, reduce_scatter_impl: str = "auto"):
+        self.group = group
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.backend = str(dist.get_backend(group)) if self.distributed else "none"
+        if reduce_scatter_impl == "auto":
+            via_ar = _REDUCE_SCATTER_VIA_ALL_REDUCE.get(self.backend.split(":")[0], False)
+        else:
+            via_ar = reduce_scatter_impl == "all_reduce"
+        self.reduce_scatter_via_all_reduce = via_ar
+        self._stats: dict[str, CommStats] = {}
+
+    def stats(self) -> dict[str, CommStats]:
+        """Cumulative figures per collective kind (a copy: callers may keep it to take deltas)."""
+        return {k: dataclasses.replace(v, impl_calls=dict(v.impl_calls)) for k, v in self._stats.items()}
+
+    def _account(self, kind: str, impl: str, elements: int, element_size: int) -> CommStats:
+        s = self._stats.setdefault(kind, CommStats())
+        s.calls += 1
+        s.elements += elements
+        s.bytes += elements * element_size
+        s.impl_calls[impl] = s.impl_calls.get(impl, 0) + 1
+        return s
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                   async_op: bool = False) -> Handle:
+        """Reduce ``tensor`` in place across the group."""
+        stats = self._account("all_reduce", "all_reduce", 2 * tensor.numel(), tensor.element_size())
+        started = time.perf_counter()
+        work = None
+        if self.world_size > 1:
+            with record_function("hfzero::all_reduce"):
+                work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        handle = Handle(work, stats, started)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Handle:
+        """Sum ``input`` (numel = world * output.numel) across ranks; this rank's chunk lands in ``output``.
+
+        ``output`` may alias this rank's chunk of ``input``. With the all-reduce implementation the
+        whole of ``input`` holds the reduced sum afterwards; with the native one only the chunk is
+        defined: callers must not read the rest.
+        """
+        if input.numel() != output.numel() * self.world_size:
+            raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
+                             f"{output.numel()} x {self.world_size}")
+        impl = "all_reduce" if self.reduce_scatter_via_all_reduce else "reduce_scatter"
+        stats = self._account("reduce_scatter", impl, input.numel(), input.element_size())
+        started = time.perf_counter()
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return Handle(None, stats, started)
+        chunk = input.view(self.world_size, -1)[self.rank]
+        with record_function("hfzero::reduce_scatter"):
+            if self.reduce_scatter_via_all_reduce:
+                work = dist.all_reduce(input, group=self.group, async_op=async_op)
+                then = None if output.data_ptr() == chunk.data_ptr() else (lambda: output.copy_(chunk))
+            else:
+                work = _reduce_scatter(output, input, group=self.group, async_op=async_op)
+                then = None
+        handle = Handle(work if async_op else None, stats, started, then)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Handle:
+        """Concatenate every rank's ``input`` into ``output`` (numel = world * input.numel), rank order.
+
+        ``input`` may alias this rank's chunk of ``output``.
+        """
+        if output.numel() != input.numel() * self.world_size:
+            raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
+                             f"{input.numel()} x {self.world_size}")
+        stats = self._account("all_gather", "all_gather", output.numel(), output.element_size())
+        started = time.perf_counter()
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return Handle(None, stats, started)
+        with record_function("hfzero::all_gather"):
+            work = _all_gather(output, input, group=self.group, async_op=async_op)
+        handle = Handle(work if async_op else None, stats, started)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
+        """Broadcast ``tensor`` from group rank ``src_rank`` (in place)."""
+        stats = self._account("broadcast", "broadcast", tensor.numel(), tensor.element_size())
+        started = time.perf_counter()
+        if self.world_size > 1:
+            with record_function("hfzero::broadcast"):
+                src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
+                dist.broadcast(tensor, src=src, group=self.group)
+        stats.seconds += time.perf_counter() - started
+
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every rank's ``payload`` (any lengths), in rank order; for small metadata such as config checks."""
+        if self.world_size == 1:
+            return [payload]
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+        lengths = torch.zeros(self.world_size, dtype=torch.int64)
+        self.all_gather(lengths, length)
+        width = int(lengths.max())
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
+        out = torch.zeros(width * self.world_size, dtype=torch.uint8)
+        self.all_gather(out, mine)
+        rows = out.view(self.world_size, width)
+        return [bytes(rows[r, : int(lengths[r])].tolist()) for r in range(self.world_size)]

@@ -1,0 +1,1 @@
+"""The ZeRO engine: flat layout and partitioning, gradient reduction, sharded optimizer, precision."""

@@ -1,0 +1,249 @@
+"""ZeroEngine: one data-parallel group's parameters, gradients and master shard for stages 0-2.
+
+Memory held (bf16 + Adam, Ψ trainable parameters, N ranks), matching the paper:
+- ``param_flat``: all trainable parameters, full, in the device dtype (PARAM_FULL, 2Ψ); the model's
+  parameters are views into it (contiguous pre-allocated storage, ZeRO-R MD).
+- gradients: see reducer.py (GRAD_FULL 2Ψ at stages 0-1, GRAD_SHARD 2Ψ/N at stage 2).
+- ``master_flat``: fp32 master weights of this rank's slice (MASTER_SHARD, 4Ψ/N; 4Ψ at stage 0),
+  only when a separate master copy is needed (mixed precision or offload).
+- optimizer states of the inner optimizer over the master slices (OPTIM_STATE, 8Ψ/N with Adam).
+- ``master_grad_flat``: fp32 gradients of the slice between the end of accumulation and the end of
+  the step (GRAD_FP32, transient, 4Ψ/N).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from hfzero.comm import Communicator
+from hfzero.config import ZeroConfig
+from hfzero.logging import get_logger
+from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
+from hfzero.runtime.layout import FlatLayout
+from hfzero.runtime.precision import LossScaler, PrecisionPolicy
+from hfzero.runtime.reducer import GradientReducer, GradState
+
+logger = get_logger(__name__)
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class ZeroEngine:
+    """Flattens, shards and updates the trainable parameters of ``model`` over ``comm``'s group."""
+
+    def __init__(self, model: nn.Module, param_groups: list[list[nn.Parameter]], config: ZeroConfig,
+                 comm: Communicator, device: torch.device):
+        self.model = model
+        self.config = config
+        self.comm = comm
+        self.device = device
+        self.stage = config.stage
+        self.rank = comm.rank
+        self.world_size = comm.world_size
+        self.policy = PrecisionPolicy.from_config(config, device)
+        self.scaler = LossScaler(config)
+        self.optimizer: torch.optim.Optimizer | None = None  # the inner optimizer, set by ZeroOptimizer
+        self._scaled_backward = False
+        self._materialized = False
+        self.overflow = False
+
+        names = {}
+        for name, p in model.named_parameters():
+            names.setdefault(p, name)
+        order = {p: len(names) - i for i, p in enumerate(names)}  # reverse registration ~ backward order
+        groups = [sorted(((order[p], names[p], p) for p in group if p.requires_grad), key=lambda t: t[0])
+                  for group in param_groups]
+        shard_world = 1 if self.stage == 0 else self.world_size
+        self.layout = FlatLayout(groups, config.reduce_bucket_size, shard_world, self.rank)
+        self.num_params = self.layout.num_params
+        self.num_params_padded = self.layout.total_padded
+
+        self.param_flat = torch.zeros(self.layout.total_padded, dtype=self.policy.param_dtype, device=device)
+        for slot in self.layout.slots.values():
+            bucket = self.layout.buckets[slot.bucket]
+            view = self.param_flat[bucket.offset + slot.offset: bucket.offset + slot.offset + slot.numel]
+            view.copy_(slot.param.data.reshape(-1))
+            slot.param.data = view.view(slot.shape)
+        self._broadcast_initial_state()
+
+        self.master_flat: torch.Tensor | None = None
+        self.master_grad_flat: torch.Tensor | None = None
+        if self.policy.separate_master:
+            self.master_flat = torch.empty(self.layout.shard_numel, dtype=self.policy.master_dtype,
+                                           device=self.policy.master_device)
+            for bucket in self.layout.buckets:
+                self._master_view(bucket).copy_(self._owned_param(bucket))
+        self.master_views = [self._master_view(b) for b in self.layout.buckets]
+
+        self.reducer = GradientReducer(self.layout, comm, self.stage, self.policy.param_dtype, device,
+                                       config.overlap_comm, config.max_inflight_buckets)
+        self.reducer.before_first_grad = self._before_backward
+        logger.info("stage %d over %d rank(s): %d trainable parameters in %d bucket(s), %d padded, dtype %s",
+                    self.stage, self.world_size, self.num_params, len(self.layout.buckets),
+                    self.num_params_padded, config.dtype)
+
+    # ---- views ----------------------------------------------------------------------------------
+    def _owned_param(self, bucket) -> torch.Tensor:
+        lo, hi = bucket.owned(self.rank) if self.layout.shard_world > 1 else (0, bucket.padded)
+        return self.param_flat[bucket.offset + lo: bucket.offset + hi]
+
+    def _master_view(self, bucket) -> torch.Tensor:
+        if self.master_flat is None:
+            return self._owned_param(bucket)
+        return self.master_flat[bucket.shard_offset: bucket.shard_offset + bucket.chunk]
+
+    def _broadcast_initial_state(self) -> None:
+        """Start every rank from rank 0's parameters and buffers, as DDP does."""
+        if self.world_size == 1:
+            return
+        self.comm.broadcast(self.param_flat)
+        in_layout = set(self.layout.slots)
+        for p in self.model.parameters():
+            if p not in in_layout:
+                self.comm.broadcast(p.data)
+        for b in self.model.buffers():
+            self.comm.broadcast(b)
+
+    # ---- backward -------------------------------------------------------------------------------
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Defer gradient reduction for backward passes in the block (see GradientReducer.no_sync)."""
+        return self.reducer.no_sync()
+
+    def add_backward_end_hook(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` at the end of every backward pass, after its reductions completed."""
+        self.reducer.backward_end_hooks.append(fn)
+
+    @contextlib.contextmanager
+    def _scaling(self) -> Iterator[None]:
+        self._scaled_backward = True
+        try:
+            yield
+        finally:
+            self._scaled_backward = False
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``loss.backward()`` with the loss scale applied (required for fp16, harmless otherwise)."""
+        with self._scaling():
+            (loss * self.scaler.scale if self.scaler.enabled else loss).backward(**kwargs)
+
+    def _before_backward(self) -> None:
+        if self.scaler.enabled and not self._scaled_backward:
+            raise RuntimeError("hfzero: with dtype='fp16' call optimizer.backward(loss) instead of "
+                               "loss.backward(), so the loss is scaled and the step can unscale it")
+        if self._materialized:
+            raise RuntimeError("hfzero: backward after clip_grad_norm_() and before step(): gradients of "
+                               "this step were already finalized; call step() (or zero_grad()) first")
+
+    # ---- step -----------------------------------------------------------------------------------
+    def materialize_grads(self) -> None:
+        """Finish reductions and set each master view's ``.grad`` to its fp32, averaged, unscaled gradient.
+
+        Idempotent until the step ends. With fp16, also decides (across ranks) whether any gradient
+        overflowed. See [Note: gradient sums] in reducer.py.
+        """
+        if self._materialized:
+            return
+        self.reducer.reduce_pending()
+        factor = 1.0 / (self.world_size * self.scaler.scale)
+        if self.policy.separate_master:
+            self.master_grad_flat = torch.empty_like(self.master_flat)
+        for bucket, master in zip(self.layout.buckets, self.master_views):
+            grad = self.reducer.owned_grad(bucket)
+            if self.master_grad_flat is not None:
+                view = self.master_grad_flat[bucket.shard_offset: bucket.shard_offset + bucket.chunk]
+                grad = view.copy_(grad)
+            master.grad = grad.mul_(factor)
+        self._materialized = True
+        self.overflow = False
+        if self.scaler.enabled:
+            flag = torch.zeros(1, device=self.comm_device)
+            flag[0] = float(any(not torch.isfinite(m.grad).all() for m in self.master_views))
+            self.comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            self.overflow = bool(flag.item() > 0)
+
+    @property
+    def comm_device(self) -> torch.device:
+        return self.device
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient norm to ``max_norm``; return the norm before clipping.
+
+        Equal to ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradient: each rank sums
+        its slice and one small all-reduce combines them (none at stage 0, where slices are whole).
+        """
+        self.materialize_grads()
+        grads = [m.grad for m in self.master_views]
+        norm_type = float(norm_type)
+        device = grads[0].device if grads else self.policy.master_device
+        if norm_type == float("inf"):
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
+            total = local.to(self.comm_device, torch.float32).reshape(1)
+            if self.layout.shard_world > 1:
+                self.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
+            total = total[0]
+        else:
+            local = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
+            total = local.to(self.comm_device, torch.float32).reshape(1)
+            if self.layout.shard_world > 1:
+                self.comm.all_reduce(total)
+            total = total[0].pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device, g.dtype))
+        return total
+
+    def publish_params(self) -> None:
+        """Copy master slices into the device parameters and all-gather them (one collective per bucket)."""
+        if self.policy.separate_master:
+            for bucket, master in zip(self.layout.buckets, self.master_views):
+                self._owned_param(bucket).copy_(master)
+        if self.layout.shard_world == 1:
+            return
+        handles = []
+        for bucket in self.layout.buckets:
+            full = self.param_flat[bucket.offset: bucket.offset + bucket.padded]
+            handles.append(self.comm.all_gather(full, self._owned_param(bucket), async_op=True))
+        for handle in handles:
+            handle.wait()
+
+    def finish_step(self) -> None:
+        """Drop this step's gradients (the step consumed them) and the transient fp32 gradients."""
+        for master in self.master_views:
+            master.grad = None
+        self.master_grad_flat = None
+        self._materialized = False
+        self.reducer.zero()
+
+    # ---- introspection --------------------------------------------------------------------------
+    def memory_by_role(self) -> dict[MemoryRole, int]:
+        """Bytes of live tensors the engine holds, by role (computed from sizes; no side effects)."""
+        in_layout = set(self.layout.slots)
+        other_params = sum(_nbytes(p) for p in {p for p in self.model.parameters() if p not in in_layout})
+        optim = 0
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                optim += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+        roles = {
+            MemoryRole.PARAM_FULL: _nbytes(self.param_flat) + other_params,
+            MemoryRole.GRAD_FULL: _nbytes(self.reducer.grad_full),
+            MemoryRole.GRAD_SHARD: _nbytes(self.reducer.grad_shard),
+            MemoryRole.MASTER_SHARD: _nbytes(self.master_flat),
+            MemoryRole.OPTIM_STATE: optim,
+            MemoryRole.GRAD_BUCKET: self.reducer.staging_bytes(),
+            MemoryRole.GRAD_FP32: _nbytes(self.master_grad_flat),
+        }
+        return {role: size for role, size in roles.items() if size}
+
+    def model_state_bytes(self) -> int:
+        """Sum of the model-state roles held right now."""
+        return sum(v for k, v in self.memory_by_role().items() if k in MODEL_STATE_ROLES)
+
+    @property
+    def grad_state(self) -> GradState:
+        return self.reducer.state

@@ -1,0 +1,116 @@
+"""Flat layout of the trainable parameters: buckets, padding and each rank's slice.
+
+This module alone decides partition ranges. See [Note: bucket sharding].
+
+[Note: bucket sharding]
+Trainable parameters of each optimizer param group are laid out in reverse registration order
+(close to the order backward produces their gradients) and cut into buckets of about
+``reduce_bucket_size`` elements; a parameter is never split across buckets. Buckets are sorted by
+the backward position at which they become complete, which is also the fixed order in which every
+rank launches their reductions (identical order on all ranks, so an unused parameter on one rank
+delays but never mismatches a collective). Each bucket is padded to a multiple of
+``shard_world * ALIGN`` elements and every rank owns the equal slice
+``[rank * chunk, (rank + 1) * chunk)`` of it, so a bucket's gradient reduction is one
+reduce-scatter and its parameter update one all-gather, both of constant size. Stage 0 uses
+``shard_world = 1``: every rank owns every bucket whole. A rank's shard is the concatenation of its
+slices of all buckets (``Bucket.shard_offset``); fp32 master weights, optimizer states and the stage-2
+gradient shard are laid out that way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+ALIGN = 8
+"""Chunk sizes are multiples of this many elements (16-byte aligned slices in 16-bit dtypes)."""
+
+
+@dataclasses.dataclass(eq=False)
+class ParamSlot:
+    """Where one parameter lives: its bucket and element offset inside the bucket."""
+
+    param: nn.Parameter
+    name: str
+    bucket: int
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclasses.dataclass(eq=False)
+class Bucket:
+    """A contiguous range of the flat buffer reduced and gathered as one unit."""
+
+    index: int
+    group: int
+    slots: list[ParamSlot]
+    offset: int
+    """Start of the bucket in the flat parameter buffer."""
+    numel: int
+    """Elements of real parameters (no padding)."""
+    padded: int
+    """Elements including padding: a multiple of shard_world * ALIGN."""
+    chunk: int
+    """Elements each rank owns: padded // shard_world."""
+    shard_offset: int
+    """Start of this rank's slice of the bucket inside the rank's shard."""
+
+    def owned(self, rank: int) -> tuple[int, int]:
+        """This rank's slice, as a range inside the bucket."""
+        return rank * self.chunk, (rank + 1) * self.chunk
+
+
+class FlatLayout:
+    """Buckets of the trainable parameters and this rank's slice of each.
+
+    Holds no tensor memory: it maps parameters to ranges that the engine's buffers use.
+    """
+
+    def __init__(self, groups: list[list[tuple[int, str, nn.Parameter]]], bucket_size: int, shard_world: int,
+                 rank: int):
+        """``groups[g]`` lists (backward position, name, parameter) of group g, sorted by position."""
+        self.shard_world = shard_world
+        self.rank = rank
+        drafts: list[tuple[int, int, list[tuple[str, nn.Parameter]]]] = []  # (ready position, group, params)
+        for group_index, named in enumerate(groups):
+            current: list[tuple[str, nn.Parameter]] = []
+            size = 0
+            for position, name, param in named:
+                current.append((name, param))
+                size += param.numel()
+                if size >= bucket_size:
+                    drafts.append((position, group_index, current))
+                    current, size = [], 0
+            if current:
+                drafts.append((named[-1][0], group_index, current))
+        drafts.sort(key=lambda d: (d[0], d[1]))
+        self.buckets: list[Bucket] = []
+        self.slots: dict[nn.Parameter, ParamSlot] = {}
+        offset = shard_offset = 0
+        for index, (_, group_index, params) in enumerate(drafts):
+            numel = sum(p.numel() for _, p in params)
+            padded = math.ceil(numel / (shard_world * ALIGN)) * shard_world * ALIGN
+            bucket = Bucket(index, group_index, [], offset, numel, padded, padded // shard_world, shard_offset)
+            inner = 0
+            for name, param in params:
+                slot = ParamSlot(param, name, index, inner, param.numel(), param.shape)
+                bucket.slots.append(slot)
+                self.slots[param] = slot
+                inner += param.numel()
+            self.buckets.append(bucket)
+            offset += padded
+            shard_offset += bucket.chunk
+        self.total_padded = offset
+        self.shard_numel = shard_offset
+        self.num_params = sum(b.numel for b in self.buckets)
+
+    def group_buckets(self, group: int) -> list[Bucket]:
+        return [b for b in self.buckets if b.group == group]
+
+    def signature(self) -> list[tuple[int, int, int, list[tuple[str, tuple[int, ...]]]]]:
+        """A JSON-able description used to check that all ranks built the same layout."""
+        return [(b.group, b.numel, b.padded, [(s.name, tuple(s.shape)) for s in b.slots]) for b in self.buckets]

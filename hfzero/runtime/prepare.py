@@ -1,0 +1,148 @@
+"""``hfzero.prepare``: validate the inputs once, then build the engine and the sharded optimizer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hfzero.comm import Communicator
+from hfzero.config import ConfigError, ZeroConfig
+from hfzero.logging import get_logger
+from hfzero.runtime.engine import ZeroEngine
+from hfzero.runtime.optimizer import ZeroOptimizer
+
+logger = get_logger(__name__)
+
+_ENGINE_ATTR = "hfzero_engine"
+
+
+def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
+            process_group: dist.ProcessGroup | None = None) -> tuple[nn.Module, ZeroOptimizer]:
+    """Apply ZeRO to ``model`` and ``optimizer`` over ``process_group`` (default: the world group).
+
+    The model keeps its class; its trainable parameters become views into one flat buffer (cast to
+    ``config.dtype``) and its ``forward``/``generate`` work unchanged. The returned optimizer replaces
+    ``optimizer`` (which must not be used afterwards). Every rank must call this with the same
+    model, optimizer and config; a mismatch is reported, not hung on.
+    """
+    config = config or ZeroConfig()
+    if not isinstance(config, ZeroConfig):
+        raise ConfigError(f"hfzero.prepare: config must be a hfzero.ZeroConfig, got {type(config).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hfzero.prepare: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("hfzero.prepare: optimizer must be a torch.optim.Optimizer built over the model's "
+                        f"parameters, got {type(optimizer).__name__}")
+    if getattr(model, _ENGINE_ATTR, None) is not None:
+        raise ConfigError("hfzero.prepare: this model was already prepared; prepare a model once")
+    _check_process_group(process_group)
+    if config.stage == 3:
+        raise ConfigError("hfzero: ZeroConfig(stage=3) (parameter partitioning) is not available in this "
+                          "version; use stage 0, 1 or 2")
+    groups = _optimizer_groups(model, optimizer)
+    device = _single_device(groups)
+    if config.mixed_precision:
+        model.to(config.torch_dtype)
+    comm = Communicator(process_group, config.reduce_scatter_impl)
+    _check_ranks_agree(comm, config, model, optimizer, groups)
+    engine = ZeroEngine(model, groups, config, comm, device)
+    zero_optimizer = ZeroOptimizer(engine, optimizer)
+    setattr(model, _ENGINE_ATTR, engine)
+    model.no_sync = engine.no_sync  # the DDP-style context accelerate and Trainer look for
+    return model, zero_optimizer
+
+
+def get_engine(obj: nn.Module | torch.optim.Optimizer) -> ZeroEngine:
+    """The engine behind a prepared model or its ZeroOptimizer."""
+    engine = getattr(obj, _ENGINE_ATTR, None) or getattr(obj, "engine", None)
+    if not isinstance(engine, ZeroEngine):
+        raise ValueError(f"{type(obj).__name__} was not prepared by hfzero.prepare")
+    return engine
+
+
+def _check_process_group(group: dist.ProcessGroup | None) -> None:
+    if dist.is_available() and dist.is_initialized():
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if group is not None or world > 1:
+        raise RuntimeError(
+            f"hfzero.prepare: WORLD_SIZE={world} but torch.distributed is not initialized. Call "
+            "torch.distributed.init_process_group(backend) first (gloo on CPU, nccl on CUDA), or launch "
+            "with `hfzero run` / torchrun, which set up the environment it reads.")
+
+
+def _optimizer_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
+    if any(optimizer.state.values()):
+        raise ConfigError("hfzero.prepare: the optimizer already has state (it has stepped); pass a fresh "
+                          "optimizer and load saved state into the returned one with load_state_dict")
+    model_params = {p: name for name, p in model.named_parameters()}
+    groups: list[list[nn.Parameter]] = []
+    seen: set[nn.Parameter] = set()
+    for index, group in enumerate(optimizer.param_groups):
+        params = []
+        for p in group["params"]:
+            if p not in model_params:
+                raise ConfigError(
+                    f"hfzero.prepare: optimizer param group {index} holds a tensor of shape {tuple(p.shape)} "
+                    "that is not a parameter of the model; build the optimizer from model.parameters() (or "
+                    "named subsets of them) of the same model object you pass to prepare")
+            if p in seen:
+                raise ConfigError(f"hfzero.prepare: parameter {model_params[p]!r} appears twice in the optimizer")
+            seen.add(p)
+            params.append(p)
+        groups.append(params)
+    missing = [n for p, n in model_params.items() if p.requires_grad and p not in seen]
+    if missing:
+        logger.warning("%d trainable parameter(s) are not in the optimizer and will not be synchronized or "
+                       "updated (e.g. %s); freeze them with requires_grad_(False) or add them to the optimizer",
+                       len(missing), missing[:3])
+    return groups
+
+
+def _single_device(groups: list[list[nn.Parameter]]) -> torch.device:
+    devices = {p.device for group in groups for p in group}
+    if not devices:
+        raise ConfigError("hfzero.prepare: the optimizer holds no parameters")
+    if len(devices) > 1:
+        raise ConfigError(f"hfzero.prepare: parameters are spread over devices {sorted(map(str, devices))}; "
+                          "move the model to one device (model.to(device)) before prepare")
+    device = devices.pop()
+    if device.type == "meta":
+        raise ConfigError("hfzero.prepare: parameters are on the meta device; materialize the model "
+                          "(e.g. from_pretrained or to_empty + load) before prepare")
+    return device
+
+
+def _check_ranks_agree(comm: Communicator, config: ZeroConfig, model: nn.Module,
+                       optimizer: torch.optim.Optimizer, groups: list[list[nn.Parameter]]) -> None:
+    """All ranks must pass the same config, optimizer and parameter shapes; name what differs."""
+    if comm.world_size == 1:
+        return
+    names = {p: n for n, p in model.named_parameters()}
+    facts = {
+        "config": config.to_dict(),
+        "optimizer": type(optimizer).__name__,
+        "param_groups": [[[names[p], list(p.shape), str(p.dtype)] for p in g] for g in groups],
+    }
+    payload = json.dumps(facts, sort_keys=True, default=str).encode()
+    everyone = comm.all_gather_bytes(hashlib.sha256(payload).digest())
+    if len(set(everyone)) == 1:
+        return
+    reports = [json.loads(b) for b in comm.all_gather_bytes(payload)]
+    problems = []
+    for rank, other in enumerate(reports):
+        for key in ("config", "optimizer", "param_groups"):
+            if other[key] != reports[0][key]:
+                if key == "config":
+                    fields = sorted(k for k in other[key] if other[key][k] != reports[0][key].get(k))
+                    detail = ", ".join(f"{f}={other[key][f]!r} (rank 0: {reports[0][key][f]!r})" for f in fields)
+                    problems.append(f"rank {rank} config differs: {detail}")
+                else:
+                    problems.append(f"rank {rank} {key} differs from rank 0")
+    raise ConfigError("hfzero.prepare: ranks disagree; every rank must pass the same model, optimizer and "
+                      "config. " + "; ".join(problems))

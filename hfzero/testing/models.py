@@ -1,0 +1,45 @@
+"""Small Hugging Face models and data built from configs (no hub), for tests, examples and benchmarks."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB = 128
+
+
+def tiny_causal_lm(kind: str = "gpt2", *, seed: int = 0, hidden: int = 32, layers: int = 2,
+                   vocab: int = VOCAB) -> nn.Module:
+    """A deterministic, dropout-free causal LM: "gpt2" (tied wte/lm_head) or "llama" (tied embeddings)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    if kind == "gpt2":
+        config = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=hidden, n_layer=layers, n_head=4,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(config)
+    elif kind == "llama":
+        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64, tie_word_embeddings=True)
+        model = LlamaForCausalLM(config)
+    else:
+        raise ValueError(f"unknown tiny model kind {kind!r}; use 'gpt2' or 'llama'")
+    model.config.use_cache = False
+    return model.float()
+
+
+def token_batches(steps: int, global_batch: int, seq_len: int, *, vocab: int = VOCAB,
+                  seed: int = 1234) -> list[torch.Tensor]:
+    """``steps`` batches of token ids, each (global_batch, seq_len), the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (global_batch, seq_len), generator=g) for _ in range(steps)]
+
+
+def micro_batches(batch: torch.Tensor, rank: int, world_size: int, accumulation: int) -> list[torch.Tensor]:
+    """This rank's ``accumulation`` micro-batches of a global batch (contiguous rows per rank)."""
+    rows = batch.shape[0]
+    if rows % (world_size * accumulation):
+        raise ValueError(f"global batch {rows} is not divisible by world {world_size} x accumulation {accumulation}")
+    mine = batch.chunk(world_size)[rank]  # (B / W, T)
+    return list(mine.chunk(accumulation))  # A x (B / (W * A), T)
