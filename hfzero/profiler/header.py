@@ -1,0 +1,112 @@
+"""The run header: what was run, where, and what the paper's formula predicts for it.
+
+``build_header`` gathers the configuration, the model class and Ψ, the data-parallel degree, the
+stage, dtypes, library versions, the host, and the estimator's predicted model-state bytes per rank
+with the formula written out. It reads attributes only (no collective, no tensor allocation).
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import socket
+import sys
+import time
+from typing import Any
+
+import torch
+
+from hfzero.logging import get_logger
+from hfzero.profiler.format import FORMAT_VERSION
+
+logger = get_logger(__name__)
+
+_STAGE_FORMULAS: dict[int, str] = {
+    0: "({p} + {g} + {k})Ψ",
+    1: "({p} + {g})Ψ + {k}Ψ/N_d",
+    2: "{p}Ψ + ({g} + {k})Ψ/N_d",
+    3: "({p} + {g} + {k})Ψ/N_d",
+}
+"""The paper's per-device model-state formula for each stage, with p, g and K filled in."""
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str | None:
+    """The estimator's name for ``optimizer``'s update rule ("adam", "sgd_momentum", "sgd"), or None.
+
+    Read from the first parameter group's hyperparameters, which a sharded optimizer keeps from the
+    optimizer it wraps: Adam-family groups carry ``betas``, SGD groups ``momentum``.
+    """
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    if "betas" in group:
+        return "adam"
+    if "momentum" in group:
+        return "sgd_momentum" if group["momentum"] else "sgd"
+    return None
+
+
+def predict(engine: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """The estimator's model-state bytes per rank for this run, with the formula and its inputs.
+
+    ``model_state_bytes`` counts every model state wherever it lives (what the profile measures);
+    ``device_model_state_bytes`` leaves out the K part when the optimizer is offloaded. Returns None
+    (and logs why) when the optimizer's kind is not one the estimator knows.
+    """
+    from hfzero.estimate import model_states_bytes, precision_bytes
+
+    kind = optimizer_kind(optimizer)
+    if kind is None:
+        logger.warning("optimizer %s is not one the estimator knows; the header has no prediction",
+                       type(optimizer).__name__)
+        return None
+    config = engine.config
+    p, g, k = precision_bytes(config.dtype, kind)
+    persistent = int(getattr(engine, "num_persistent_params", 0) or 0)
+    inputs = {"num_params": int(engine.num_params), "dp": int(engine.world_size), "stage": int(engine.stage),
+              "param_bytes": p, "grad_bytes": g, "optimizer_k": k, "persistent_params": persistent}
+    formula = _STAGE_FORMULAS[inputs["stage"]].format(p=p, g=g, k=k)
+    if persistent and inputs["stage"] == 3:
+        formula += f" + {p}P(1 - 1/N_d)"
+    return {
+        "model_state_bytes": model_states_bytes(**inputs),
+        "device_model_state_bytes": model_states_bytes(**inputs, offload_optimizer=config.offload_optimizer),
+        "formula": formula,
+        "optimizer": kind,
+        "inputs": inputs,
+    }
+
+
+def build_header(*, run_id: str, engine: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 global_world_size: int, device: torch.device, every_n_steps: int,
+                 cuda_snapshot: bool) -> dict[str, Any]:
+    """The contents of ``header.json`` (see docs/profile-format.md for every key)."""
+    import transformers
+
+    import hfzero
+
+    config = engine.config
+    now = time.time()
+    return {
+        "format_version": FORMAT_VERSION,
+        "run_id": run_id,
+        "start_time": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
+        "start_unix": now,
+        "world_size": int(engine.world_size),
+        "global_world_size": int(global_world_size),
+        "stage": int(engine.stage),
+        "config": config.to_dict(),
+        "model": {
+            "class": type(model).__name__,
+            "module": type(model).__module__,
+            "num_params": int(engine.num_params),
+            "num_params_padded": int(engine.num_params_padded),
+        },
+        "dtypes": {"param": config.dtype, "grad": config.dtype,
+                   "master": "fp32" if config.mixed_precision or config.offload_optimizer else None},
+        "optimizer_class": type(optimizer).__name__,
+        "device_type": device.type,
+        "versions": {"hfzero": hfzero.__version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__, "python": platform.python_version()},
+        "host": {"hostname": socket.gethostname(), "platform": sys.platform},
+        "profiler": {"every_n_steps": every_n_steps, "cuda_snapshot": cuda_snapshot},
+        "prediction": predict(engine, optimizer),
+    }

@@ -1,0 +1,150 @@
+"""Allocator statistics: fragmentation from known allocation patterns and a recorded CUDA snapshot."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from hfzero.profiler.allocator import (
+    AllocatorProbe,
+    MallInfo,
+    _load_mallinfo2,
+    cpu_fields,
+    cuda_fields,
+    cuda_snapshot_summary,
+    heap_fragmentation,
+)
+
+MiB = 1 << 20
+KiB = 1 << 10
+
+
+def _block(size: int, state: str) -> dict:
+    return {"address": 0, "size": size, "requested_size": size if state != "inactive" else 0, "state": state,
+            "frames": []}
+
+
+# A recorded-shape snapshot (torch.cuda.memory_snapshot(): a list of segments). Device 0 has a 20 MiB
+# large-pool segment (8 MiB used, 4 MiB free, 2 MiB used, 6 MiB free) and a 2 MiB small-pool segment
+# (512 KiB used, 512 KiB freed but pending a stream event, 1 MiB free); device 1 has one 2 MiB segment.
+SNAPSHOT = [
+    {"device": 0, "address": 139_637_976_000_000, "total_size": 20 * MiB, "allocated_size": 10 * MiB,
+     "active_size": 10 * MiB, "requested_size": 10 * MiB - 4096, "stream": 0, "segment_type": "large",
+     "segment_pool_id": (0, 0), "is_expandable": False, "frames": [],
+     "blocks": [_block(8 * MiB, "active_allocated"), _block(4 * MiB, "inactive"),
+                _block(2 * MiB, "active_allocated"), _block(6 * MiB, "inactive")]},
+    {"device": 0, "address": 139_637_998_000_000, "total_size": 2 * MiB, "allocated_size": 512 * KiB,
+     "active_size": 1 * MiB, "requested_size": 500 * KiB, "stream": 0, "segment_type": "small",
+     "segment_pool_id": (0, 0), "is_expandable": False, "frames": [],
+     "blocks": [_block(512 * KiB, "active_allocated"), _block(512 * KiB, "active_pending_free"),
+                _block(1 * MiB, "inactive")]},
+    {"device": 1, "address": 139_638_100_000_000, "total_size": 2 * MiB, "allocated_size": 0,
+     "active_size": 0, "requested_size": 0, "stream": 0, "segment_type": "large",
+     "segment_pool_id": (0, 0), "is_expandable": False, "frames": [],
+     "blocks": [_block(2 * MiB, "inactive")]},
+]
+
+
+def test_cuda_snapshot_fragmentation_on_recorded_snapshot() -> None:
+    summary = cuda_snapshot_summary(SNAPSHOT, device_index=0)
+    assert summary["reserved"] == 22 * MiB
+    assert summary["allocated"] == 10 * MiB + 512 * KiB
+    assert summary["total_free"] == 11 * MiB  # 4 + 6 + 1; the pending-free block is not allocatable yet
+    assert summary["largest_free_block"] == 6 * MiB
+    assert summary["fragmentation"] == pytest.approx(1 - 6 / 11)
+    assert summary["reserved_unallocated"] == 22 * MiB - (10 * MiB + 512 * KiB)
+    assert summary["segments"] == [
+        {"total": 20 * MiB, "allocated": 10 * MiB, "free": 10 * MiB, "largest_free": 6 * MiB},
+        {"total": 2 * MiB, "allocated": 512 * KiB, "free": 1 * MiB, "largest_free": 1 * MiB},
+    ]
+    everything = cuda_snapshot_summary({"segments": SNAPSHOT, "device_traces": []})
+    assert everything["reserved"] == 24 * MiB and everything["total_free"] == 13 * MiB
+    assert everything["fragmentation"] == pytest.approx(1 - 6 / 13)
+
+
+def test_cuda_snapshot_without_free_memory_is_not_fragmented() -> None:
+    full = [{"device": 0, "total_size": 4 * MiB, "allocated_size": 4 * MiB, "blocks": [_block(4 * MiB, "active_allocated")]}]
+    assert cuda_snapshot_summary(full)["fragmentation"] == 0.0
+    assert cuda_snapshot_summary([])["fragmentation"] == 0.0
+
+
+def test_cuda_fields_from_recorded_memory_stats() -> None:
+    stats = {"allocated_bytes.all.current": 3 * MiB, "reserved_bytes.all.current": 8 * MiB,
+             "active_bytes.all.current": 4 * MiB, "inactive_split_bytes.all.current": 1 * MiB,
+             "num_alloc_retries": 2, "num_ooms": 0, "allocated_bytes.all.peak": 6 * MiB,
+             "reserved_bytes.all.peak": 8 * MiB, "allocation.all.current": 17}
+    fields = cuda_fields(stats, rss=123)
+    assert fields == {"rss": 123, "allocated": 3 * MiB, "reserved": 8 * MiB, "active": 4 * MiB,
+                      "inactive_split": 1 * MiB, "reserved_unallocated": 5 * MiB, "num_alloc_retries": 2,
+                      "num_ooms": 0, "peak_allocated": 6 * MiB, "peak_reserved": 8 * MiB, "fragmentation": None}
+
+
+def test_heap_fragmentation_on_a_synthetic_pattern() -> None:
+    # A 1 MiB arena carved into 16 chunks of 64 KiB, every other one freed: half the heap is free.
+    info = MallInfo(arena=16 * 64 * KiB, hblkhd=3 * MiB, uordblks=8 * 64 * KiB, fordblks=8 * 64 * KiB, keepcost=0)
+    fields = cpu_fields(rss=50 * MiB, info=info)
+    assert fields["fragmentation"] == 0.5
+    assert fields["allocated"] == 512 * KiB + 3 * MiB and fields["reserved"] == 1 * MiB + 3 * MiB
+    assert heap_fragmentation(0, 0) is None
+    nulls = cpu_fields(rss=7, info=None)
+    assert nulls["rss"] == 7 and nulls["fragmentation"] is None and nulls["heap_free"] is None
+
+
+@pytest.mark.skipif(_load_mallinfo2() is None, reason="glibc mallinfo2 is not available")
+def test_mallinfo_sees_freed_heap_chunks() -> None:
+    """Allocate 2000 x 4 KiB from the heap (below the mmap threshold), free every other one: the
+    free-but-held bytes grow by about the freed total, which cannot coalesce with its neighbours."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    probe = AllocatorProbe(torch.device("cpu"))
+    chunk, count = 4 * KiB, 2000
+    pointers = [libc.malloc(chunk) for _ in range(count)]
+    before = probe.sample()
+    for pointer in pointers[::2]:
+        libc.free(pointer)
+    after = probe.sample()
+    try:
+        freed = chunk * count // 2
+        assert after["heap_free"] - before["heap_free"] >= 0.95 * freed
+        assert before["heap_in_use"] - after["heap_in_use"] >= 0.95 * freed
+        assert after["fragmentation"] == pytest.approx(after["heap_free"] / after["heap_arena"])
+        assert after["fragmentation"] > before["fragmentation"]
+    finally:
+        for pointer in pointers[1::2]:
+            libc.free(pointer)
+
+
+def test_cpu_probe_sample_reads_without_side_effects(monkeypatch: pytest.MonkeyPatch) -> None:
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the profiler must not reset or empty the allocator")
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", forbidden)
+    monkeypatch.setattr(torch.cuda, "empty_cache", forbidden)
+    probe = AllocatorProbe(torch.device("cpu"))
+    sample = probe.sample()
+    assert sample["device"] == "cpu" and sample["rss"] > 0
+    assert set(sample) == {"device", "rss", "allocated", "reserved", "heap_arena", "heap_in_use", "heap_free",
+                           "heap_keepcost", "heap_mmapped", "fragmentation"}
+    assert probe.snapshot() is None
+
+
+def test_cuda_probe_reads_stats_and_snapshot_for_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path on recorded data: the probe passes its device and picks that device's segments."""
+    seen: list[object] = []
+
+    def memory_stats(device: object) -> dict:
+        seen.append(device)
+        return {"allocated_bytes.all.current": 5, "reserved_bytes.all.current": 9}
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", memory_stats)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda include_traces=True: SNAPSHOT)
+    probe = AllocatorProbe(torch.device("cuda", 1))
+    sample = probe.sample()
+    assert seen == [torch.device("cuda", 1)]
+    assert sample["device"] == "cuda:1" and sample["allocated"] == 5 and sample["reserved_unallocated"] == 4
+    snapshot = probe.snapshot()
+    assert snapshot is not None and snapshot["reserved"] == 2 * MiB and snapshot["fragmentation"] == 0.0
