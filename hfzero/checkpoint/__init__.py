@@ -1,0 +1,17 @@
+"""Sharded checkpoints: save/load at any world size and stage, and export to a Hugging Face directory.
+
+- ``save_checkpoint(dir, model, optimizer, extra=...)``: every rank writes its own shard, atomically.
+- ``load_checkpoint(dir, model, optimizer) -> extra``: validates, then reshards on the fly.
+- ``consolidate(ckpt_dir, out_dir, max_shard_size=...)``: a ``from_pretrained``-loadable directory.
+
+The format is described in docs/checkpoints.md and hfzero/checkpoint/format.py.
+"""
+
+from hfzero.checkpoint.consolidate import ConsolidateResult, consolidate
+from hfzero.checkpoint.errors import CheckpointError
+from hfzero.checkpoint.format import FORMAT_VERSION
+from hfzero.checkpoint.load import load_checkpoint
+from hfzero.checkpoint.save import save_checkpoint
+
+__all__ = ["CheckpointError", "ConsolidateResult", "FORMAT_VERSION", "consolidate", "load_checkpoint",
+           "save_checkpoint"]
