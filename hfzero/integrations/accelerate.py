@@ -1,0 +1,315 @@
+"""ZeroAccelerator: an ``accelerate.Accelerator`` whose ``prepare`` applies ZeRO instead of DDP.
+
+What changes against the base class, and why:
+- ``prepare``/``prepare_model``/``prepare_optimizer``: models are placed on the device but never
+  wrapped in DDP; each optimizer goes through ``hfzero.prepare`` with the model that owns its
+  parameters (models are prepared before optimizers whatever the argument order) and comes back as
+  an ``AcceleratedOptimizer`` over the ``ZeroOptimizer``, so ``step``/``zero_grad`` keep accelerate's
+  ``sync_gradients`` gating for gradient accumulation.
+- ``prepare_scheduler``: a scheduler built on the user's optimizer is re-pointed at the
+  ``ZeroOptimizer``, whose ``param_groups`` feed the shards' learning rate at every step.
+- ``backward``: divides by the accumulation steps like the base class, then runs the engine's
+  backward (fp16 loss scaling); ``no_sync`` (and so ``accumulate``) defers the engine's reduction.
+- ``clip_grad_norm_``: the gradients live in the engine, not in ``param.grad``: the engine clips the
+  global norm and returns it.
+- ``save_state``/``load_state``: every rank saves and loads its optimizer shard (see state.py).
+- mixed precision: ``mixed_precision="bf16"|"fp16"`` sets ZeRO's dtype (16-bit parameters and
+  gradients, fp32 master shards); accelerate's autocast stays off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+from torch import nn
+
+from hfzero.config import ConfigError, ZeroConfig
+from hfzero.integrations.env import config_from_env
+from hfzero.integrations.state import load_optimizer_shards, save_optimizer_shards, unwrap_optimizer
+from hfzero.logging import get_logger
+from hfzero.runtime.optimizer import ZeroOptimizer
+from hfzero.runtime.prepare import get_engine, prepare as zero_prepare
+
+logger = get_logger(__name__)
+
+_SHARD_DIR = "zero_optimizer_{index}"
+_FOREIGN_PLUGINS = ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin")
+
+
+def apply_mixed_precision(config: ZeroConfig, mixed_precision: str | None) -> ZeroConfig:
+    """Fold accelerate/Trainer mixed precision ("no", "bf16", "fp16") into ZeRO's dtype.
+
+    ZeRO's dtype *is* its mixed precision (16-bit parameters and gradients, fp32 master weights), so
+    ``bf16``/``fp16`` set ``config.dtype`` when it is the default ``"fp32"``; a different explicit
+    16-bit dtype is a conflict.
+    """
+    if mixed_precision in (None, "", "no"):
+        return config
+    if mixed_precision not in ("bf16", "fp16"):
+        raise ConfigError(f"hfzero: mixed precision {mixed_precision!r} is not supported with ZeRO; use bf16 or "
+                          "fp16 (they set ZeroConfig.dtype) or no mixed precision")
+    if config.dtype == "fp32":
+        return dataclasses.replace(config, dtype=mixed_precision)
+    if config.dtype != mixed_precision:
+        raise ConfigError(f"hfzero: mixed precision {mixed_precision!r} conflicts with ZeroConfig.dtype="
+                          f"{config.dtype!r}; set one of them (they mean the same thing)")
+    return config
+
+
+def _world_size_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _is_zero_model(model: Any) -> bool:
+    try:
+        get_engine(model)
+    except ValueError:
+        return False
+    return True
+
+
+def _track_scheduler_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer.step`` the way LRScheduler does, so a re-pointed scheduler does not warn."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
+
+
+class ZeroAccelerator(Accelerator):
+    """An Accelerator that prepares models and optimizers with ZeRO (any stage, gloo or NCCL).
+
+    Args:
+        zero_config: the ZeRO options; default: ``HFZERO_*`` environment variables (set by
+            ``hfzero run``), else ``ZeroConfig()``.
+        *args, **kwargs: as for ``accelerate.Accelerator``. ``mixed_precision`` bf16/fp16 becomes
+            ZeRO's dtype; DeepSpeed, FSDP and Megatron plugins are refused (ZeRO replaces them).
+    """
+
+    def __init__(self, *args: Any, zero_config: ZeroConfig | None = None, **kwargs: Any):
+        for name in _FOREIGN_PLUGINS:
+            if kwargs.get(name) is not None:
+                raise ConfigError(f"ZeroAccelerator: {name} cannot be combined with hfzero's ZeRO; drop it")
+        if zero_config is not None and not isinstance(zero_config, ZeroConfig):
+            raise ConfigError(f"ZeroAccelerator: zero_config must be a hfzero.ZeroConfig, got "
+                              f"{type(zero_config).__name__}")
+        mixed = kwargs.pop("mixed_precision", None) or os.environ.get("ACCELERATE_MIXED_PRECISION")
+        mixed = getattr(mixed, "value", mixed)  # accelerate's PrecisionType enum
+        config = zero_config or config_from_env() or ZeroConfig()
+        self.zero_config: ZeroConfig = apply_mixed_precision(config, mixed)
+        if kwargs.get("cpu") is None and not torch.accelerator.is_available() and _world_size_env() > 1:
+            kwargs["cpu"] = True  # without it accelerate runs torchrun workers on CPU as separate single processes
+        super().__init__(*args, mixed_precision="no", **kwargs)
+        if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP,
+                                     DistributedType.MEGATRON_LM) or self.is_fsdp2:
+            raise ConfigError(f"ZeroAccelerator: accelerate is configured for {self.distributed_type.value} "
+                              "(accelerate config / ACCELERATE_USE_* environment); hfzero's ZeRO replaces it: "
+                              "launch with `hfzero run` or plain torchrun instead")
+        self._zero_pairs: list[tuple[nn.Module, ZeroOptimizer]] = []
+        self._zero_by_source: dict[int, ZeroOptimizer] = {}
+        self._warned_clip = False
+        logger.info("ZeroAccelerator: %s", self.zero_config.to_json())
+
+    # ---- prepare --------------------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """As ``Accelerator.prepare``, with ZeRO in place of DDP; models are handled before optimizers."""
+        placement = list(device_placement) if device_placement is not None else [None] * len(args)
+        if len(placement) != len(args):
+            raise ValueError(f"device_placement should be a list with {len(args)} elements")
+        order = sorted(range(len(args)), key=lambda i: 0 if isinstance(args[i], nn.Module) else 1)
+        prepared = super().prepare(*[args[i] for i in order], device_placement=[placement[i] for i in order])
+        prepared = prepared if len(args) > 1 else (prepared,)
+        result: list[Any] = [None] * len(args)
+        for position, index in enumerate(order):
+            result[index] = prepared[position]
+        return tuple(result) if len(result) > 1 else result[0]
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        """Place ``model`` on the device without a DDP wrapper: ZeRO reduces its gradients."""
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
+        """Shard ``optimizer`` with ``hfzero.prepare`` over the prepared model that owns its parameters."""
+        if getattr(optimizer, "_is_accelerate_prepared", False) or unwrap_optimizer(optimizer) is not None:
+            return super().prepare_optimizer(optimizer, device_placement=False)
+        model = self._owner_of(optimizer)
+        model, zero = zero_prepare(model, optimizer, self.zero_config)
+        self._zero_pairs.append((model, zero))
+        self._zero_by_source[id(optimizer)] = zero
+        wrapped = AcceleratedOptimizer(zero, device_placement=False, scaler=None)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def _owner_of(self, optimizer: torch.optim.Optimizer) -> nn.Module:
+        params = {p for group in optimizer.param_groups for p in group["params"]}
+        for model in self._models:
+            if any(p in params for p in model.parameters()):
+                return model
+        raise ConfigError("ZeroAccelerator.prepare: no prepared model owns this optimizer's parameters; pass the "
+                          "model to prepare() together with (or before) its optimizer, and build the optimizer "
+                          "from that model's parameters")
+
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        """Re-point a scheduler built on the user's optimizer at its ZeroOptimizer, then wrap it as usual."""
+        inner = getattr(scheduler, "optimizer", None)
+        zero = self._zero_by_source.get(id(inner)) if inner is not None else None
+        if zero is not None:
+            scheduler.optimizer = zero
+            _track_scheduler_steps(zero)
+        return super().prepare_scheduler(scheduler)
+
+    def free_memory(self, *objects: Any) -> Any:
+        self._zero_pairs = []
+        self._zero_by_source = {}
+        return super().free_memory(*objects)
+
+    # ---- training -------------------------------------------------------------------------------
+    def _zero_optimizers(self) -> list[ZeroOptimizer]:
+        return [zero for _, zero in self._zero_pairs]
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Divide by the accumulation steps (as accelerate does), then the engine's scaled backward."""
+        kwargs.pop("learning_rate", None)
+        zeros = self._zero_optimizers()
+        if not zeros:
+            return super().backward(loss, **kwargs)
+        loss = loss / self.gradient_accumulation_steps
+        scaled = [z for z in zeros if z.engine.scaler.enabled]
+        if len(zeros) == 1:
+            zeros[0].backward(loss, **kwargs)
+        elif not scaled:
+            loss.backward(**kwargs)
+        else:
+            raise ConfigError("ZeroAccelerator.backward: fp16 loss scaling with several ZeRO optimizers is "
+                              "ambiguous (each has its own scale); call optimizer.backward(loss) yourself")
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Accumulate gradients locally in the block: the engine defers its bucket reductions."""
+        if not _is_zero_model(model):
+            with super().no_sync(model):
+                yield
+            return
+        with get_engine(model).no_sync():
+            yield
+
+    def _zero_for(self, parameters: Any) -> ZeroOptimizer | None:
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        params = set(parameters)
+        owners = [zero for model, zero in self._zero_pairs if any(p in params for p in model.parameters())]
+        if len(owners) > 1:
+            raise ConfigError("ZeroAccelerator.clip_grad_norm_: the parameters belong to several ZeRO models; "
+                              "clip each model's parameters separately")
+        return owners[0] if owners else None
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+                        norm_type: float = 2) -> torch.Tensor | None:
+        """Clip the global gradient norm of the ZeRO model owning ``parameters``; return the norm.
+
+        The engine clips all of that model's trainable gradients (they are sharded over ranks, so a
+        subset cannot be clipped alone). On accumulation micro-steps (``sync_gradients`` False) the
+        gradients are not complete yet: nothing is clipped and None is returned.
+        """
+        parameters = list(parameters) if not isinstance(parameters, torch.Tensor) else parameters
+        zero = self._zero_for(parameters)
+        if zero is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        if not self.sync_gradients:
+            if not self._warned_clip:
+                logger.warning("clip_grad_norm_ called on an accumulation micro-step; ZeRO clips only when "
+                               "accelerator.sync_gradients is True (call it under `if accelerator.sync_gradients:`)")
+                self._warned_clip = True
+            return None
+        return zero.clip_grad_norm_(max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, clip_value: float) -> None:
+        parameters = list(parameters) if not isinstance(parameters, torch.Tensor) else parameters
+        if self._zero_for(parameters) is not None:
+            raise ConfigError("ZeroAccelerator: clip_grad_value_ is not supported for ZeRO models (gradients are "
+                              "sharded inside the engine); use clip_grad_norm_")
+        return super().clip_grad_value_(parameters, clip_value)
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """ZeRO unscales fp16 gradients inside its step; only non-ZeRO optimizers are unscaled here."""
+        if self._zero_optimizers() and (optimizer is None or unwrap_optimizer(optimizer) is not None):
+            return
+        super().unscale_gradients(optimizer)
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """True when a ZeRO fp16 step was skipped for overflow (the scheduler should not advance)."""
+        if any(zero.last_step_skipped for zero in self._zero_optimizers()):
+            return True
+        return any(opt.step_was_skipped for opt in self._optimizers if unwrap_optimizer(opt) is None)
+
+    # ---- state ----------------------------------------------------------------------------------
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The full model state dict (stages 0-2 keep full parameters on every rank)."""
+        if _is_zero_model(model) and get_engine(model).stage >= 3:
+            raise ConfigError("ZeroAccelerator.get_state_dict: gathering stage-3 parameters is not available "
+                              "in this version")
+        return super().get_state_dict(model, unwrap=unwrap)
+
+    def _split_optimizers(self) -> tuple[list[Any], list[Any]]:
+        zero = [opt for opt in self._optimizers if unwrap_optimizer(opt) is not None]
+        other = [opt for opt in self._optimizers if unwrap_optimizer(opt) is None]
+        return zero, other
+
+    def _model_of(self, optimizer: Any) -> nn.Module:
+        zero = unwrap_optimizer(optimizer)
+        return next(model for model, z in self._zero_pairs if z is zero)
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs: Any) -> str:
+        """accelerate's save_state, plus every rank's ZeRO optimizer shard under ``zero_optimizer_<i>/``."""
+        zero, other = self._split_optimizers()
+        everything = self._optimizers
+        self._optimizers = other
+        try:
+            location = super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        finally:
+            self._optimizers = everything
+        for index, opt in enumerate(zero):
+            save_optimizer_shards(Path(location) / _SHARD_DIR.format(index=index), self._model_of(opt), opt)
+        return location
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
+                   **load_model_func_kwargs: Any) -> None:
+        """accelerate's load_state, plus this rank's ZeRO optimizer shards (loaded after the weights)."""
+        zero, other = self._split_optimizers()
+        everything = self._optimizers
+        self._optimizers = other
+        try:
+            super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        finally:
+            self._optimizers = everything
+        directory = Path(input_dir) if input_dir is not None else self._latest_automatic_checkpoint()
+        for index, opt in enumerate(zero):
+            load_optimizer_shards(directory / _SHARD_DIR.format(index=index), self._model_of(opt), opt)
+
+    def _latest_automatic_checkpoint(self) -> Path:
+        root = Path(self.project_dir) / "checkpoints"
+        folders = [f for f in root.iterdir() if re.search(r"(\d+)$", f.name)] if root.is_dir() else []
+        if not folders:
+            raise ConfigError(f"ZeroAccelerator.load_state: no checkpoint folders under {root}; pass input_dir")
+        return max(folders, key=lambda f: int(re.search(r"(\d+)$", f.name).group(1)))  # type: ignore[union-attr]

@@ -1,0 +1,61 @@
+"""The ``HFZERO_*`` environment variables: how a launcher hands ZeRO settings to the processes it starts.
+
+Field ``x`` of ``ZeroConfig`` travels as ``HFZERO_X`` (upper case), as text; ``ZeroConfig.from_strings``
+converts it back, so the launcher, the accelerate integration and the Trainer read one format.
+``HFZERO_PROFILE_DIR`` (not a ZeroConfig field) asks the Trainer integration to attach the profiler.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from hfzero.config import ConfigError, ZeroConfig
+
+ENV_PREFIX = "HFZERO_"
+PROFILE_DIR_ENV = "HFZERO_PROFILE_DIR"
+_NOT_CONFIG = {PROFILE_DIR_ENV}
+
+
+def env_name(field: str) -> str:
+    """The environment variable carrying ZeroConfig field ``field``."""
+    return ENV_PREFIX + field.upper()
+
+
+def config_strings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ZeroConfig fields set in ``environ`` (default ``os.environ``), as raw strings.
+
+    Raises ConfigError for an ``HFZERO_*`` variable that names no ZeroConfig field, so a typo in a
+    launcher's settings is reported instead of silently ignored.
+    """
+    environ = os.environ if environ is None else environ
+    fields = set(ZeroConfig.field_names())
+    values: dict[str, str] = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or key in _NOT_CONFIG:
+            continue
+        field = key[len(ENV_PREFIX):].lower()
+        if field not in fields:
+            valid = ", ".join(sorted(env_name(f) for f in fields))
+            raise ConfigError(f"environment variable {key} names no ZeroConfig option; valid ones are {valid} "
+                              f"and {PROFILE_DIR_ENV}")
+        values[field] = raw
+    return values
+
+
+def config_from_env(environ: Mapping[str, str] | None = None) -> ZeroConfig | None:
+    """The ZeroConfig described by ``HFZERO_*`` variables, or None when none is set."""
+    values = config_strings_from_env(environ)
+    return ZeroConfig.from_strings(values) if values else None
+
+
+def config_to_env(values: Mapping[str, str]) -> dict[str, str]:
+    """``{field: text}`` -> ``{HFZERO_FIELD: text}`` (validated: the text must build a ZeroConfig)."""
+    ZeroConfig.from_strings(dict(values))
+    return {env_name(k): str(v) for k, v in values.items()}
+
+
+def profile_dir_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The profiler run directory requested through ``HFZERO_PROFILE_DIR``, if any."""
+    environ = os.environ if environ is None else environ
+    return environ.get(PROFILE_DIR_ENV) or None

@@ -1,0 +1,183 @@
+"""``hfzero run``: torchrun for scripts that use ``transformers.Trainer``, with ``--zero_*`` options.
+
+Two halves:
+- ``plan(argv)`` (in the launching process): splits ``[torchrun options] SCRIPT [script args]``,
+  removes the ``--zero_*`` options from the script's arguments, validates them with ZeroConfig and
+  refuses ``--deepspeed``/``--fsdp`` next to them, all before any process starts. The result runs
+  ``torch.distributed.run`` with this module as the entry point and the options as ``HFZERO_*``.
+- ``main()`` (``python -m hfzero.integrations.launch SCRIPT ...`` in every worker): when ``HFZERO_*``
+  is set, makes ``transformers.Trainer``/``TrainingArguments`` mean ZeroTrainer/ZeroTrainingArguments,
+  then runs SCRIPT as ``__main__`` (``runpy``), so an unmodified script trains with ZeRO.
+Without ``--zero_*`` options nothing is patched: it behaves like torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+
+from hfzero.config import ConfigError, ZeroConfig
+from hfzero.integrations.env import ENV_PREFIX, PROFILE_DIR_ENV, config_strings_from_env, config_to_env
+from hfzero.logging import get_logger
+
+logger = get_logger(__name__)
+
+_PREFIX = "--zero_"
+_MODULE_FLAG = "--hfzero-module"
+_CONFLICTS = ("--deepspeed", "--fsdp")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchPlan:
+    """A validated ``hfzero run`` command line.
+
+    Attributes:
+        torchrun_args: the parsed ``torch.distributed.run`` namespace, entry point already rewritten.
+        env: ``HFZERO_*`` variables to export to the workers (empty without ``--zero_*`` options).
+        zero_options: the ``--zero_*`` options as ``{field: text}``.
+    """
+
+    torchrun_args: argparse.Namespace
+    env: dict[str, str]
+    zero_options: dict[str, str]
+
+
+def split_zero_options(script_args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """Remove ``--zero_<field> VALUE`` / ``--zero_<field>=VALUE`` from ``script_args``.
+
+    Returns the remaining arguments and ``{field: text}``. A bare boolean option (``--zero_overlap_comm``
+    followed by another option or nothing) means "true". Unknown fields raise ConfigError.
+    """
+    fields = set(ZeroConfig.field_names()) | {"profile_dir"}
+    bools = {f.name for f in dataclasses.fields(ZeroConfig) if isinstance(f.default, bool)}
+    rest: list[str] = []
+    options: dict[str, str] = {}
+    i = 0
+    while i < len(script_args):
+        arg = script_args[i]
+        if not arg.startswith(_PREFIX):
+            rest.append(arg)
+            i += 1
+            continue
+        name, eq, value = arg[len(_PREFIX):].partition("=")
+        name = name.replace("-", "_")
+        if name not in fields:
+            valid = ", ".join(f"{_PREFIX}{f}" for f in sorted(fields))
+            raise ConfigError(f"unknown option {_PREFIX}{name}; hfzero's options are {valid}")
+        if not eq:
+            nxt = script_args[i + 1] if i + 1 < len(script_args) else None
+            if nxt is None or (nxt.startswith("--") and name in bools):
+                if name not in bools:
+                    raise ConfigError(f"{_PREFIX}{name} needs a value")
+                value = "true"
+            else:
+                value = nxt
+                i += 1
+        if name in options:
+            raise ConfigError(f"{_PREFIX}{name} given twice")
+        options[name] = value
+        i += 1
+    return rest, options
+
+
+def _check_conflicts(script_args: Sequence[str]) -> None:
+    for arg in script_args:
+        flag = arg.split("=", 1)[0]
+        if flag in _CONFLICTS:
+            raise ConfigError(f"{flag} cannot be combined with hfzero's --zero_* options: ZeRO replaces "
+                              f"DeepSpeed and FSDP. Drop {flag} or the --zero_* options")
+
+
+def plan(argv: Sequence[str]) -> LaunchPlan:
+    """Parse and validate an ``hfzero run`` command line; raises ConfigError (or SystemExit from argparse)."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "hfzero run"
+    args = parser.parse_args(list(argv))
+    script_args, options = split_zero_options(args.training_script_args)
+    if not options:
+        return LaunchPlan(torchrun_args=args, env={}, zero_options={})
+    _check_conflicts(script_args)
+    profile_dir = options.pop("profile_dir", None)
+    env = config_to_env(options)  # validates: raises ConfigError naming the field and the rule
+    if profile_dir is not None:
+        env[PROFILE_DIR_ENV] = profile_dir
+    if not args.module and not os.path.isfile(args.training_script):
+        raise ConfigError(f"script {args.training_script!r} not found")
+    if args.no_python:
+        raise ConfigError("--no-python cannot be combined with --zero_* options: hfzero starts the script "
+                          "through its own Python entry point")
+    entry = [_MODULE_FLAG, args.training_script] if args.module else [args.training_script]
+    args.training_script_args = entry + script_args
+    args.training_script = __name__
+    args.module = True
+    return LaunchPlan(torchrun_args=args, env=env, zero_options={**options, **(
+        {"profile_dir": profile_dir} if profile_dir is not None else {})})
+
+
+def launch(argv: Sequence[str]) -> int:
+    """Validate, export ``HFZERO_*`` and run ``torch.distributed.run``; return its exit code."""
+    import torch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    launch_plan = plan(argv)
+    stale = [k for k in os.environ if k.startswith(ENV_PREFIX)]
+    for key in stale:  # the workers must see this command's options only
+        del os.environ[key]
+    os.environ.update(launch_plan.env)
+    if not torch.accelerator.is_available():
+        # transformers/accelerate treat a torchrun worker on a host without an accelerator as a
+        # single process unless told it is a CPU run: each rank would train alone on all the data.
+        # With ACCELERATE_USE_CPU they form a gloo data-parallel group.
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    if launch_plan.zero_options:
+        logger.info("hfzero run: %s", " ".join(f"--zero_{k} {v}" for k, v in launch_plan.zero_options.items()))
+    try:
+        run(launch_plan.torchrun_args)
+    except ChildFailedError as error:
+        logger.error("a worker failed: %s", error.get_first_failure()[1].message)
+        return 1
+    return 0
+
+
+def _patch_transformers() -> None:
+    """Make ``transformers.Trainer``/``TrainingArguments`` the ZeRO classes for scripts that import them."""
+    import transformers
+    import transformers.trainer
+    import transformers.training_args
+
+    from hfzero.integrations.trainer import ZeroTrainer, ZeroTrainingArguments
+
+    transformers.Trainer = ZeroTrainer  # type: ignore[misc]
+    transformers.trainer.Trainer = ZeroTrainer  # type: ignore[misc]
+    transformers.TrainingArguments = ZeroTrainingArguments  # type: ignore[misc]
+    transformers.training_args.TrainingArguments = ZeroTrainingArguments  # type: ignore[misc]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Worker entry point: patch transformers when ``HFZERO_*`` is set, then run the script as ``__main__``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_module = bool(argv) and argv[0] == _MODULE_FLAG
+    if as_module:
+        argv = argv[1:]
+    if not argv:
+        raise SystemExit("usage: python -m hfzero.integrations.launch [--hfzero-module] SCRIPT [ARGS...]")
+    if config_strings_from_env() or os.environ.get(PROFILE_DIR_ENV):
+        _patch_transformers()
+    target, script_args = argv[0], argv[1:]
+    sys.argv = [target, *script_args]
+    if as_module:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python SCRIPT` does
+        runpy.run_path(target, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

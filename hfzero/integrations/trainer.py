@@ -1,0 +1,188 @@
+"""ZeroTrainer and ZeroTrainingArguments: transformers' Trainer with hfzero's ZeRO in place of DDP.
+
+The Trainer keeps its loop (accumulation, clipping, schedulers, evaluation, logging, checkpoints);
+ZeRO enters through four hook points:
+- ``create_accelerator_and_postprocess``: the Trainer builds a ``ZeroAccelerator`` (prepare shards the
+  optimizer, backward/no_sync/clip_grad_norm_ go through the engine);
+- ``_save_optimizer_and_scheduler``: every rank writes its optimizer shard into the checkpoint
+  (``checkpoint-N/zero_optimizer/``), rank 0 the scheduler;
+- ``_load_optimizer_and_scheduler``: every rank loads its shard back (another world size or stage
+  needs ``hfzero.checkpoint``, which reshards);
+- a ``ZeroProfilerCallback`` when ``zero_profile_dir`` (or ``HFZERO_PROFILE_DIR``) is set.
+``--bf16``/``--fp16`` become ZeRO's dtype (16-bit parameters and gradients + fp32 master shards),
+not autocast over fp32 parameters. ``save_model`` writes a normal Hugging Face directory: stages 0-2
+keep full parameters on every rank, so rank 0 saves them as the Trainer always does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import typing
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import transformers.trainer as _trainer_module
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from hfzero.config import ConfigError, ZeroConfig
+from hfzero.integrations.accelerate import ZeroAccelerator, apply_mixed_precision
+from hfzero.integrations.env import config_strings_from_env, profile_dir_from_env
+from hfzero.integrations.state import load_optimizer_shards, save_optimizer_shards, unwrap_optimizer
+from hfzero.logging import get_logger
+
+logger = get_logger(__name__)
+
+SHARD_DIR = "zero_optimizer"
+SCHEDULER_NAME = "scheduler.pt"
+_PROFILE_HELP = ("Directory for hfzero's profiler (ZeroProfiler): per-rank memory by role, communication and "
+                 "phase times of every step. Unset: no profiling.")
+
+
+def _zero_fields() -> list[tuple[str, Any, Any]]:
+    hints = typing.get_type_hints(ZeroConfig)
+    fields = [(f"zero_{f.name}", Optional[hints[f.name]],
+               dataclasses.field(default=None, metadata={"help": ZeroConfig.field_doc(f.name)}))
+              for f in dataclasses.fields(ZeroConfig)]
+    fields.append(("zero_profile_dir", Optional[str], dataclasses.field(default=None, metadata={"help": _PROFILE_HELP})))
+    return fields
+
+
+def _zero_config_strings(self: Any) -> dict[str, str]:
+    """The ``zero_*`` options set on these arguments, as ``{field: text}`` (unset ones are omitted)."""
+    out = {}
+    for name in ZeroConfig.field_names():
+        value = getattr(self, f"zero_{name}")
+        if value is not None:
+            out[name] = str(value).lower() if isinstance(value, bool) else str(value)
+    return out
+
+
+ZeroTrainingArguments = dataclasses.make_dataclass(
+    "ZeroTrainingArguments", _zero_fields(), bases=(TrainingArguments,),
+    namespace={"zero_config_strings": _zero_config_strings, "__module__": __name__})
+ZeroTrainingArguments.__doc__ = (
+    "``transformers.TrainingArguments`` plus every ZeroConfig field as ``zero_<field>`` (default None: taken "
+    "from ``HFZERO_<FIELD>`` in the environment, else ZeroConfig's default) and ``zero_profile_dir``. "
+    "``HfArgumentParser`` exposes them as ``--zero_stage 2``, ``--zero_dtype bf16``, ...")
+
+
+def resolve_zero_config(args: TrainingArguments, override: ZeroConfig | None = None) -> ZeroConfig:
+    """The ZeroConfig a ZeroTrainer runs with.
+
+    Precedence: ``override`` (a ZeroConfig given to ZeroTrainer), else ``HFZERO_*`` environment values
+    overlaid by ``zero_*`` arguments. ``--bf16``/``--fp16`` then set the dtype. DeepSpeed and FSDP
+    arguments are refused: ZeRO replaces them.
+    """
+    if getattr(args, "deepspeed", None):
+        raise ConfigError("ZeroTrainer: --deepspeed cannot be combined with hfzero's ZeRO; drop one of them")
+    if getattr(args, "fsdp", None):
+        raise ConfigError("ZeroTrainer: --fsdp cannot be combined with hfzero's ZeRO; drop one of them")
+    if override is not None:
+        config = override
+    else:
+        values = config_strings_from_env()
+        if hasattr(args, "zero_config_strings"):
+            values.update(args.zero_config_strings())
+        config = ZeroConfig.from_strings(values)
+    mixed = "fp16" if args.fp16 else "bf16" if args.bf16 else None
+    return apply_mixed_precision(config, mixed)
+
+
+@contextlib.contextmanager
+def _accelerator_factory(factory: Any) -> Iterator[None]:
+    """Make ``transformers.trainer`` build its accelerator with ``factory`` for the duration of the block.
+
+    Trainer.create_accelerator_and_postprocess builds ``Accelerator(**args)`` inline and then does
+    setup that depends on it; swapping the class it names is the one seam that keeps that code.
+    """
+    original = _trainer_module.Accelerator
+    _trainer_module.Accelerator = factory
+    try:
+        yield
+    finally:
+        _trainer_module.Accelerator = original
+
+
+class ZeroProfilerCallback(TrainerCallback):
+    """Runs ``hfzero.profiler.ZeroProfiler`` over training, writing into ``run_dir``."""
+
+    def __init__(self, run_dir: str | os.PathLike[str]):
+        self.run_dir = Path(run_dir)
+        self.profiler: Any = None
+
+    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, model: Any = None,
+                       optimizer: Any = None, **kwargs: Any) -> None:
+        try:
+            from hfzero.profiler import ZeroProfiler
+        except ImportError:
+            logger.warning("zero_profile_dir=%s is set but hfzero.profiler.ZeroProfiler is not available in this "
+                           "version; training runs without profiling", self.run_dir)
+            return
+        zero = unwrap_optimizer(optimizer)
+        if zero is None:
+            raise ConfigError("ZeroProfilerCallback: the Trainer's optimizer was not prepared by hfzero")
+        self.profiler = ZeroProfiler(model, zero, self.run_dir).start()
+
+    def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None
+
+
+class ZeroTrainer(Trainer):
+    """``transformers.Trainer`` training with hfzero's ZeRO (stages 0-2; 3 once the engine has it).
+
+    Args:
+        zero_config: ZeRO options; default: from ``ZeroTrainingArguments`` ``zero_*`` fields over the
+            ``HFZERO_*`` environment (set by ``hfzero run``), else ZeroConfig's defaults.
+        *args, **kwargs: as for ``transformers.Trainer``.
+    """
+
+    def __init__(self, *args: Any, zero_config: ZeroConfig | None = None, **kwargs: Any):
+        self._zero_override = zero_config
+        super().__init__(*args, **kwargs)
+        if dist.is_initialized() and dist.get_world_size() > 1 and self.args.world_size == 1:
+            raise ConfigError(
+                f"ZeroTrainer: torch.distributed has {dist.get_world_size()} ranks but TrainingArguments sees a "
+                "single process, so every rank would read all the data. On a host without an accelerator pass "
+                "--use_cpu true (or set ACCELERATE_USE_CPU=true); `hfzero run` does this for you")
+        profile_dir = getattr(self.args, "zero_profile_dir", None) or profile_dir_from_env()
+        if profile_dir:
+            self.add_callback(ZeroProfilerCallback(profile_dir))
+
+    def create_accelerator_and_postprocess(self) -> None:
+        self.zero_config = resolve_zero_config(self.args, self._zero_override)
+        factory = functools.partial(ZeroAccelerator, zero_config=self.zero_config)
+        with _accelerator_factory(factory):
+            super().create_accelerator_and_postprocess()
+        logger.info("ZeroTrainer: ZeRO stage %d, dtype %s", self.zero_config.stage, self.zero_config.dtype)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Every rank writes its optimizer shard; rank 0 writes the scheduler, as the Trainer does."""
+        if unwrap_optimizer(self.optimizer) is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        save_optimizer_shards(Path(output_dir) / SHARD_DIR, self.model, self.optimizer)
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Load this rank's optimizer shard and the scheduler from a ZeroTrainer checkpoint."""
+        if checkpoint is None:
+            return
+        if unwrap_optimizer(self.optimizer) is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        shards = Path(checkpoint) / SHARD_DIR
+        if not shards.is_dir():
+            raise ConfigError(f"{checkpoint} holds no hfzero optimizer shards ({SHARD_DIR}/ is missing): it was not "
+                              "saved by a ZeroTrainer. Resume it without ZeRO, or start from its weights with "
+                              "--model_name_or_path and a fresh optimizer")
+        load_optimizer_shards(shards, self.model, self.optimizer)
+        scheduler = Path(checkpoint) / SCHEDULER_NAME
+        if scheduler.is_file() and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
