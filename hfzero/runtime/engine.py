@@ -53,24 +53,11 @@ class ZeroEngine:
         self._materialized = False
         self.overflow = False
 
-        names = {}
-        for name, p in model.named_parameters():
-            names.setdefault(p, name)
-        order = {p: len(names) - i for i, p in enumerate(names)}  # reverse registration ~ backward order
-        groups = [sorted(((order[p], names[p], p) for p in group if p.requires_grad), key=lambda t: t[0])
-                  for group in param_groups]
-        shard_world = 1 if self.stage == 0 else self.world_size
-        self.layout = FlatLayout(groups, config.reduce_bucket_size, shard_world, self.rank)
+        self.layout = self._build_layout(param_groups)
         self.num_params = self.layout.num_params
         self.num_params_padded = self.layout.total_padded
-
-        self.param_flat = torch.zeros(self.layout.total_padded, dtype=self.policy.param_dtype, device=device)
-        for slot in self.layout.slots.values():
-            bucket = self.layout.buckets[slot.bucket]
-            view = self.param_flat[bucket.offset + slot.offset: bucket.offset + slot.offset + slot.numel]
-            view.copy_(slot.param.data.reshape(-1))
-            slot.param.data = view.view(slot.shape)
-        self._broadcast_initial_state()
+        self.param_flat: torch.Tensor | None = None
+        self._place_params()
 
         self.master_flat: torch.Tensor | None = None
         self.master_grad_flat: torch.Tensor | None = None
@@ -88,6 +75,33 @@ class ZeroEngine:
                     self.stage, self.world_size, self.num_params, len(self.layout.buckets),
                     self.num_params_padded, config.dtype)
 
+    # ---- construction steps (overridden by the stage-3 engine) ----------------------------------
+    def _backward_positions(self) -> dict[nn.Parameter, int]:
+        """Each parameter's expected position in backward: reverse registration order."""
+        names: dict[nn.Parameter, str] = {}
+        for name, p in self.model.named_parameters():
+            names.setdefault(p, name)
+        return {p: len(names) - i for i, p in enumerate(names)}
+
+    def _build_layout(self, param_groups: list[list[nn.Parameter]]) -> FlatLayout:
+        """Buckets of the trainable parameters; see [Note: bucket sharding] in layout.py."""
+        order = self._backward_positions()
+        names = {p: n for n, p in self.model.named_parameters()}
+        groups = [sorted(((order[p], names[p], p) for p in group if p.requires_grad), key=lambda t: t[0])
+                  for group in param_groups]
+        shard_world = 1 if self.stage == 0 else self.world_size
+        return FlatLayout(groups, self.config.reduce_bucket_size, shard_world, self.rank)
+
+    def _place_params(self) -> None:
+        """Move the trainable parameters into ``param_flat`` (full, PARAM_FULL) and sync them from rank 0."""
+        self.param_flat = torch.zeros(self.layout.total_padded, dtype=self.policy.param_dtype, device=self.device)
+        for slot in self.layout.slots.values():
+            bucket = self.layout.buckets[slot.bucket]
+            view = self.param_flat[bucket.offset + slot.offset: bucket.offset + slot.offset + slot.numel]
+            view.copy_(slot.param.data.reshape(-1))
+            slot.param.data = view.view(slot.shape)
+        self._broadcast_initial_state()
+
     # ---- views ----------------------------------------------------------------------------------
     def _owned_param(self, bucket) -> torch.Tensor:
         lo, hi = bucket.owned(self.rank) if self.layout.shard_world > 1 else (0, bucket.padded)
@@ -103,6 +117,12 @@ class ZeroEngine:
         if self.world_size == 1:
             return
         self.comm.broadcast(self.param_flat)
+        self._broadcast_untracked()
+
+    def _broadcast_untracked(self) -> None:
+        """Broadcast, from rank 0, the parameters outside the layout (frozen ones) and the buffers."""
+        if self.world_size == 1:
+            return
         in_layout = set(self.layout.slots)
         for p in self.model.parameters():
             if p not in in_layout:

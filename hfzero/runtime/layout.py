@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Hashable
 
 import torch
 from torch import nn
@@ -71,15 +72,24 @@ class FlatLayout:
     """
 
     def __init__(self, groups: list[list[tuple[int, str, nn.Parameter]]], bucket_size: int, shard_world: int,
-                 rank: int):
-        """``groups[g]`` lists (backward position, name, parameter) of group g, sorted by position."""
+                 rank: int, unit_of: Callable[[nn.Parameter], Hashable] | None = None):
+        """``groups[g]`` lists (backward position, name, parameter) of group g, sorted by position.
+
+        ``unit_of`` (stage 3) maps a parameter to its gathering unit: a bucket never holds parameters
+        of two units, so a unit's parameters are whole buckets.
+        """
         self.shard_world = shard_world
         self.rank = rank
         drafts: list[tuple[int, int, list[tuple[str, nn.Parameter]]]] = []  # (ready position, group, params)
         for group_index, named in enumerate(groups):
             current: list[tuple[str, nn.Parameter]] = []
             size = 0
+            previous = 0
             for position, name, param in named:
+                if current and unit_of is not None and unit_of(param) != unit_of(current[-1][1]):
+                    drafts.append((previous, group_index, current))
+                    current, size = [], 0
+                previous = position
                 current.append((name, param))
                 size += param.numel()
                 if size >= bucket_size:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from hfzero.config import ConfigError, ZeroConfig
 from hfzero.logging import get_logger
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.optimizer import ZeroOptimizer
+from hfzero.runtime.stage3 import Stage3Engine
 
 logger = get_logger(__name__)
 
@@ -22,13 +24,18 @@ _ENGINE_ATTR = "hfzero_engine"
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
-            process_group: dist.ProcessGroup | None = None) -> tuple[nn.Module, ZeroOptimizer]:
+            process_group: dist.ProcessGroup | None = None, *, units: Sequence[str] | None = None,
+            verify_gather_order: bool = True) -> tuple[nn.Module, ZeroOptimizer]:
     """Apply ZeRO to ``model`` and ``optimizer`` over ``process_group`` (default: the world group).
 
     The model keeps its class; its trainable parameters become views into one flat buffer (cast to
     ``config.dtype``) and its ``forward``/``generate`` work unchanged. The returned optimizer replaces
     ``optimizer`` (which must not be used afterwards). Every rank must call this with the same
     model, optimizer and config; a mismatch is reported, not hung on.
+
+    Stage 3 only: ``units`` names the modules gathered as one unit (default: the decoder blocks, see
+    [Note: stage-3 units]); ``verify_gather_order`` checks before every gather that all ranks gather
+    the same unit (a tiny extra collective), raising GatherOrderError instead of hanging.
     """
     config = config or ZeroConfig()
     if not isinstance(config, ZeroConfig):
@@ -41,16 +48,21 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     if getattr(model, _ENGINE_ATTR, None) is not None:
         raise ConfigError("hfzero.prepare: this model was already prepared; prepare a model once")
     _check_process_group(process_group)
-    if config.stage == 3:
-        raise ConfigError("hfzero: ZeroConfig(stage=3) (parameter partitioning) is not available in this "
-                          "version; use stage 0, 1 or 2")
+    if config.stage != 3 and units is not None:
+        raise ConfigError("hfzero.prepare: units= applies to ZeroConfig(stage=3) only")
+    if units is not None and (isinstance(units, str) or not all(isinstance(u, str) for u in units)):
+        raise ConfigError("hfzero.prepare: units must be a list of module names, e.g. ['model.layers.0']")
     groups = _optimizer_groups(model, optimizer)
     device = _single_device(groups)
     if config.mixed_precision:
         model.to(config.torch_dtype)
     comm = Communicator(process_group, config.reduce_scatter_impl)
     _check_ranks_agree(comm, config, model, optimizer, groups)
-    engine = ZeroEngine(model, groups, config, comm, device)
+    if config.stage == 3:
+        engine = Stage3Engine(model, groups, config, comm, device, units=units,
+                              verify_gather_order=verify_gather_order)
+    else:
+        engine = ZeroEngine(model, groups, config, comm, device)
     zero_optimizer = ZeroOptimizer(engine, optimizer)
     setattr(model, _ENGINE_ATTR, engine)
     model.no_sync = engine.no_sync  # the DDP-style context accelerate and Trainer look for

@@ -79,6 +79,9 @@ class GradientReducer:
         self._in_backward = False
         self.before_first_grad: Callable[[], None] | None = None
         self.backward_end_hooks: list[Callable[[], None]] = []
+        self.on_bucket_filled: Callable[[Bucket], None] | None = None
+        """Called once per backward when every parameter of a bucket has added its gradient (stage 3
+        releases the gathered unit then)."""
         self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
                        for slot in layout.slots.values()]
 
@@ -116,6 +119,8 @@ class GradientReducer:
         dest = self._fill_target(bucket)
         dest[slot.offset: slot.offset + slot.numel].add_(grad.reshape(-1))
         self._pending[bucket.index] -= 1
+        if self._pending[bucket.index] == 0 and self.on_bucket_filled is not None:
+            self.on_bucket_filled(bucket)
         if self.sync and self.overlap and self._pending[bucket.index] == 0:
             self._launch_ready()
 

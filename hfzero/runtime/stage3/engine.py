@@ -1,0 +1,176 @@
+"""Stage3Engine: ZeRO stage 3 (P_os+g+p): parameters, gradients and optimizer states partitioned.
+
+Memory held per rank (bf16 + Adam, Ψ trainable parameters of which P are persistent, N ranks):
+- ``param_shard``: this rank's slice of every gathered bucket (PARAM_SHARD, 2(Ψ - P)/N).
+- ``persistent_flat``: parameters below ``param_persistence_threshold``, whole on every rank
+  (PARAM_FULL, 2P); the model's persistent parameters are views of it. Their gradients and
+  optimizer states are sharded like the others'; after a step they are all-gathered.
+- full buffers of the units gathered right now (PARAM_GATHERED, transient): the unit running
+  forward or backward, the root (the whole forward and the whole backward), and prefetched units
+  (at most ``allgather_bucket_size`` elements); see unit.py and scheduler.py.
+- gradients, master weights, optimizer states: as at stage 2 (GRAD_SHARD 2Ψ/N, MASTER_SHARD 4Ψ/N,
+  OPTIM_STATE 8Ψ/N, GRAD_BUCKET staging), the same code (engine.py, reducer.py, optimizer.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hfzero.comm import Communicator
+from hfzero.config import ZeroConfig
+from hfzero.logging import get_logger
+from hfzero.roles import MemoryRole
+from hfzero.runtime.engine import ZeroEngine
+from hfzero.runtime.layout import Bucket, FlatLayout
+from hfzero.runtime.stage3.scheduler import UnitScheduler
+from hfzero.runtime.stage3.unit import GatherUnit
+from hfzero.runtime.stage3.units import UnitSpec, resolve_units
+
+logger = get_logger(__name__)
+
+_PERSISTENT = -1
+"""Unit key of the persistent parameters' buckets (they are never gathered)."""
+
+
+def _gather_group_comms(comm: Communicator) -> tuple[Communicator, Communicator | None]:
+    """A communicator for parameter gathers on a group of its own, and one for order checks.
+
+    See [Note: stage-3 gather order]. Gather volumes are counted in ``comm``'s statistics, so
+    ``engine.comm.stats()`` reports every collective of the step.
+    """
+    if comm.world_size == 1:
+        return comm, None
+    ranks = dist.get_process_group_ranks(comm.group or dist.group.WORLD)
+    group = dist.new_group(ranks, use_local_synchronization=True)
+    gather = Communicator(group, "native")
+    gather._stats = comm._stats  # one ledger for the data-parallel group's collectives
+    return gather, Communicator(group, "native")
+
+
+class Stage3Engine(ZeroEngine):
+    """The stage-0-2 engine with parameters kept as flat shards and gathered per unit around use."""
+
+    def __init__(self, model: nn.Module, param_groups: list[list[nn.Parameter]], config: ZeroConfig,
+                 comm: Communicator, device: torch.device, *, units: Sequence[str] | None = None,
+                 verify_gather_order: bool = True):
+        trainable = {p for group in param_groups for p in group if p.requires_grad}
+        self.unit_specs: list[UnitSpec] = resolve_units(model, units, trainable)
+        self._unit_of: dict[nn.Parameter, int] = {}
+        for spec in self.unit_specs:
+            for p in spec.params:
+                persistent = p.numel() < config.param_persistence_threshold
+                self._unit_of[p] = _PERSISTENT if persistent else spec.index
+        self.gather_comm, verify_comm = _gather_group_comms(comm)
+        self._verify_gather_order = verify_gather_order
+        super().__init__(model, param_groups, config, comm, device)
+        self.units = [self._make_unit(spec) for spec in self.unit_specs]
+        self._unit_by_bucket = {b.index: self.units[self._unit_of[b.slots[0].param]] for b in self.layout.buckets
+                                if self._unit_of[b.slots[0].param] != _PERSISTENT}
+        self.scheduler = UnitScheduler(self.units, verify_comm if verify_gather_order else None,
+                                       config.allgather_bucket_size)
+        self.reducer.on_bucket_filled = self._on_bucket_filled
+        self.num_persistent_params = sum(b.numel for b in self._persistent_buckets())
+        logger.info("stage 3: %d unit(s), %d persistent parameter(s) (< %d elements each kept whole)",
+                    len(self.units), self.num_persistent_params, config.param_persistence_threshold)
+
+    # ---- construction ---------------------------------------------------------------------------
+    def _backward_positions(self) -> dict[nn.Parameter, int]:
+        """Unit by unit in backward order: the last block first, the root, then the persistent parameters."""
+        registration = super()._backward_positions()
+        rank_of_unit = {spec.index: len(self.unit_specs) - spec.index for spec in self.unit_specs}
+        rank_of_unit[0] = len(self.unit_specs)
+        rank_of_unit[_PERSISTENT] = len(self.unit_specs) + 1
+        stride = len(registration) + 1
+        return {p: rank_of_unit[self._unit_of[p]] * stride + pos if p in self._unit_of else pos
+                for p, pos in registration.items()}
+
+    def _build_layout(self, param_groups: list[list[nn.Parameter]]) -> FlatLayout:
+        order = self._backward_positions()
+        names = {p: n for n, p in self.model.named_parameters()}
+        groups = [sorted(((order[p], names[p], p) for p in group if p.requires_grad), key=lambda t: t[0])
+                  for group in param_groups]
+        return FlatLayout(groups, self.config.reduce_bucket_size, self.world_size, self.rank,
+                          unit_of=self._unit_of.__getitem__)
+
+    def _persistent_buckets(self) -> list[Bucket]:
+        return [b for b in self.layout.buckets if self._unit_of[b.slots[0].param] == _PERSISTENT]
+
+    def _place_params(self) -> None:
+        """Sync each bucket from rank 0, keep this rank's slice (or all of a persistent bucket)."""
+        dtype = self.policy.param_dtype
+        persistent = self._persistent_buckets()
+        gathered = [b for b in self.layout.buckets if b not in persistent]
+        self.param_shard = torch.zeros(sum(b.chunk for b in gathered), dtype=dtype, device=self.device)
+        self.persistent_flat = torch.zeros(sum(b.padded for b in persistent), dtype=dtype, device=self.device)
+        self._shard_views: dict[int, torch.Tensor] = {}
+        self._persistent_full: dict[int, torch.Tensor] = {}
+        shard_at = full_at = 0
+        for bucket in self.layout.buckets:
+            full = torch.zeros(bucket.padded, dtype=dtype, device=self.device)  # transient, one bucket
+            for slot in bucket.slots:
+                full[slot.offset: slot.offset + slot.numel].copy_(slot.param.data.reshape(-1))
+            self.comm.broadcast(full)
+            lo, hi = bucket.owned(self.rank)
+            if bucket in persistent:
+                kept = self.persistent_flat[full_at: full_at + bucket.padded]
+                kept.copy_(full)
+                for slot in bucket.slots:
+                    slot.param.data = kept[slot.offset: slot.offset + slot.numel].view(slot.shape)
+                self._persistent_full[bucket.index] = kept
+                self._shard_views[bucket.index] = kept[lo:hi]
+                full_at += bucket.padded
+            else:
+                self._shard_views[bucket.index] = self.param_shard[shard_at: shard_at + bucket.chunk]
+                self._shard_views[bucket.index].copy_(full[lo:hi])
+                shard_at += bucket.chunk
+        self._broadcast_untracked()
+
+    def _make_unit(self, spec: UnitSpec) -> GatherUnit:
+        buckets = [b for b in self.layout.buckets if self._unit_of[b.slots[0].param] == spec.index]
+        return GatherUnit(spec.index, spec.name, spec.module, buckets, self.layout, self._shard_views,
+                          self.gather_comm, self.policy.param_dtype, self.device)
+
+    def _owned_param(self, bucket: Bucket) -> torch.Tensor:
+        return self._shard_views[bucket.index]
+
+    def _on_bucket_filled(self, bucket: Bucket) -> None:
+        unit = self._unit_by_bucket.get(bucket.index)
+        if unit is not None:
+            self.scheduler.on_bucket_filled(unit)
+
+    # ---- step -----------------------------------------------------------------------------------
+    def publish_params(self) -> None:
+        """Copy master slices into the parameter shard; all-gather only the persistent parameters.
+
+        Partitioned parameters stay sharded after the step: the next forward gathers them.
+        """
+        self.scheduler.release_all()
+        if self.policy.separate_master:
+            for bucket, master in zip(self.layout.buckets, self.master_views):
+                self._owned_param(bucket).copy_(master)
+        handles = [self.comm.all_gather(self._persistent_full[b.index], self._shard_views[b.index], async_op=True)
+                   for b in self._persistent_buckets()]
+        for handle in handles:
+            handle.wait()
+
+    # ---- introspection --------------------------------------------------------------------------
+    def memory_by_role(self) -> dict[MemoryRole, int]:
+        """Bytes by role; adds PARAM_SHARD, persistent PARAM_FULL and PARAM_GATHERED to the stage-2 roles."""
+        roles = super().memory_by_role()
+        element = self.param_shard.element_size()
+        extra = {
+            MemoryRole.PARAM_SHARD: self.param_shard.numel() * element,
+            MemoryRole.PARAM_FULL: roles.get(MemoryRole.PARAM_FULL, 0) + self.persistent_flat.numel() * element,
+            MemoryRole.PARAM_GATHERED: sum(u.resident_bytes() for u in self.units),
+        }
+        roles.update(extra)
+        return {role: size for role, size in roles.items() if size}
+
+    def trace(self, enabled: bool = True) -> list[tuple[str, str]] | None:
+        """Record gather/release events (see UnitScheduler.events); returns the live event list."""
+        self.scheduler.trace(enabled)
+        return self.scheduler.events

@@ -1,0 +1,242 @@
+"""Stage-3 hooks: gather before a unit's forward and backward, release after, prefetch in recorded order.
+
+[Note: stage-3 gather order]
+Gathers are collectives, so every rank must gather the same units in the same order. They run on a
+process group of their own (the gather group), apart from the gradient reduce-scatters, so the two
+sequences never interleave differently on two ranks. Within a pass (one forward of the root, or one
+backward) a unit is gathered on demand by its forward pre-hook (forward) or by a hook on its forward
+outputs' gradients (backward), and the next units of the order recorded in the previous pass of the
+same kind are prefetched, within ``allgather_bucket_size`` elements of not-yet-used gathered units.
+A pass that departs from the recorded order stops prefetching (the rest is gathered on demand) and
+becomes the new recorded order; prefetched units it did not use are released when the pass ends.
+With ``verify=True`` every gather is preceded by a tiny all-gather of the unit's index (and every
+pass end by an end marker) on the gather group: when ranks disagree (a rank skipped a unit) every
+rank raises GatherOrderError naming what each rank asked for, instead of hanging or mixing shards.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hfzero.comm import Communicator
+from hfzero.logging import get_logger
+from hfzero.runtime.stage3.unit import GatherUnit, UnitState
+
+logger = get_logger(__name__)
+
+_END_FORWARD = -1
+_END_BACKWARD = -2
+
+
+class GatherOrderError(RuntimeError):
+    """Ranks asked for different stage-3 units at the same point (their forward or backward differed)."""
+
+
+class Phase(enum.Enum):
+    """IDLE: no pass running. FORWARD: inside the root's forward. BACKWARD: inside a backward pass."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+def _tensors(value: Any) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+class _Pass:
+    """Bookkeeping of one forward or backward pass: the units it used, in order."""
+
+    def __init__(self, recorded: list[int]):
+        self.recorded = recorded
+        self.seen: list[int] = []
+        self.diverged = False
+
+
+class UnitScheduler:
+    """Registers the hooks of every unit and decides when each is gathered and released."""
+
+    def __init__(self, units: list[GatherUnit], verify_comm: Communicator | None, prefetch_numel: int):
+        self.units = units
+        self.root = units[0]
+        self.verify_comm = verify_comm
+        self.prefetch_numel = prefetch_numel
+        self.phase = Phase.IDLE
+        self.orders: dict[Phase, list[int]] = {Phase.FORWARD: [], Phase.BACKWARD: []}
+        self._pass: _Pass | None = None
+        self._in_use: list[int] = []  # units between their pre- and post-forward (a stack)
+        self._backward_seen: set[int] = set()
+        self.events: list[tuple[str, str]] | None = None
+        """When a list (``trace(True)``), ("gather"|"wait"|"release"|"forward"|"forward_end"|
+        "backward", unit name) events are appended in the order they happen."""
+        self._handles = []
+        for unit in units:
+            self._handles.append(unit.module.register_forward_pre_hook(self._hook_pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._hook_post_forward(unit)))
+
+    # ---- public ---------------------------------------------------------------------------------
+    def trace(self, enabled: bool) -> None:
+        """Start (or stop) recording events in ``self.events``."""
+        self.events = [] if enabled else None
+
+    def gathered_numel(self) -> int:
+        return sum(u.numel for u in self.units if u.state is not UnitState.SHARDED)
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            unit.release()
+
+    def gather_now(self, unit: GatherUnit) -> None:
+        """Gather ``unit`` synchronously outside any pass (collective: every rank must call it)."""
+        self._issue(unit)
+        unit.wait()
+
+    def on_bucket_filled(self, unit: GatherUnit) -> None:
+        """A bucket of ``unit`` got all its gradients; release the unit once all its buckets did."""
+        unit.filled_left -= 1
+        if unit.filled_left == 0 and self.phase is Phase.BACKWARD:
+            self._log("release", unit)
+            unit.release()
+
+    # ---- hooks ----------------------------------------------------------------------------------
+    def _hook_pre_forward(self, unit: GatherUnit) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if unit is self.root and self.phase is Phase.IDLE:
+                self.phase = Phase.FORWARD
+                self._pass = _Pass(self.orders[Phase.FORWARD])
+            self._log("forward", unit)
+            self._use(unit, forward=True)
+            self._in_use.append(unit.index)
+        return hook
+
+    def _hook_post_forward(self, unit: GatherUnit) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._in_use and self._in_use[-1] == unit.index:
+                self._in_use.pop()
+            if self.phase is Phase.BACKWARD:
+                return  # activation-checkpoint recomputation: the backward pass owns the unit
+            if torch.is_grad_enabled():
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(self._hook_pre_backward(unit))
+            self._log("forward_end", unit)
+            if unit.index not in self._in_use:
+                unit.release()
+            if unit is self.root and self.phase is Phase.FORWARD:
+                self._end_pass(Phase.FORWARD, _END_FORWARD)
+        return hook
+
+    def _hook_pre_backward(self, unit: GatherUnit) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if self.phase is not Phase.BACKWARD:
+                self._begin_backward()
+            if unit.index in self._backward_seen:
+                return
+            self._backward_seen.add(unit.index)
+            self._log("backward", unit)
+            unit.filled_left = len(unit.buckets)
+            self._use(unit, forward=False)
+        return hook
+
+    # ---- passes ---------------------------------------------------------------------------------
+    def _begin_backward(self) -> None:
+        if self.phase is Phase.FORWARD:  # backward inside the root's forward: end that pass first
+            self._end_pass(Phase.FORWARD, _END_FORWARD)
+        self.phase = Phase.BACKWARD
+        self._pass = _Pass(self.orders[Phase.BACKWARD])
+        self._backward_seen = set()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self._end_pass(Phase.BACKWARD, _END_BACKWARD)
+
+    def _end_pass(self, phase: Phase, marker: int) -> None:
+        current, self._pass = self._pass, None
+        self.phase = Phase.IDLE
+        self._in_use.clear()
+        for unit in self.units:
+            if unit.state is not UnitState.SHARDED:
+                self._log("release", unit)
+                unit.release()
+        if current is not None and current.seen != current.recorded:
+            if current.recorded:
+                logger.debug("stage 3: %s order changed; recording the new one", phase.value)
+            self.orders[phase] = current.seen
+        self._verify(marker)
+
+    # ---- gathering ------------------------------------------------------------------------------
+    def _use(self, unit: GatherUnit, forward: bool) -> None:
+        """Make ``unit`` gathered now, then prefetch what the recorded order says comes next."""
+        self._issue(unit)
+        unit.wait()
+        self._log("wait", unit)
+        current = self._pass
+        if current is None:
+            return
+        position = len(current.seen)
+        current.seen.append(unit.index)
+        if current.diverged or position >= len(current.recorded) or current.recorded[position] != unit.index:
+            current.diverged = True
+            return
+        budget = self.prefetch_numel - sum(u.numel for u in self.units
+                                           if u.state is not UnitState.SHARDED and u.index not in current.seen)
+        for index in current.recorded[position + 1:]:
+            nxt = self.units[index]
+            if nxt.state is not UnitState.SHARDED:
+                continue
+            if nxt.numel > budget:
+                break
+            budget -= nxt.numel
+            self._issue(nxt)
+
+    def _issue(self, unit: GatherUnit) -> None:
+        if unit.state is not UnitState.SHARDED:
+            return
+        self._verify(unit.index)
+        self._log("gather", unit)
+        unit.start_gather()
+
+    def _verify(self, code: int) -> None:
+        """All ranks must be at the same gather (or pass end); see [Note: stage-3 gather order]."""
+        comm = self.verify_comm
+        if comm is None or comm.world_size == 1:
+            return
+        mine = torch.tensor([code], dtype=torch.int64, device=self.root.full.device)
+        everyone = torch.empty(comm.world_size, dtype=torch.int64, device=mine.device)
+        comm.all_gather(everyone, mine)
+        codes = everyone.tolist()
+        if len(set(codes)) > 1:
+            what = ", ".join(f"rank {r}: {self._describe(c)}" for r, c in enumerate(codes))
+            raise GatherOrderError(
+                f"hfzero stage 3: ranks reached different parameter gathers ({what}). Every rank must run "
+                "the same stage-3 units (decoder blocks, the root) in the same order in each forward and "
+                "backward; a branch that skips a unit on some ranks only must be taken on all ranks, or "
+                "the module must belong to a unit every rank runs (prepare(units=...)).")
+
+    def _describe(self, code: int) -> str:
+        if code == _END_FORWARD:
+            return "end of forward"
+        if code == _END_BACKWARD:
+            return "end of backward"
+        return f"gather of unit {self.units[code].name or '<root>'!r}"
+
+    def _log(self, event: str, unit: GatherUnit) -> None:
+        if self.events is not None:
+            self.events.append((event, unit.name or "<root>"))
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -1,0 +1,46 @@
+"""Full (unsharded) state dicts of a stage-3 model, gathered one unit at a time.
+
+[Note: stage-3 state_dict]
+At stage 3, between uses, a partitioned parameter is a 0-element tensor of its dtype (see
+[Note: stage-3 release]), so ``model.state_dict()`` returns empty tensors for it: saving that
+would write an empty model. ``full_state_dict(model)`` gathers each unit in turn (a collective:
+every rank must call it), copies its parameters to the CPU and releases it again, so at most one
+unit's full buffer is resident at a time beyond the result.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every parameter whole, as CPU tensors.
+
+    Collective over the model's data-parallel group. With ``rank0_only`` the other ranks take part
+    in the gathers but return ``{}``, so only rank 0 holds the (CPU) copy of the model.
+    """
+    from hfzero.runtime.prepare import get_engine
+    from hfzero.runtime.stage3.engine import Stage3Engine
+    from hfzero.runtime.stage3.unit import UnitState
+
+    engine = get_engine(model)
+    keep = not rank0_only or engine.rank == 0
+    if not isinstance(engine, Stage3Engine):
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if keep else {}
+    gathered: dict[nn.Parameter, torch.Tensor] = {}
+    for unit in engine.units:
+        was_sharded = unit.state is UnitState.SHARDED
+        engine.scheduler.gather_now(unit)
+        if keep:
+            for p in unit.params:
+                gathered[p] = p.detach().to("cpu", copy=True)
+        if was_sharded:
+            unit.release()
+    if not keep:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        tensor = gathered.get(value) if isinstance(value, nn.Parameter) else None
+        out[key] = tensor if tensor is not None else value.detach().to("cpu", copy=True)
+    return out

@@ -1,0 +1,110 @@
+"""One stage-3 gathering unit: its buckets, its reusable full buffer, and its shard lifecycle.
+
+[Note: stage-3 release]
+A unit's full buffer is one tensor allocated at construction whose *storage* is resized to zero
+bytes when the unit is released and back to full size before each gather (as FSDP1 does). Autograd
+may have saved views of a parameter (``weight.t()`` in a linear layer) during forward: those views
+share the storage, so resizing it frees their memory too, and the backward gather refills the same
+storage before any of them is read. Between uses the parameters point at a 0-element tensor of
+their dtype, so nothing can read stale or freed memory through them.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+
+from hfzero.comm import Communicator, Handle
+from hfzero.runtime.layout import Bucket, FlatLayout
+
+
+class UnitState(enum.Enum):
+    """What memory a gathering unit holds.
+
+    SHARDED: only this rank's slices (PARAM_SHARD, owned by the engine) are resident; the unit's
+        parameters are 0-element tensors and its full buffer has no storage.
+    GATHERING: an all-gather into the full buffer is in flight; the full buffer is allocated
+        (PARAM_GATHERED) but the parameters still point at empty tensors.
+    GATHERED: the full buffer is resident (PARAM_GATHERED) and the parameters are views of it.
+    """
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class GatherUnit:
+    """The gathered (non-persistent) buckets of one unit; see [Note: stage-3 release]."""
+
+    def __init__(self, index: int, name: str, module: nn.Module, buckets: list[Bucket], layout: FlatLayout,
+                 shard_views: dict[int, torch.Tensor], comm: Communicator, dtype: torch.dtype,
+                 device: torch.device):
+        self.index = index
+        self.name = name
+        self.module = module
+        self.buckets = buckets
+        self.comm = comm
+        self.state = UnitState.SHARDED
+        self.numel = sum(b.padded for b in buckets)
+        self.full = torch.empty(self.numel, dtype=dtype, device=device)
+        self._nbytes = self.numel * self.full.element_size()
+        self._empty = torch.empty(0, dtype=dtype, device=device)
+        self._targets: list[tuple[torch.Tensor, torch.Tensor]] = []  # (full bucket view, shard slice)
+        self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
+        start = 0
+        for bucket in buckets:
+            self._targets.append((self.full[start: start + bucket.padded], shard_views[bucket.index]))
+            for slot in bucket.slots:
+                view = self.full[start + slot.offset: start + slot.offset + slot.numel].view(slot.shape)
+                self._views.append((slot.param, view))
+            start += bucket.padded
+        self._handles: list[Handle] = []
+        self.filled_left = 0
+        """Buckets still waiting for gradients in the running backward (release at zero)."""
+        self._free_storage()
+        self._point_at_empty()
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for p, _ in self._views]
+
+    def resident_bytes(self) -> int:
+        """Bytes of the full buffer while allocated (PARAM_GATHERED), else 0."""
+        return 0 if self.state is UnitState.SHARDED else self._nbytes
+
+    def start_gather(self) -> None:
+        """Allocate the full buffer and launch its all-gathers (asynchronously); no-op unless SHARDED."""
+        if self.state is not UnitState.SHARDED:
+            return
+        self.full.untyped_storage().resize_(self._nbytes)
+        self._handles = [self.comm.all_gather(full, shard, async_op=True) for full, shard in self._targets]
+        self.state = UnitState.GATHERING
+
+    def wait(self) -> None:
+        """Finish the gather and point the parameters at views of the full buffer."""
+        if self.state is not UnitState.GATHERING:
+            return
+        for handle in self._handles:
+            handle.wait()
+        self._handles = []
+        for param, view in self._views:
+            param.data = view
+        self.state = UnitState.GATHERED
+
+    def release(self) -> None:
+        """Drop the full buffer (the shard stays); no-op when SHARDED."""
+        if self.state is UnitState.SHARDED:
+            return
+        self.wait()
+        self._point_at_empty()
+        self._free_storage()
+        self.state = UnitState.SHARDED
+
+    def _point_at_empty(self) -> None:
+        for param, _ in self._views:
+            param.data = self._empty
+
+    def _free_storage(self) -> None:
+        self.full.untyped_storage().resize_(0)
