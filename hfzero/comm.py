@@ -4,7 +4,7 @@ Every collective runs under ``torch.profiler.record_function("hfzero::<kind>")``
 ``CommStats`` by kind. Volumes follow the paper's convention (logical elements per rank): an
 all-reduce of n elements counts 2n (a reduce-scatter plus an all-gather), a reduce-scatter of an
 n-element input counts n, an all-gather into an n-element output counts n. ``bytes`` is elements
-times the element size. An implementation choice (e.g. a reduce-scatter carried out as an all-reduce
+times the element size. A group of one rank moves nothing and counts nothing. An implementation choice (e.g. a reduce-scatter carried out as an all-reduce
 on gloo) does not change the logical count; ``CommStats.impl_calls`` records what actually ran.
 """
 
@@ -89,6 +89,8 @@ class Communicator:
         return {k: dataclasses.replace(v, impl_calls=dict(v.impl_calls)) for k, v in self._stats.items()}
 
     def _account(self, kind: str, impl: str, elements: int, element_size: int) -> CommStats:
+        if self.world_size == 1:
+            return CommStats()  # nothing moves between ranks: count nothing
         s = self._stats.setdefault(kind, CommStats())
         s.calls += 1
         s.elements += elements

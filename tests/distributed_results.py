@@ -1,0 +1,44 @@
+"""Every multi-process training case of the engine suite, run once per world size and cached.
+
+Spawning and importing torch dominate the cost on 2 cores, so all cases for a world size share one
+spawned process group (see hfzero.testing.workloads.train_many).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from hfzero.testing import run_distributed
+from hfzero.testing.workloads import TrainSpec, train_many, train_reference
+
+MODELS = ("gpt2", "llama")
+STAGES = (0, 1, 2)
+ACCUMULATION = ((1, False), (4, False), (4, True))
+FP32_CASES = [TrainSpec(model=m, stage=s, accumulation=a, no_sync=ns)
+              for m in MODELS for s in STAGES for a, ns in ACCUMULATION]
+BF16_CASES = [TrainSpec(model="gpt2", stage=s, dtype="bf16") for s in STAGES]
+FP16_CASES = [TrainSpec(model="gpt2", stage=s, dtype="fp16", overflow_step=3, steps=6) for s in STAGES]
+MEMORY_CASES = [TrainSpec(model="gpt2", stage=s, dtype="bf16", steps=2, max_grad_norm=None) for s in STAGES]
+
+
+def cases(world: int) -> list[TrainSpec]:
+    extra = BF16_CASES + FP16_CASES if world == 2 else []
+    return FP32_CASES + extra + [s for s in MEMORY_CASES if s not in extra]
+
+
+@functools.lru_cache(maxsize=None)
+def results(world: int) -> dict[TrainSpec, list[dict]]:
+    """spec -> per-rank result dicts of train_zero."""
+    specs = cases(world)
+    per_rank = run_distributed(train_many, world, specs, timeout=900)
+    return {spec: [rank_results[i] for rank_results in per_rank] for i, spec in enumerate(specs)}
+
+
+@functools.lru_cache(maxsize=None)
+def reference(model: str, steps: int = 10):
+    return train_reference(TrainSpec(model=model, steps=steps))
+
+
+def case_id(spec: TrainSpec) -> str:
+    return (f"{spec.model}-{spec.dtype}-stage{spec.stage}-accum{spec.accumulation}"
+            f"{'-nosync' if spec.no_sync else ''}")
