@@ -124,6 +124,7 @@ def test_records_every_phase_with_exact_figures(tmp_path: Path) -> None:
     assert run.warnings == []
     records = run.ranks[0].records
     assert records[0]["event"] == "start" and records[-1]["event"] == "stop" and "exception" not in records[-1]
+    assert 0 < records[-1]["overhead_seconds"] < sum(r["seconds"] for r in records if r["kind"] == "step")
     assert _phases(records) == [
         (s, *p) for s in (0, 1) for p in (("forward", "begin"), ("forward", "end"), ("backward", "begin"),
                                           ("backward", "end"), ("step", "begin"), ("step", "end"), ("step",))]

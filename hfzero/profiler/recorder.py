@@ -25,11 +25,13 @@ only every n-th step (the others cost one ``comm.stats()`` copy). ``cuda_snapsho
 
 from __future__ import annotations
 
+import functools
 import time
 import types
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,21 @@ logger = get_logger(__name__)
 
 _MODEL_STATE_KEYS = frozenset(role.value for role in MODEL_STATE_ROLES)
 _ROUND = 6  # decimals kept for seconds
+_Hook = TypeVar("_Hook", bound=Callable[..., None])
+
+
+def _costed(hook: _Hook) -> _Hook:
+    """Add the wall time spent in ``hook`` to the profiler's ``overhead_seconds``."""
+    @functools.wraps(hook)
+    def timed(self: "ZeroProfiler", *args: Any) -> None:
+        started = time.perf_counter()
+        try:
+            hook(self, *args)
+        finally:
+            self.overhead_seconds += time.perf_counter() - started
+    return timed  # type: ignore[return-value]
+
+
 _SNAPSHOT_FIELDS = ("total_free", "largest_free_block", "reserved_unallocated", "fragmentation")
 """Snapshot figures copied into the step record's allocator sample."""
 
@@ -84,6 +101,8 @@ class ZeroProfiler:
         self.probe = AllocatorProbe(self.device)
         self.step = 0
         """Index of the step in progress (steps end at the optimizer's step post-hook)."""
+        self.overhead_seconds = 0.0
+        """Wall time spent in the profiler's hooks so far (what it adds to training, start/stop excluded)."""
         self._writer: RankWriter | None = None
         self._handles: list[Any] = []
         self._active = False
@@ -126,7 +145,8 @@ class ZeroProfiler:
         self._handles.clear()
         if self._active:
             extra = {"exception": type(exception).__name__} if exception is not None else {}
-            self._emit(self._record("event", event=EVENT_STOP, **extra))
+            self._emit(self._record("event", event=EVENT_STOP, overhead_seconds=round(self.overhead_seconds, _ROUND),
+                                    **extra))
         self._active = False
         self._writer.close()
 
@@ -153,11 +173,13 @@ class ZeroProfiler:
     def _recording(self) -> bool:
         return self._active and self.step % self.every_n_steps == 0
 
+    @_costed
     def _on_forward_begin(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if self._recording() and torch.is_grad_enabled():
             self._micro += 1
             self._phase_edge("forward", "begin", micro=self._micro)
 
+    @_costed
     def _on_forward_end(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not (self._recording() and torch.is_grad_enabled()):
             return
@@ -166,18 +188,22 @@ class ZeroProfiler:
             if tensor.requires_grad:
                 tensor.register_hook(self._on_output_grad)
 
+    @_costed
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         if self._recording() and "backward" not in self._phase_t:
             self._phase_edge("backward", "begin", micro=self._micro)
 
+    @_costed
     def _on_backward_end(self) -> None:
         if self._recording():
             self._phase_edge("backward", "end", micro=self._micro)
 
+    @_costed
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._recording():
             self._phase_edge("step", "begin")
 
+    @_costed
     def _on_step_end(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._active:
             return
