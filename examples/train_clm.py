@@ -3,7 +3,7 @@
 A plain Trainer script: no hfzero import. `hfzero run` makes it train with ZeRO:
 
     hfzero run --nproc_per_node 2 examples/train_clm.py --config_name tiny --output_dir out/clm \
-        --max_steps 60 --per_device_train_batch_size 8 --zero_stage 2
+        --do_train --max_steps 60 --per_device_train_batch_size 8 --zero_stage 2
 
 Without --zero_* options (or under plain torchrun) it trains with DDP.
 --config_name: "tiny" (built in), or a path to a GPT-2 config.json / model directory.
@@ -74,7 +74,7 @@ def main() -> None:
                 model.num_parameters() / 1e6, len(train_set), len(eval_set), dargs.block_size)
     trainer = Trainer(model=model, args=targs, train_dataset=train_set, eval_dataset=eval_set,
                       processing_class=tokenizer, data_collator=default_data_collator)
-    if targs.do_train or not targs.do_eval:
+    if targs.do_train:
         result = trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
         trainer.save_model()
         trainer.log_metrics("train", result.metrics)

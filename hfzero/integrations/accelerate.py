@@ -264,16 +264,35 @@ class ZeroAccelerator(Accelerator):
 
     # ---- state ----------------------------------------------------------------------------------
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """The full model state dict (stages 0-2 keep full parameters on every rank)."""
-        if _is_zero_model(model) and get_engine(model).stage >= 3:
+        """The full model state dict, as CPU copies (stages 0-2 keep full parameters on every rank).
+
+        Copies, because a ZeRO model's parameters are views into one flat buffer: safetensors would
+        take them for shared tensors and drop all but one.
+        """
+        if not _is_zero_model(model):
+            return super().get_state_dict(model, unwrap=unwrap)
+        if get_engine(model).stage >= 3:
             raise ConfigError("ZeroAccelerator.get_state_dict: gathering stage-3 parameters is not available "
                               "in this version")
-        return super().get_state_dict(model, unwrap=unwrap)
+        state = super().get_state_dict(model, unwrap=unwrap)
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()}
 
     def _split_optimizers(self) -> tuple[list[Any], list[Any]]:
         zero = [opt for opt in self._optimizers if unwrap_optimizer(opt) is not None]
         other = [opt for opt in self._optimizers if unwrap_optimizer(opt) is None]
         return zero, other
+
+    @contextlib.contextmanager
+    def _without_zero(self) -> Iterator[None]:
+        """Hide ZeRO models and optimizers from the base class's save/load: their parameters are views of
+        one flat buffer (safetensors refuses them as shared tensors) and their state is sharded."""
+        models, optimizers = self._models, self._optimizers
+        self._models = [m for m in models if not _is_zero_model(m)]
+        self._optimizers = self._split_optimizers()[1]
+        try:
+            yield
+        finally:
+            self._models, self._optimizers = models, optimizers
 
     def _model_of(self, optimizer: Any) -> nn.Module:
         zero = unwrap_optimizer(optimizer)
@@ -281,28 +300,23 @@ class ZeroAccelerator(Accelerator):
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> str:
-        """accelerate's save_state, plus every rank's ZeRO optimizer shard under ``zero_optimizer_<i>/``."""
-        zero, other = self._split_optimizers()
-        everything = self._optimizers
-        self._optimizers = other
-        try:
+        """accelerate's save_state for everything but ZeRO models and optimizers; those go, every rank its
+        shard, to ``zero_optimizer_<i>/`` through hfzero.checkpoint (weights, master shards, optimizer
+        states; reshardable, and exportable with ``hfzero consolidate``)."""
+        zero, _ = self._split_optimizers()
+        with self._without_zero():
             location = super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
-        finally:
-            self._optimizers = everything
         for index, opt in enumerate(zero):
             save_optimizer_shards(Path(location) / _SHARD_DIR.format(index=index), self._model_of(opt), opt)
         return location
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
                    **load_model_func_kwargs: Any) -> None:
-        """accelerate's load_state, plus this rank's ZeRO optimizer shards (loaded after the weights)."""
-        zero, other = self._split_optimizers()
-        everything = self._optimizers
-        self._optimizers = other
-        try:
+        """accelerate's load_state for everything but ZeRO models and optimizers, which are loaded from
+        ``zero_optimizer_<i>/`` (at any world size or stage)."""
+        zero, _ = self._split_optimizers()
+        with self._without_zero():
             super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
-        finally:
-            self._optimizers = everything
         directory = Path(input_dir) if input_dir is not None else self._latest_automatic_checkpoint()
         for index, opt in enumerate(zero):
             load_optimizer_shards(directory / _SHARD_DIR.format(index=index), self._model_of(opt), opt)
