@@ -21,6 +21,11 @@ whose cost grows with the number of free heap chunks, ~0.1 ms with thousands) an
 line of about 1 KB. A step records six boundaries and one step record. ``every_n_steps`` records
 only every n-th step (the others cost one ``comm.stats()`` copy). ``cuda_snapshot=True`` adds one
 ``torch.cuda.memory_snapshot()`` per recorded step (milliseconds to tens of milliseconds).
+
+On CUDA no synchronization is added (it would change the overlap being measured): times are host
+wall times at the hooks, so a phase's ``seconds`` covers launching its kernels, and the time they
+still run is billed to whichever later phase waits for them. Step times are exact over a step in
+steady state. Memory figures are exact at every boundary: the caching allocator is host-ordered.
 """
 
 from __future__ import annotations
