@@ -2,7 +2,8 @@
 
 Streams tensor by tensor: each full parameter is assembled from the ranks' saved pieces, cast,
 written to its output shard and dropped before the next, so resident memory is about the largest
-tensor (its fp32 assembly, its cast copy and one saved piece), not the model. Needs no
+tensor (its fp32 assembly and one saved piece, plus a cast copy when ``dtype`` differs), not the
+model. Needs no
 torch.distributed and no model instance.
 """
 
@@ -23,7 +24,7 @@ import torch
 from hfzero.checkpoint import format as fmt
 from hfzero.checkpoint.errors import CheckpointError
 from hfzero.checkpoint.save import swap_into_place
-from hfzero.checkpoint.stream import (TensorEntry, dtype_from_name, dtype_name, fsync_dir, read_range, read_tensor,
+from hfzero.checkpoint.stream import (TensorEntry, dtype_from_name, dtype_name, fsync_dir, read_tensor,
                                       write_bytes_durably, write_safetensors)
 from hfzero.logging import get_logger
 
@@ -118,11 +119,14 @@ def _tensors(directory: Path, manifest: dict[str, Any], shard: list[_Source]) ->
     master = dtype_from_name(manifest["master_dtype"])
     for source in shard:
         if source.name in manifest["params"]:
-            info = manifest["params"][source.name]
-            full = torch.empty(math.prod(source.entry.shape), dtype=master)  # (numel,) fp32
-            for piece in info["pieces"]:
-                full[piece["start"]: piece["end"]] = read_range(directory / piece["file"], fmt.master_key(source.name),
-                                                                0, piece["end"] - piece["start"])
+            pieces = manifest["params"][source.name]["pieces"]
+            key = fmt.master_key(source.name)
+            if len(pieces) == 1:  # saved whole by one rank: no assembly buffer
+                full = read_tensor(directory / pieces[0]["file"], key)
+            else:
+                full = torch.empty(math.prod(source.entry.shape), dtype=master)  # (numel,) fp32
+                for piece in pieces:
+                    full[piece["start"]: piece["end"]] = read_tensor(directory / piece["file"], key)
             tensor = full.view(source.entry.shape)
         else:
             tensor = read_tensor(directory / manifest["frozen"][source.name]["file"], source.name)
@@ -150,7 +154,7 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str
     not re-tie on load. ``dtype`` (e.g. "bfloat16") casts floating-point parameters; by default each
     is written in the dtype it trained in (fp32 masters are cast back to it). ``verify`` checks all
     checksums first. The directory appears atomically (written next to it, then renamed).
-    Resident memory: about three times the largest tensor (see module docstring).
+    Resident memory: two to three times the largest tensor (see module docstring), whatever the model size.
     """
     source_dir, warning = fmt.resolve(Path(ckpt_dir).absolute())
     if warning:
