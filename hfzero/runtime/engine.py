@@ -208,7 +208,8 @@ class ZeroEngine:
                 self.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
             total = total[0]
         else:
-            local = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
+            local = sum((torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type for g in grads),
+                        torch.zeros((), device=device))
             total = local.to(self.comm_device, torch.float32).reshape(1)
             if self.layout.shard_world > 1:
                 self.comm.all_reduce(total)

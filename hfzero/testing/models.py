@@ -9,19 +9,19 @@ VOCAB = 128
 
 
 def tiny_causal_lm(kind: str = "gpt2", *, seed: int = 0, hidden: int = 32, layers: int = 2,
-                   vocab: int = VOCAB) -> nn.Module:
+                   vocab: int = VOCAB, positions: int = 64) -> nn.Module:
     """A deterministic, dropout-free causal LM: "gpt2" (tied wte/lm_head) or "llama" (tied embeddings)."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     if kind == "gpt2":
-        config = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=hidden, n_layer=layers, n_head=4,
+        config = GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers, n_head=4,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         model = GPT2LMHeadModel(config)
     elif kind == "llama":
         config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                              num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=64, tie_word_embeddings=True)
+                             max_position_embeddings=positions, tie_word_embeddings=True)
         model = LlamaForCausalLM(config)
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}; use 'gpt2' or 'llama'")
