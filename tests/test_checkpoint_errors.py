@@ -168,3 +168,28 @@ def test_cli_reports_errors(tmp_path):
     result = subprocess.run([sys.executable, "-m", "hfzero", "consolidate", str(tmp_path / "none"), str(tmp_path / "o")],
                             capture_output=True, text=True)
     assert result.returncode == 1 and "does not exist" in result.stderr
+
+
+def test_fp16_loss_scaler_skipped_steps_and_hyperparameters_round_trip(tmp_path):
+    from hfzero import ZeroConfig, prepare
+    from test_checkpoint_kill import MLP
+
+    def make(seed):
+        model = MLP(seed)
+        return prepare(model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2,
+                                               betas=(0.8, 0.9)), ZeroConfig(stage=2, dtype="fp16"))
+
+    model, opt = make(0)
+    opt.engine.scaler.load_state_dict({"scale": 1024.0, "good_steps": 7, "overflows_left": 1})
+    opt.skipped_steps = 2
+    opt.param_groups[0]["lr"] = 0.123
+    opt.param_groups[0]["betas"] = (0.7, 0.95)
+    save_checkpoint(tmp_path / "ckpt", model, opt)
+    model2, opt2 = make(1)
+    load_checkpoint(tmp_path / "ckpt", model2, opt2)
+    assert opt2.engine.scaler.state_dict() == {"scale": 1024.0, "good_steps": 7, "overflows_left": 1}
+    assert opt2.skipped_steps == 2
+    assert opt2.param_groups[0]["lr"] == 0.123 and opt2.param_groups[0]["betas"] == (0.7, 0.95)
+    assert opt2.engine.optimizer.param_groups[0]["betas"] == (0.7, 0.95)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert a.dtype == torch.float16 and torch.equal(a, b)
