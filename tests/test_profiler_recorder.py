@@ -254,3 +254,17 @@ def test_ranks_share_one_run_id_and_one_header(tmp_path: Path) -> None:
     assert run.run_id == run_ids[0] and sorted(run.ranks) == [0, 1] and run.warnings == []
     assert run.header["global_world_size"] == 2
     assert [r["dp_rank"] for r in summarize(run)["ranks"]] == [0, 1]
+
+
+def test_records_are_on_disk_while_the_run_is_live(tmp_path: Path) -> None:
+    """Every record is flushed as written: a reader (or a crash) mid-run sees all complete lines."""
+    model, optimizer, engine = _setup()
+    profiler = ZeroProfiler(model, optimizer, tmp_path / "run").start()
+    try:
+        _train(model, optimizer, engine, steps=2)
+        live = load_run(tmp_path / "run")
+        assert live.warnings == [] and not live.ranks[0].stopped
+        assert [r["step"] for r in live.ranks[0].of_kind("step")] == [0, 1]
+        assert live.ranks[0].records[-1]["kind"] == "step"
+    finally:
+        profiler.stop()
