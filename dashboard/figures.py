@@ -1,0 +1,330 @@
+"""Plotly figures of a profile run, built from the tables of ``dashboard.data`` (no Streamlit).
+
+Bytes are plotted as bytes with SI tick labels ("1.2MB"); element counts as counts. Every trace has a
+hover template naming rank, step and phase where they apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.colors import qualitative
+from plotly.subplots import make_subplots
+
+from dashboard.data import LoadedRun, comm_theory_elements, peak_roles, prediction_inputs
+from hfzero import estimate as est
+from hfzero.logging import get_logger
+from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
+
+logger = get_logger(__name__)
+
+_PALETTE = qualitative.Plotly + qualitative.D3
+ROLE_COLORS: dict[str, str] = {role.value: _PALETTE[i % len(_PALETTE)] for i, role in enumerate(MemoryRole)}
+"""One fixed color per memory role, in the enum's order."""
+
+TIMELINE_METRICS: tuple[tuple[str, str], ...] = (
+    ("allocated", "allocated"),
+    ("reserved", "reserved"),
+    ("rss", "RSS (process resident)"),
+    ("model_state_bytes", "model states"),
+    ("transient_bytes", "transient roles (buckets, gathered, buffers)"),
+    ("activation_bytes", "activation checkpoints"),
+)
+"""(column, label) of the timeline's candidate panels; a panel is drawn when its column has data."""
+
+_BYTES_AXIS = {"tickformat": "~s", "ticksuffix": "B"}
+
+
+def role_label(value: str) -> str:
+    """``param_full`` -> ``param_full (model state)``; transient roles and unknown keys as they are."""
+    try:
+        role = MemoryRole(value)
+    except ValueError:
+        return value
+    return f"{role.value} (model state)" if role in MODEL_STATE_ROLES else role.value
+
+
+def _rank_color(rank: int) -> str:
+    return _PALETTE[rank % len(_PALETTE)]
+
+
+def _has_data(frame: pd.DataFrame, column: str) -> bool:
+    return column in frame.columns and bool(frame[column].notna().any()) and bool((frame[column].fillna(0) != 0).any())
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory by role against the paper's formula
+# --------------------------------------------------------------------------------------------------
+
+
+def formula_parts(run: Any) -> est.ModelStateBytes | None:
+    """The paper's parameters / gradients / K bytes per rank for the run's header prediction."""
+    inputs = prediction_inputs(run)
+    if inputs is None:
+        return None
+    try:
+        return est.model_states_breakdown(
+            inputs["num_params"], inputs["dp"], inputs["stage"], param_bytes=inputs["param_bytes"],
+            grad_bytes=inputs["grad_bytes"], optimizer_k=inputs["optimizer_k"],
+            persistent_params=inputs.get("persistent_params") or 0)
+    except (KeyError, TypeError, est.EstimateError) as err:
+        logger.warning("cannot evaluate the header's prediction inputs %s: %s", inputs, err)
+        return None
+
+
+def memory_by_role_figure(loaded: LoadedRun) -> go.Figure:
+    """Per rank, stacked bytes by role at the record where model states peak, beside the paper's
+    formula (parameters, gradients, K) for the run; the measured/formula ratio is written on top."""
+    run, summary = loaded.run, loaded.summary
+    assert run is not None and summary is not None, "memory_by_role_figure needs a loaded run"
+    peaks = peak_roles(run)
+    parts = formula_parts(run)
+    ranks = sorted(peaks)
+    kinds = ["measured", "formula"] if parts is not None else ["measured"]
+    x = [[f"rank {r}" for r in ranks for _ in kinds], [k for _ in ranks for k in kinds]]
+    fig = go.Figure()
+    keys = [r.value for r in MemoryRole] + sorted({k for p in peaks.values() for k in p} - {r.value for r in MemoryRole})
+    for key in keys:
+        values = [peaks[r].get(key, 0.0) if k == "measured" else 0.0 for r in ranks for k in kinds]
+        if not any(values):
+            continue
+        fig.add_bar(x=x, y=values, name=role_label(key), marker_color=ROLE_COLORS.get(key),
+                    hovertemplate=f"{role_label(key)}<br>%{{x}}<br>%{{y:,.0f}} bytes (%{{y:.3s}}B)<extra></extra>")
+    if parts is not None:
+        for name, value, pattern in (("parameters pΨ", parts.params, "/"), ("gradients gΨ", parts.grads, "\\"),
+                                     ("optimizer states KΨ", parts.optimizer, "x")):
+            values = [value if k == "formula" else 0.0 for _ in ranks for k in kinds]
+            fig.add_bar(x=x, y=values, name=f"formula: {name}", marker_color="lightgray",
+                        marker_pattern_shape=pattern, legendgroup="formula",
+                        hovertemplate=f"formula {name}<br>%{{x}}<br>%{{y:,.0f}} bytes (%{{y:.3s}}B)<extra></extra>")
+        by_rank = {entry["rank"]: entry for entry in summary["ranks"]}
+        tops = [sum(peaks[r].values()) for r in ranks]
+        ratios = [by_rank[r]["ratio"] for r in ranks]
+        fig.add_scatter(x=[[f"rank {r}" for r in ranks], ["measured"] * len(ranks)], y=tops, mode="text",
+                        text=[f"measured/formula {q:.3f}" if q is not None else "" for q in ratios], textposition="top center",
+                        name="model states: measured / formula", hoverinfo="skip")
+    prediction = run.header.get("prediction") or {}
+    formula = prediction.get("formula") or "no prediction in the header"
+    fig.update_layout(barmode="stack", yaxis={**_BYTES_AXIS, "title": "bytes per rank"},
+                      title=f"Bytes by role at the model-state peak, stage {run.stage}, N_d={run.world_size}: "
+                            f"formula {formula}", legend_title="role", hovermode="closest")
+    return fig
+
+
+# --------------------------------------------------------------------------------------------------
+# Timeline and fragmentation
+# --------------------------------------------------------------------------------------------------
+
+
+def _hover(frame: pd.DataFrame) -> tuple[np.ndarray, str]:
+    custom = np.stack([frame["rank"].astype(str), frame["step"].astype(str), frame["phase"].astype(str),
+                       frame["edge"].astype(str), frame["t"].map(lambda t: f"{t:.4f}")], axis=-1)
+    template = ("rank %{customdata[0]}, step %{customdata[1]}<br>%{customdata[2]} %{customdata[3]}, "
+                "t=%{customdata[4]} s<br>")
+    return custom, template
+
+
+def _ranked_lines(fig: go.Figure, frame: pd.DataFrame, column: str, label: str, row: int, *,
+                  legend: bool, unit: str = "bytes", dash: str | None = None, suffix: str = "") -> None:
+    for rank, group in frame.groupby("rank", sort=True):
+        custom, template = _hover(group)
+        value = "%{y:,.0f} bytes (%{y:.3s}B)" if unit == "bytes" else "%{y:.4g}"
+        fig.add_scatter(x=group["x"], y=group[column], mode="lines", name=f"rank {rank}{suffix}",
+                        legendgroup=f"rank {rank}{suffix}", showlegend=legend,
+                        line={"color": _rank_color(int(rank)), "dash": dash}, customdata=custom,
+                        hovertemplate=template + f"{label}: {value}<extra></extra>", row=row, col=1)
+
+
+def timeline_figure(frame: pd.DataFrame, *, factor: int = 1, metrics: Sequence[str] | None = None) -> go.Figure:
+    """One panel per metric (allocated, reserved, RSS, model states, transient roles, activations:
+    those with data), one line per rank, x = step (phases spread inside each step)."""
+    wanted = [(c, lbl) for c, lbl in TIMELINE_METRICS if (metrics is None or c in metrics) and _has_data(frame, c)]
+    if not wanted:
+        return _empty("No memory figures in the records of this run.")
+    fig = make_subplots(rows=len(wanted), cols=1, shared_xaxes=True, vertical_spacing=0.04,
+                        subplot_titles=[lbl for _, lbl in wanted])
+    for row, (column, label) in enumerate(wanted, 1):
+        _ranked_lines(fig, frame, column, label, row, legend=row == 1)
+        fig.update_yaxes(**_BYTES_AXIS, row=row, col=1)
+    note = f" (downsampled: each point is the max over {factor} records)" if factor > 1 else ""
+    fig.update_xaxes(title_text="step (forward, backward, step phases inside each step)", row=len(wanted), col=1)
+    fig.update_layout(height=max(320, 220 * len(wanted)), title=f"Memory over steps and phases, per rank{note}",
+                      hovermode="closest")
+    return fig
+
+
+def fragmentation_figure(timeline: pd.DataFrame, steps: pd.DataFrame, *, factor: int = 1) -> tuple[go.Figure, list[str]]:
+    """Fragmentation over time: the ratio, the largest free block (CUDA snapshots), free vs in-use
+    bytes (reserved - allocated vs allocated) and, on CUDA, allocator retries and OOMs.
+
+    Returns the figure and one note per panel left out for lack of data.
+    """
+    panels: list[tuple[str, pd.DataFrame, list[tuple[str, str, str, str | None]]]] = []
+    notes: list[str] = []
+    ratio_source = timeline if _has_data(timeline, "fragmentation") else steps
+    if _has_data(ratio_source, "fragmentation"):
+        panels.append(("fragmentation ratio (free but held / held)", ratio_source,
+                       [("fragmentation", "fragmentation", "ratio", None)]))
+    else:
+        notes.append("fragmentation ratio: not recorded (CUDA needs cuda_snapshot=True; CPU needs glibc mallinfo2)")
+    if _has_data(steps, "largest_free_block"):
+        panels.append(("largest free block vs total free (CUDA snapshot)", steps,
+                       [("largest_free_block", "largest free block", "bytes", None),
+                        ("total_free", "total free", "bytes", "dot")]))
+    else:
+        notes.append("largest free block: only with a CUDA allocator snapshot (ZeroProfiler(cuda_snapshot=True))")
+    if _has_data(timeline, "reserved") and _has_data(timeline, "allocated"):
+        free = timeline.assign(free=timeline["reserved"] - timeline["allocated"])
+        panels.append(("in use (allocated) vs free but held (reserved - allocated)", free,
+                       [("allocated", "in use", "bytes", None), ("free", "free but held", "bytes", "dot")]))
+    else:
+        notes.append("free vs in use: the allocator samples have no allocated/reserved figures")
+    retries = [c for c in ("num_alloc_retries", "num_ooms") if _has_data(timeline, c)]
+    if retries:
+        panels.append(("allocator retries and OOMs (cumulative, CUDA)", timeline,
+                       [(c, c, "count", None if c == "num_alloc_retries" else "dot") for c in retries]))
+    elif "num_alloc_retries" in timeline.columns and timeline["num_alloc_retries"].notna().any():
+        notes.append("allocator retries and OOMs: none (all zero)")
+    else:
+        notes.append("allocator retries and OOMs: CUDA only")
+    if not panels:
+        return _empty("No fragmentation figures in this run."), notes
+    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                        subplot_titles=[title for title, _, _ in panels])
+    for row, (_, frame, series) in enumerate(panels, 1):
+        for index, (column, label, unit, dash) in enumerate(series):
+            suffix = "" if index == 0 else f" {label}"
+            _ranked_lines(fig, frame, column, label, row, legend=row == 1 or index > 0, unit=unit, dash=dash,
+                          suffix=suffix)
+        fig.update_yaxes(**(_BYTES_AXIS if series[0][2] == "bytes" else {}), row=row, col=1)
+    note = f" (downsampled: each point is the max over {factor} records)" if factor > 1 else ""
+    fig.update_xaxes(title_text="step", row=len(panels), col=1)
+    fig.update_layout(height=max(320, 240 * len(panels)), title=f"Fragmentation over time, per rank{note}")
+    return fig, notes
+
+
+# --------------------------------------------------------------------------------------------------
+# Communication
+# --------------------------------------------------------------------------------------------------
+
+
+def comm_figure(comm: pd.DataFrame, theory_elements: float | None, *, rank: int, stage: int) -> go.Figure:
+    """Per step of ``rank``: elements (stacked by collective kind) against the paper's 2Ψ (stages
+    0-2) or 3Ψ (stage 3), and wall seconds per collective kind."""
+    mine = comm[comm["rank"] == rank] if not comm.empty else comm
+    if mine.empty:
+        return _empty(f"Rank {rank} recorded no collective in its step records.")
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=["elements per step (the paper's logical volume)", "seconds per step"])
+    kinds = sorted(mine["kind"].unique())
+    for index, kind in enumerate(kinds):
+        rows = mine[mine["kind"] == kind]
+        color = _PALETTE[index % len(_PALETTE)]
+        custom = np.stack([rows["calls"], rows["bytes"]], axis=-1)
+        fig.add_bar(x=rows["step"], y=rows["elements"], name=kind, legendgroup=kind, marker_color=color,
+                    customdata=custom, row=1, col=1,
+                    hovertemplate=f"{kind}, step %{{x}}<br>%{{y:,.0f}} elements in %{{customdata[0]}} calls"
+                                  "<br>%{customdata[1]:,.0f} bytes<extra></extra>")
+        fig.add_bar(x=rows["step"], y=rows["seconds"], name=kind, legendgroup=kind, marker_color=color,
+                    showlegend=False, row=2, col=1,
+                    hovertemplate=f"{kind}, step %{{x}}<br>%{{y:.4f}} s<extra></extra>")
+    title = f"Communication per step, rank {rank}, stage {stage}"
+    if theory_elements is not None:
+        label = f"theory {'3' if stage == 3 else '2'}Ψ = {theory_elements:,.0f} elements"
+        fig.add_hline(y=theory_elements, line_dash="dash", line_color="black", annotation_text=label,
+                      annotation_position="top left", row=1, col=1)
+        measured = mine.groupby("step")["elements"].sum().mean()
+        title += f": measured / theory = {measured / theory_elements:.3f}"
+    fig.update_layout(barmode="stack", height=620, title=title, legend_title="collective")
+    fig.update_yaxes(title_text="elements", tickformat="~s", row=1, col=1)
+    fig.update_yaxes(title_text="seconds", row=2, col=1)
+    fig.update_xaxes(title_text="step", row=2, col=1)
+    return fig
+
+
+# --------------------------------------------------------------------------------------------------
+# Comparing runs, and the estimator
+# --------------------------------------------------------------------------------------------------
+
+
+def comparison_table(runs: Sequence[LoadedRun]) -> pd.DataFrame:
+    """One row per loaded run: stage, N_d, Ψ, measured peak model states (max over ranks), formula,
+    ratio, peak allocated and RSS, comm elements per step (rank max) and theory, median step seconds."""
+    rows = []
+    for loaded in runs:
+        if loaded.run is None or loaded.summary is None:
+            continue
+        ranks = loaded.summary["ranks"]
+
+        def peak(values: Any) -> float:
+            numbers = [v for v in values if isinstance(v, (int, float))]
+            return max(numbers) if numbers else float("nan")
+
+        prediction = loaded.summary["prediction"] or {}
+        measured = peak(r["model_state_bytes"] for r in ranks)
+        predicted = prediction.get("model_state_bytes")
+        theory = comm_theory_elements(loaded.run)
+        rows.append({
+            "run": loaded.label, "stage": loaded.run.stage, "N_d": loaded.run.world_size,
+            "params": loaded.summary["num_params"], "model_states": measured,
+            "formula": predicted if predicted is not None else float("nan"),
+            "ratio": measured / predicted if predicted else float("nan"),
+            "peak_allocated": peak(r["allocator_peak"].get("allocated") for r in ranks),
+            "peak_rss": peak(r["allocator_peak"].get("rss") for r in ranks),
+            "comm_elements_per_step": peak(r["comm_elements_per_step"] for r in ranks),
+            "comm_theory": theory if theory is not None else float("nan"),
+            "step_seconds": peak(r["step_seconds"] for r in ranks),
+        })
+    return pd.DataFrame(rows)
+
+
+def comparison_figure(table: pd.DataFrame) -> go.Figure:
+    """Runs side by side: model states (measured vs formula), peak allocated and RSS, communication
+    per step (measured vs theory), median step time."""
+    if table.empty:
+        return _empty("No loaded run to compare.")
+    fig = make_subplots(rows=2, cols=2, vertical_spacing=0.2, horizontal_spacing=0.1, subplot_titles=[
+        "model states per rank: measured vs formula", "peak allocated and RSS per rank",
+        "communication per step: measured vs theory", "median step time"])
+    x = table["run"]
+    panels = [
+        (1, 1, [("model_states", "measured model states"), ("formula", "formula")], "bytes"),
+        (1, 2, [("peak_allocated", "peak allocated"), ("peak_rss", "peak RSS")], "bytes"),
+        (2, 1, [("comm_elements_per_step", "measured elements"), ("comm_theory", "theory 2Ψ/3Ψ")], "elements"),
+        (2, 2, [("step_seconds", "median step seconds")], "seconds"),
+    ]
+    for row, col, series, unit in panels:
+        for index, (column, label) in enumerate(series):
+            value = "%{y:,.0f} bytes (%{y:.3s}B)" if unit == "bytes" else "%{y:,.4g} " + unit
+            fig.add_bar(x=x, y=table[column], name=label, marker_color=_PALETTE[(2 * row + col + index) % 10],
+                        hovertemplate=f"%{{x}}<br>{label}: {value}<extra></extra>", row=row, col=col)
+        fig.update_yaxes(**(_BYTES_AXIS if unit == "bytes" else {"title_text": unit}), row=row, col=col)
+    fig.update_layout(barmode="group", height=760, title="Runs side by side")
+    return fig
+
+
+def estimator_figure(table: pd.DataFrame) -> go.Figure:
+    """Per-device model-state GB against N_d (log-log), one line per (model, stage) of a Table 1 frame."""
+    fig = go.Figure()
+    dashes = ["solid", "dash", "dot", "dashdot"]
+    for index, (model, stage) in enumerate(table.columns):
+        stage_index = list(est.STAGE_NAMES.values()).index(stage)
+        model_index = list(dict.fromkeys(m for m, _ in table.columns)).index(model)
+        fig.add_scatter(x=table.index, y=table[(model, stage)], mode="lines+markers", name=f"{model} {stage}",
+                        line={"dash": dashes[model_index % 4], "color": _PALETTE[stage_index]},
+                        hovertemplate=f"{model}, {stage}<br>N_d=%{{x}}<br>%{{y:.4g}} GB per device<extra></extra>")
+    fig.update_layout(title="Per-device model-state memory by data-parallel degree",
+                      xaxis={"type": "log", "title": "N_d (data-parallel degree)"},
+                      yaxis={"type": "log", "title": "GB per device (1e9 bytes)"})
+    return fig
+
+
+def _empty(message: str) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+    fig.update_layout(xaxis={"visible": False}, yaxis={"visible": False}, height=200)
+    return fig

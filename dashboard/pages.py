@@ -1,0 +1,266 @@
+"""Streamlit views: each one wires ``dashboard.data`` tables into ``dashboard.figures`` figures.
+
+Nothing here computes a figure of its own; the app (``dashboard/app.py``) calls ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import streamlit as st
+
+from dashboard import data, estimator, figures
+from dashboard.data import LoadedRun
+from hfzero import estimate as est
+from hfzero.logging import get_logger
+
+logger = get_logger(__name__)
+
+RUNS_ENV = "HFZERO_DASHBOARD_RUNS"
+"""Run directories (os.pathsep-separated) used when the app gets none on its command line."""
+
+DEFAULT_MAX_POINTS = 2000
+"""Points per rank and trace before the timeline is downsampled."""
+
+
+def initial_paths(argv: list[str] | None = None) -> list[str]:
+    """Run directories from ``--run`` arguments (``streamlit run app.py -- --run A B``), else from
+    the ``HFZERO_DASHBOARD_RUNS`` environment variable."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--run", nargs="*", default=[])
+    known, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if known.run:
+        return list(known.run)
+    return [p for p in os.environ.get(RUNS_ENV, "").split(os.pathsep) if p]
+
+
+@st.cache_resource(max_entries=64, show_spinner="Loading profile...")
+def _load_cached(path: str, signature: tuple[tuple[str, int, int], ...]) -> LoadedRun:
+    """One loaded run per (path, file sizes and times): a growing run reloads on the next refresh."""
+    return data.load(path)
+
+
+def load_all(paths: list[Path]) -> list[LoadedRun]:
+    """Every run directory, loaded (cached until one of its files changes)."""
+    return [_load_cached(str(p), data.run_signature(p)) for p in paths]
+
+
+# --------------------------------------------------------------------------------------------------
+# Views
+# --------------------------------------------------------------------------------------------------
+
+
+def _show_run_notes(loaded: LoadedRun) -> bool:
+    """Show the run's error or warnings; False when there is nothing to plot."""
+    if loaded.error is not None:
+        st.error(f"Cannot show this run: {loaded.error}")
+        return False
+    assert loaded.run is not None
+    for warning in loaded.run.warnings:
+        st.warning(warning)
+    stopped = [log.rank for log in loaded.run.ranks.values() if not log.stopped]
+    if stopped:
+        st.info(f"Rank(s) {stopped} have no stop record: the run is still being written or crashed.")
+    if not any(log.of_kind("step") or log.of_kind("phase") for log in loaded.run.ranks.values()):
+        st.info("No step recorded yet.")
+    return True
+
+
+def view_memory(loaded: LoadedRun, settings: dict[str, int]) -> None:
+    """Per-rank bytes by role beside the paper's formula."""
+    st.plotly_chart(figures.memory_by_role_figure(loaded), width="stretch")
+    assert loaded.summary is not None
+    rows = [{"rank": r["rank"], "measured model states (bytes)": r["model_state_bytes"],
+             "formula (bytes)": r["predicted_model_state_bytes"], "measured / formula": r["ratio"],
+             "steps": r["steps"], "stopped": r["stopped"], "truncated": r["truncated"]}
+            for r in loaded.summary["ranks"]]
+    st.dataframe(rows, hide_index=True)
+    st.caption("The formula counts the unpadded trainable Ψ; the measurement includes bucket padding "
+               "(at most N_d - 1 elements per bucket) and frozen parameters.")
+
+
+def _pick_ranks(loaded: LoadedRun, key: str) -> list[int]:
+    assert loaded.run is not None
+    ranks = list(loaded.run.ranks)
+    return st.multiselect("Ranks", ranks, default=ranks[:8], key=f"{key}_ranks")
+
+
+def view_timeline(loaded: LoadedRun, settings: dict[str, int]) -> None:
+    """Memory per rank over steps and phases."""
+    assert loaded.run is not None
+    ranks = _pick_ranks(loaded, "timeline")
+    frame = data.timeline_frame(loaded.run)
+    frame = frame[frame["rank"].isin(ranks)] if not frame.empty else frame
+    frame, factor = data.downsample(frame, settings["max_points"])
+    st.plotly_chart(figures.timeline_figure(frame, factor=factor), width="stretch")
+
+
+def view_fragmentation(loaded: LoadedRun, settings: dict[str, int]) -> None:
+    """Fragmentation ratio, largest free block, free vs in use, retries."""
+    assert loaded.run is not None
+    ranks = _pick_ranks(loaded, "fragmentation")
+    timeline, factor = data.downsample(_only(data.timeline_frame(loaded.run), ranks), settings["max_points"])
+    steps, _ = data.downsample(_only(data.step_frame(loaded.run), ranks), settings["max_points"])
+    figure, notes = figures.fragmentation_figure(timeline, steps, factor=factor)
+    st.plotly_chart(figure, width="stretch")
+    for note in notes:
+        st.caption(note)
+
+
+def view_comm(loaded: LoadedRun, settings: dict[str, int]) -> None:
+    """Communication volume and time per collective kind per step, against 2Ψ / 3Ψ."""
+    assert loaded.run is not None
+    rank = st.selectbox("Rank", list(loaded.run.ranks), key="comm_rank")
+    comm = data.comm_frame(loaded.run)
+    if not comm.empty:
+        comm = comm[comm["rank"] == rank]
+        steps = sorted(comm["step"].unique())
+        if len(steps) > settings["max_points"]:
+            stride = -(-len(steps) // settings["max_points"])
+            comm = comm[comm["step"].isin(steps[::stride])]
+            st.caption(f"Showing every {stride}th step of {len(steps)}.")
+    st.plotly_chart(figures.comm_figure(comm, data.comm_theory_elements(loaded.run), rank=rank,
+                                        stage=loaded.run.stage), width="stretch")
+    st.caption("Elements follow the paper's logical volume: an all-reduce of n counts 2n, a reduce-scatter "
+               "or an all-gather of n counts n. Small extra all-reduces (gradient clipping, overflow checks) "
+               "come on top of 2Ψ.")
+
+
+def view_compare(runs: list[LoadedRun], settings: dict[str, int]) -> None:
+    """Several runs side by side."""
+    good = [r for r in runs if r.run is not None]
+    labels = {r.label: r for r in good}
+    chosen = st.multiselect("Runs to compare", list(labels), default=list(labels)[:8], key="compare_runs")
+    table = figures.comparison_table([labels[c] for c in chosen])
+    st.plotly_chart(figures.comparison_figure(table), width="stretch")
+    if not table.empty:
+        st.dataframe(table, hide_index=True)
+
+
+def view_estimator(settings: dict[str, int]) -> None:
+    """The paper's Table 1 for chosen Ψ, N_d and dtypes, and the largest model that fits."""
+    left, right = st.columns(2)
+    with left:
+        source = st.radio("Model size", ["Ψ (parameters)", "Hugging Face config path"], key="est_source",
+                          horizontal=True)
+        if source == "Ψ (parameters)":
+            raw = st.text_input("Ψ, e.g. 7.5e9", "7.5e9", key="est_params")
+        else:
+            raw = st.text_input("config.json or model directory (local)", "", key="est_config")
+        dps_text = st.text_input("N_d values", ", ".join(map(str, estimator.PAPER_DPS)), key="est_dps")
+        paper = st.checkbox("add the paper's 7.5B, 128B and 1T columns", value=False, key="est_paper")
+    with right:
+        dtype = st.selectbox("parameter / gradient dtype", ["bf16", "fp16", "fp32"], key="est_dtype")
+        optimizer = st.selectbox("optimizer", ["adam", "adamw", "sgd_momentum", "sgd"], key="est_optimizer")
+        offload = st.checkbox("optimizer states offloaded to CPU (device bytes only)", key="est_offload")
+        stage = st.selectbox("stage", list(est.STAGES), index=3, key="est_stage",
+                             format_func=lambda s: f"{s} ({est.STAGE_NAMES[s]})")
+        memory_gb = st.number_input("device memory (GB = 1e9 bytes)", min_value=0.1, value=32.0, key="est_memory")
+    try:
+        dps = estimator.parse_dps(dps_text)
+        models = _estimator_models(source, raw)
+        if paper:
+            models.update({"7.5B": 7.5e9, "128B": 128e9, "1T": 1e12})
+        if not models:
+            st.info("Enter Ψ or a config path.")
+            return
+        precision = est.precision_bytes(dtype, optimizer)
+        table = estimator.model_states_table(models, dps, dtype=dtype, optimizer=optimizer, offload_optimizer=offload)
+        fits = estimator.max_params_table(memory_gb * estimator.GB, dps, dtype=dtype, optimizer=optimizer,
+                                          offload_optimizer=offload)
+    except est.EstimateError as err:
+        st.error(str(err))
+        return
+    st.caption(f"Bytes per parameter: p={precision.param_bytes}, g={precision.grad_bytes}, K={precision.optimizer_k}.")
+    st.subheader("Per-device model-state memory (GB), the paper's Table 1 layout")
+    st.table(table.style.format("{:.3g}"))
+    st.plotly_chart(figures.estimator_figure(table), width="stretch")
+    st.subheader(f"Largest model that fits {memory_gb:g} GB per device (parameters)")
+    st.table(fits.style.format("{:.4g}").highlight_max(axis=None, subset=[est.STAGE_NAMES[stage]], color="#cde"))
+    first = next(iter(models))
+    need = table[(first, est.STAGE_NAMES[stage])]
+    st.write(f"{first} at stage {stage}: " + ", ".join(f"N_d={dp}: {gb:.3g} GB" for dp, gb in need.items()))
+
+
+def _estimator_models(source: str, raw: str) -> dict[str, float]:
+    raw = raw.strip()
+    if not raw:
+        return {}
+    if source == "Ψ (parameters)":
+        try:
+            value = float(raw)
+        except ValueError:
+            raise est.EstimateError(f"Ψ must be a number of parameters such as 7.5e9, got {raw!r}") from None
+        if not value > 0:
+            raise est.EstimateError(f"Ψ must be positive, got {raw!r}")
+        return {f"Ψ={value:.3g}": value}
+    psi = float(est.params_from_config(raw))
+    return {f"{Path(raw).name} (Ψ={psi:.3g})": psi}
+
+
+def _only(frame: "data.pd.DataFrame", ranks: list[int]) -> "data.pd.DataFrame":
+    return frame[frame["rank"].isin(ranks)] if not frame.empty else frame
+
+
+# --------------------------------------------------------------------------------------------------
+# The app
+# --------------------------------------------------------------------------------------------------
+
+RUN_VIEWS: dict[str, Callable[[LoadedRun, dict[str, int]], None]] = {
+    "Memory by role": view_memory,
+    "Timeline": view_timeline,
+    "Fragmentation": view_fragmentation,
+    "Communication": view_comm,
+}
+"""Views of one run."""
+
+VIEWS: tuple[str, ...] = (*RUN_VIEWS, "Compare runs", "Estimator")
+"""Every view, in the sidebar's order."""
+
+
+def _sidebar(paths: list[str]) -> tuple[str, list[Path], dict[str, int], int | None]:
+    sidebar = st.sidebar
+    sidebar.title("hfzero dashboard")
+    view = sidebar.radio("View", VIEWS, key="view")
+    extra = sidebar.text_input("Add a run directory or a parent of runs", key="extra_path")
+    run_dirs, problems = data.resolve_paths(paths + ([extra] if extra.strip() else []))
+    for problem in problems:
+        sidebar.error(problem)
+    if sidebar.button("Reload runs", key="reload"):
+        _load_cached.clear()
+    auto = sidebar.toggle("Auto-refresh (run still being written)", key="auto")
+    every = sidebar.number_input("every (seconds)", min_value=1, value=5, key="every") if auto else None
+    max_points = sidebar.number_input("Max points per rank before downsampling", min_value=100,
+                                      value=DEFAULT_MAX_POINTS, step=100, key="max_points")
+    return view, run_dirs, {"max_points": int(max_points)}, every
+
+
+def main() -> None:
+    """The whole app: sidebar (views, runs, refresh) and the chosen view."""
+    st.set_page_config(page_title="hfzero dashboard", layout="wide")
+    view, run_dirs, settings, every = _sidebar(initial_paths())
+
+    @st.fragment(run_every=every)
+    def body() -> None:
+        runs = load_all(run_dirs)
+        for bad in (r for r in runs if r.error is not None):
+            st.error(f"{bad.path.name}: {bad.error}")
+        if view == "Estimator":
+            view_estimator(settings)
+        elif not runs:
+            st.info("No run directory given. Start with `hfzero dashboard RUN_DIR`, or add one in the sidebar.")
+        elif view == "Compare runs":
+            view_compare(runs, settings)
+        else:
+            labels = [r.label for r in runs]
+            index = st.selectbox("Run", range(len(runs)), format_func=lambda i: labels[i], key="run_index")
+            loaded = runs[index]
+            st.caption(str(loaded.path))
+            if _show_run_notes(loaded):
+                RUN_VIEWS[view](loaded, settings)
+
+    body()

@@ -1,0 +1,184 @@
+"""The dashboard in a real browser: ``hfzero dashboard`` serving a profile, opened in headless Chromium.
+
+Needs the Debian packages ``chromium`` and ``chromium-driver`` (and the ``selenium`` Python package);
+without them the test is skipped with the reason. Run it with ``pytest -m browser``.
+
+``python tests/test_dashboard_browser.py RUN_DIR [RUN_DIR ...] OUT_DIR`` saves one screenshot per view
+into OUT_DIR (how ``docs/screenshots/*.png`` were made).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+VIEW_MARKERS: dict[str, str] = {
+    "Memory by role": "Bytes by role at the model-state peak",
+    "Timeline": "Memory over steps and phases",
+    "Fragmentation": "Fragmentation over time",
+    "Communication": "Communication per step",
+    "Compare runs": "Runs side by side",
+    "Estimator": "Per-device model-state memory by data-parallel degree",
+}
+"""Each sidebar view and a plot title that shows it has rendered."""
+
+SCREENSHOT_NAMES: dict[str, str] = {
+    "Memory by role": "memory_by_role", "Timeline": "timeline", "Fragmentation": "fragmentation",
+    "Communication": "communication", "Compare runs": "compare_runs", "Estimator": "estimator",
+}
+
+VIEW_HEIGHTS: dict[str, int] = {"Timeline": 1900, "Fragmentation": 1300, "Compare runs": 1500, "Estimator": 1900}
+"""Window heights for the screenshots (Streamlit scrolls inside its own container, so the window sets
+how much of a view a screenshot holds)."""
+
+ERROR_TEXT = ("Traceback", "Error:", "Exception", "Cannot show this run")
+SERVER_START_TIMEOUT = 60.0
+RENDER_TIMEOUT = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def browser_tools() -> tuple[str, str] | str:
+    """(chromium binary, chromedriver) or the reason they cannot be used."""
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "the selenium Python package is not installed (pip install selenium)"
+    binary = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+    driver = shutil.which("chromedriver")
+    if binary is None or driver is None:
+        return "chromium / chromedriver not found (apt-get install -y chromium chromium-driver)"
+    return binary, driver
+
+
+@contextlib.contextmanager
+def serve(run_dirs: list[str]) -> Iterator[str]:
+    """Start ``hfzero dashboard`` on a free port; yield its URL; always stop the server."""
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "hfzero", "dashboard", *run_dirs, "--port", str(port)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        while True:
+            if process.poll() is not None:
+                output = process.stdout.read().decode(errors="replace") if process.stdout else ""
+                raise RuntimeError(f"hfzero dashboard exited with {process.returncode}:\n{output}")
+            try:
+                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the dashboard did not answer on {url} within {SERVER_START_TIMEOUT:.0f}s")
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextlib.contextmanager
+def chromium(tools: tuple[str, str], width: int = 1500, height: int = 1300) -> Iterator[Any]:
+    """A headless Chromium driven by selenium (``--no-sandbox``: CI runs as root); always quits."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = tools[0]
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                 f"--window-size={width},{height}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(tools[1]), options=options)
+    try:
+        driver.set_page_load_timeout(RENDER_TIMEOUT)
+        yield driver
+    finally:
+        driver.quit()
+
+
+def show_view(driver: Any, view: str) -> None:
+    """Click ``view`` in the sidebar and wait until its plot is drawn and the script is idle."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(driver, RENDER_TIMEOUT, ignored_exceptions=(StaleElementReferenceException,))
+    label = wait.until(lambda d: d.find_element(
+        By.XPATH, f"//section[@data-testid='stSidebar']//label[.//p[normalize-space()='{view}']]"))
+    label.click()
+
+    def rendered(d: Any) -> bool:
+        titles = d.execute_script(
+            "return Array.from(document.querySelectorAll('.js-plotly-plot .gtitle')).map(e => e.textContent).join(' ')")
+        running = d.find_elements(By.CSS_SELECTOR, "[data-testid='stStatusWidget']")
+        return VIEW_MARKERS[view] in titles and not running
+
+    wait.until(rendered)
+    time.sleep(1.0)  # let plotly finish its transition before a screenshot
+
+
+def page_problems(driver: Any) -> list[str]:
+    """Exception boxes and error text on the page."""
+    from selenium.webdriver.common.by import By
+
+    problems = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "[data-testid='stException']")]
+    text = driver.find_element(By.TAG_NAME, "body").text
+    problems += [f"page text contains {word!r}" for word in ERROR_TEXT if word in text]
+    return problems
+
+
+def capture(run_dirs: list[str], out_dir: Path, tools: tuple[str, str]) -> dict[str, list[str]]:
+    """Serve ``run_dirs``, visit every view, save ``<view>.png`` into ``out_dir``; problems per view."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    found: dict[str, list[str]] = {}
+    with serve(run_dirs) as url, chromium(tools) as driver:
+        driver.get(url)
+        for view, name in SCREENSHOT_NAMES.items():
+            driver.set_window_size(1500, VIEW_HEIGHTS.get(view, 1200))
+            show_view(driver, view)
+            found[view] = page_problems(driver)
+            driver.save_screenshot(str(out_dir / f"{name}.png"))
+    return found
+
+
+@pytest.mark.browser
+def test_every_view_renders_in_chromium(tmp_path: Path) -> None:
+    tools = browser_tools()
+    if isinstance(tools, str):
+        pytest.skip(tools)
+    from tests.test_dashboard import write_run
+
+    parent = tmp_path / "runs"
+    for stage in (0, 1, 2):
+        write_run(parent / f"stage{stage}", stage=stage, world_size=2, steps=5)
+    problems = capture([str(parent)], tmp_path / "shots", tools)
+    assert problems == {view: [] for view in SCREENSHOT_NAMES}
+    for name in SCREENSHOT_NAMES.values():
+        assert (tmp_path / "shots" / f"{name}.png").stat().st_size > 10_000
+
+
+if __name__ == "__main__":
+    found_tools = browser_tools()
+    if isinstance(found_tools, str):
+        sys.exit(found_tools)
+    print(capture(sys.argv[1:-1], Path(sys.argv[-1]), found_tools))
