@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -164,10 +162,12 @@ def test_never_unpickles():
     assert "import pickle" not in source and "torch.load(" not in source and "pickle.load" not in source
 
 
-def test_cli_reports_errors(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "hfzero", "consolidate", str(tmp_path / "none"), str(tmp_path / "o")],
-                            capture_output=True, text=True)
-    assert result.returncode == 1 and "does not exist" in result.stderr
+def test_cli_reports_errors(tmp_path, capsys):
+    from hfzero.cli import main
+
+    assert main(["consolidate", str(tmp_path / "none"), str(tmp_path / "out")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_fp16_loss_scaler_skipped_steps_and_hyperparameters_round_trip(tmp_path):

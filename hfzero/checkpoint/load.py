@@ -98,7 +98,8 @@ def load_checkpoint(directory: str | os.PathLike[str], model: nn.Module, optimiz
 
 # ---- validation ------------------------------------------------------------------------------------
 def _listing(items: list[str]) -> str:
-    return ", ".join(items[:_MAX_LISTED]) + (f" and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else "")
+    more = len(items) - _MAX_LISTED
+    return ", ".join(items[:_MAX_LISTED]) + (f" and {more} more" if more > 0 else "")
 
 
 def _validate(directory: Path, model: nn.Module, optimizer: ZeroOptimizer, engine: ZeroEngine,
@@ -132,9 +133,10 @@ def _match_model(directory: Path, manifest: dict[str, Any], inv: Inventory, opti
                  engine: ZeroEngine) -> None:
     where = directory / fmt.MANIFEST
     problems = []
-    saved, now = manifest["params"], {n: p for n, p in inv.trainable.items()}
+    saved, now = manifest["params"], inv.trainable
     saved_frozen, now_frozen = manifest["frozen"], inv.frozen
-    for label, a, b in (("trainable parameters", saved, now), ("frozen parameters and buffers", saved_frozen, now_frozen)):
+    pairs = (("trainable parameters", saved, now), ("frozen parameters and buffers", saved_frozen, now_frozen))
+    for label, a, b in pairs:
         missing = sorted(set(b) - set(a))
         unexpected = sorted(set(a) - set(b))
         if missing:
@@ -144,7 +146,8 @@ def _match_model(directory: Path, manifest: dict[str, Any], inv: Inventory, opti
     shapes = [f"{n} (checkpoint {tuple(saved[n]['shape'])}, model {tuple(p.shape)})"
               for n, p in now.items() if n in saved and tuple(saved[n]["shape"]) != tuple(p.shape)]
     shapes += [f"{n} (checkpoint {tuple(saved_frozen[n]['shape'])}, model {tuple(t.shape)})"
-               for n, (t, _) in now_frozen.items() if n in saved_frozen and tuple(saved_frozen[n]["shape"]) != tuple(t.shape)]
+               for n, (t, _) in now_frozen.items()
+               if n in saved_frozen and tuple(saved_frozen[n]["shape"]) != tuple(t.shape)]
     if shapes:
         problems.append(f"shape mismatch: {_listing(shapes)}")
     if problems:

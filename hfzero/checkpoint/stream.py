@@ -179,6 +179,3 @@ def describe(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); the file is corrupt or was "
                               "written by something else") from exc
 
-
-def dtype_code(dtype: torch.dtype) -> str:
-    return _DTYPE_CODES[dtype]
