@@ -26,15 +26,10 @@ import torch
 
 import hfzero
 from hfzero.profiler import ZeroProfiler
+from hfzero.testing.models import tiny_causal_lm, token_batches
 from hfzero.testing.spawn import run_distributed
 
-
-def _model(n_embd: int, n_layer: int, seq_len: int) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=1024, n_positions=seq_len, n_embd=n_embd, n_layer=n_layer,
-                                      n_head=max(1, n_embd // 64)))
+VOCAB = 1024
 
 
 def _timed_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -52,11 +47,10 @@ def _timed_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 def _bench(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, Any]:
     config = hfzero.ZeroConfig(stage=args["stage"], dtype=args["dtype"])
-    model = _model(args["n_embd"], args["n_layer"], args["seq_len"])
+    model = tiny_causal_lm("gpt2", hidden=args["n_embd"], layers=args["n_layer"], vocab=VOCAB,
+                           positions=args["seq_len"])
     model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
-    generator = torch.Generator().manual_seed(rank)
-    batches = [torch.randint(0, 1024, (args["batch"], args["seq_len"]), generator=generator)
-               for _ in range(args["steps"])]
+    batches = token_batches(args["steps"], args["batch"], args["seq_len"], vocab=VOCAB, seed=rank)
     _timed_steps(model, optimizer, batches[:2])  # warm-up: allocator, optimizer states, autograd caches
     plain, profiled, in_hooks = [], [], []
     with tempfile.TemporaryDirectory() as root:

@@ -16,6 +16,7 @@ import torch
 import hfzero
 from hfzero.estimate import model_states_bytes, precision_bytes
 from hfzero.profiler import ZeroProfiler, load_run, summarize
+from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
 from hfzero.testing.spawn import run_distributed
 
 pytestmark = pytest.mark.slow  # two spawned ranks importing transformers: ~10-20 s on 2 cores
@@ -24,23 +25,15 @@ STAGES = (0, 1, 2)  # stage 3 is not in the engine yet; add it here when it land
 STEPS = 3
 
 
-def _tiny_gpt2() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=2)
-    return GPT2LMHeadModel(config)
-
-
 def _profile_stages(rank: int, world_size: int, root: str) -> None:
     for stage in STAGES:
-        model = _tiny_gpt2()
+        model = tiny_causal_lm("gpt2")
         config = hfzero.ZeroConfig(stage=stage, dtype="bf16", reduce_bucket_size=4096)
         model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
-        generator = torch.Generator().manual_seed(rank)
+        batches = token_batches(STEPS, 2 * world_size, 16)
         with ZeroProfiler(model, optimizer, Path(root) / f"stage{stage}"):
-            for _ in range(STEPS):
-                ids = torch.randint(0, 128, (2, 16), generator=generator)
+            for batch in batches:
+                ids = micro_batches(batch, rank, world_size, 1)[0]
                 loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
                 optimizer.clip_grad_norm_(1.0)
