@@ -32,6 +32,14 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER_VIA_ALL_REDUCE = {"gloo": True, "nccl": False}
 
 
+def _default_device(backend: str) -> torch.device:
+    """The device a backend's collectives operate on: the current accelerator for NCCL-like backends."""
+    device_type = {"nccl": "cuda", "xccl": "xpu"}.get(backend.split(":")[0], "cpu")
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, torch.accelerator.current_device_index())
+
+
 @dataclasses.dataclass
 class CommStats:
     """Cumulative figures for one collective kind on one rank."""
@@ -71,7 +79,8 @@ class Communicator:
     Holds no tensor memory of its own; ``stats()`` returns cumulative CommStats per kind.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, reduce_scatter_impl: str = "auto"):
+    def __init__(self, group: dist.ProcessGroup | None = None, reduce_scatter_impl: str = "auto",
+                 device: torch.device | None = None):
         self.group = group
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.distributed else 0
@@ -82,6 +91,8 @@ class Communicator:
         else:
             via_ar = reduce_scatter_impl == "all_reduce"
         self.reduce_scatter_via_all_reduce = via_ar
+        self.device = device if device is not None else _default_device(self.backend)
+        """Where scratch tensors for metadata collectives live (NCCL needs them on the GPU)."""
         self._stats: dict[str, CommStats] = {}
 
     def stats(self) -> dict[str, CommStats]:
@@ -177,13 +188,15 @@ class Communicator:
         """Every rank's ``payload`` (any lengths), in rank order; for small metadata such as config checks."""
         if self.world_size == 1:
             return [payload]
-        length = torch.tensor([len(payload)], dtype=torch.int64)
-        lengths = torch.zeros(self.world_size, dtype=torch.int64)
+        length = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        lengths = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
         self.all_gather(lengths, length)
+        lengths = lengths.cpu()
         width = int(lengths.max())
         mine = torch.zeros(width, dtype=torch.uint8)
-        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
-        out = torch.zeros(width * self.world_size, dtype=torch.uint8)
-        self.all_gather(out, mine)
-        rows = out.view(self.world_size, width)
+        if payload:
+            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        out = torch.zeros(width * self.world_size, dtype=torch.uint8, device=self.device)
+        self.all_gather(out, mine.to(self.device))
+        rows = out.cpu().view(self.world_size, width)
         return [bytes(rows[r, : int(lengths[r])].tolist()) for r in range(self.world_size)]

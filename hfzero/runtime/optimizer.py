@@ -131,7 +131,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """This rank's shard: inner optimizer state, fp32 master slice, loss scaler, hyper-parameters.
 
         Loadable by ``load_state_dict`` on the same rank of the same layout (world size, stage,
-        bucket size); use hfzero's checkpoint functions to move state between layouts.
+        bucket size); use hfzero.checkpoint to move state between layouts.
         """
         return {
             "hfzero": self._layout_meta(),
@@ -152,7 +152,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if diffs:
             detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(diffs.items()))
             raise ConfigError(f"hfzero: optimizer state was saved with another layout ({detail}); use "
-                              "hfzero.load_checkpoint, which reshards across world sizes and stages")
+                              "hfzero.checkpoint.load_checkpoint, which reshards across world sizes and stages")
         self.inner.load_state_dict(state_dict["inner"])
         if self.engine.master_flat is not None:
             self.engine.master_flat.copy_(state_dict["master"])
