@@ -289,8 +289,15 @@ def prediction_inputs(run: Run) -> dict[str, Any] | None:
 def comm_theory_elements(run: Run) -> float | None:
     """The paper's communication volume per step in elements: 2Ψ for stages 0-2 (all-reduce, or
     reduce-scatter + all-gather), 3Ψ for stage 3 (two parameter all-gathers and one reduce-scatter).
-    Ψ is the header's unpadded trainable parameter count; None when the header lacks it."""
+
+    At stage 3 the P persistent parameters (kept whole, see the header's prediction inputs) are not
+    gathered: they move 2P (reduce-scatter of their gradients, all-gather of their update), so the
+    volume is 3(Ψ - P) + 2P. Ψ is the header's unpadded trainable count; None when it lacks it.
+    """
     psi = (run.header.get("model") or {}).get("num_params")
     if not isinstance(psi, (int, float)):
         return None
-    return (3 if run.stage == 3 else 2) * float(psi)
+    if run.stage != 3:
+        return 2 * float(psi)
+    persistent = (prediction_inputs(run) or {}).get("persistent_params") or 0
+    return 3 * (float(psi) - persistent) + 2 * float(persistent)

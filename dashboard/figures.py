@@ -105,7 +105,7 @@ def memory_by_role_figure(loaded: LoadedRun) -> go.Figure:
         tops = [sum(peaks[r].values()) for r in ranks]
         ratios = [by_rank[r]["ratio"] for r in ranks]
         fig.add_scatter(x=[[f"rank {r}" for r in ranks], ["measured"] * len(ranks)], y=tops, mode="text",
-                        text=[f"measured/formula {q:.3f}" if q is not None else "" for q in ratios], textposition="top center",
+                        text=[f"ratio {q:.3f}" if q is not None else "" for q in ratios], textposition="top center",
                         name="model states: measured / formula", hoverinfo="skip")
     prediction = run.header.get("prediction") or {}
     formula = prediction.get("formula") or "no prediction in the header"
@@ -234,7 +234,7 @@ def comm_figure(comm: pd.DataFrame, theory_elements: float | None, *, rank: int,
                     hovertemplate=f"{kind}, step %{{x}}<br>%{{y:.4f}} s<extra></extra>")
     title = f"Communication per step, rank {rank}, stage {stage}"
     if theory_elements is not None:
-        label = f"theory {'3' if stage == 3 else '2'}Ψ = {theory_elements:,.0f} elements"
+        label = f"theory {'3Ψ (2Ψ for persistent)' if stage == 3 else '2Ψ'} = {theory_elements:,.0f} elements"
         fig.add_hline(y=theory_elements, line_dash="dash", line_color="black", annotation_text=label,
                       annotation_position="top left", row=1, col=1)
         measured = mine.groupby("step")["elements"].sum().mean()
@@ -255,7 +255,7 @@ def comparison_table(runs: Sequence[LoadedRun]) -> pd.DataFrame:
     """One row per loaded run: stage, N_d, Ψ, measured peak model states (max over ranks), formula,
     ratio, peak allocated and RSS, comm elements per step (rank max) and theory, median step seconds."""
     rows = []
-    for loaded in runs:
+    for loaded in sorted((r for r in runs if r.run is not None), key=lambda r: (r.run.stage, r.label)):
         if loaded.run is None or loaded.summary is None:
             continue
         ranks = loaded.summary["ranks"]
@@ -297,10 +297,11 @@ def comparison_figure(table: pd.DataFrame) -> go.Figure:
         (2, 1, [("comm_elements_per_step", "measured elements"), ("comm_theory", "theory 2Ψ/3Ψ")], "elements"),
         (2, 2, [("step_seconds", "median step seconds")], "seconds"),
     ]
+    colors = iter(_PALETTE)
     for row, col, series, unit in panels:
-        for index, (column, label) in enumerate(series):
+        for column, label in series:
             value = "%{y:,.0f} bytes (%{y:.3s}B)" if unit == "bytes" else "%{y:,.4g} " + unit
-            fig.add_bar(x=x, y=table[column], name=label, marker_color=_PALETTE[(2 * row + col + index) % 10],
+            fig.add_bar(x=x, y=table[column], name=label, marker_color=next(colors),
                         hovertemplate=f"%{{x}}<br>{label}: {value}<extra></extra>", row=row, col=col)
         fig.update_yaxes(**(_BYTES_AXIS if unit == "bytes" else {"title_text": unit}), row=row, col=col)
     fig.update_layout(barmode="group", height=760, title="Runs side by side")

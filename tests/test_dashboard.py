@@ -233,7 +233,7 @@ def test_memory_by_role_figure_against_the_formula(tmp_path: Path) -> None:
     assert list(trace(fig, "formula: parameters pΨ").y) == [0, 2 * PSI, 0, 2 * PSI]
     assert list(trace(fig, "formula: gradients gΨ").y) == [0, PSI, 0, PSI]
     ratio = trace(fig, "model states: measured / formula")
-    assert list(ratio.text) == ["measured/formula 1.000"] * 2
+    assert list(ratio.text) == ["ratio 1.000"] * 2
     as_dict = fig.to_dict()["data"]
     grad_shard = next(t for t in as_dict if t["name"] == "grad_shard (model state)")
     assert list(decode(grad_shard["y"])) == [PSI, 0, PSI, 0]
@@ -261,6 +261,11 @@ def test_comm_figure_against_theory(tmp_path: Path) -> None:
     for stage, theory in ((0, 2 * PSI), (2, 2 * PSI), (3, 3 * PSI)):
         loaded = data.load(write_run(tmp_path / f"s{stage}", stage=stage, world_size=2, steps=3))
         assert data.comm_theory_elements(loaded.run) == theory
+        if stage == 3:
+            header = json.loads((loaded.path / "header.json").read_text())
+            header["prediction"]["inputs"]["persistent_params"] = 100
+            (loaded.path / "header.json").write_text(json.dumps(header))
+            assert data.comm_theory_elements(data.load(loaded.path).run) == 3 * (PSI - 100) + 2 * 100
         fig = figures.comm_figure(data.comm_frame(loaded.run), theory, rank=1, stage=stage)
         for kind, elements in COMM_BY_STAGE[stage].items():
             assert list(trace(fig, kind, "y").y) == [elements] * 3
@@ -270,10 +275,10 @@ def test_comm_figure_against_theory(tmp_path: Path) -> None:
 
 
 def test_comparison_of_stages(tmp_path: Path) -> None:
-    runs = [data.load(write_run(tmp_path / f"stage{s}", stage=s, world_size=4)) for s in range(4)]
+    runs = [data.load(write_run(tmp_path / f"stage{s}", stage=s, world_size=4)) for s in (3, 1, 0, 2)]
     runs.append(data.load(tmp_path / "missing"))
     table = figures.comparison_table(runs)
-    assert list(table["stage"]) == [0, 1, 2, 3]
+    assert list(table["stage"]) == [0, 1, 2, 3]  # sorted by stage
     assert list(table["model_states"]) == [est.model_states_bytes(PSI, 4, s) for s in range(4)]
     assert list(table["ratio"]) == [1.0] * 4
     assert list(table["comm_theory"]) == [2 * PSI, 2 * PSI, 2 * PSI, 3 * PSI]
