@@ -1,11 +1,61 @@
-"""hfzero: ZeRO (Rajbhandari et al.) for Hugging Face models."""
+"""hfzero: ZeRO (Rajbhandari et al.) for Hugging Face models.
 
-from hfzero.config import ConfigError, ZeroConfig
-from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
-from hfzero.runtime.engine import ZeroEngine
-from hfzero.runtime.optimizer import ZeroOptimizer
-from hfzero.runtime.prepare import get_engine, prepare
+Public names load on first use, so ``import hfzero`` (and the torch-free profile reader the
+dashboard uses) does not import torch.distributed, transformers or accelerate until needed.
+"""
 
-__all__ = ["ConfigError", "MODEL_STATE_ROLES", "MemoryRole", "ZeroConfig", "ZeroEngine", "ZeroOptimizer",
-           "get_engine", "prepare"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "ZeroConfig": "hfzero.config",
+    "ConfigError": "hfzero.config",
+    "MemoryRole": "hfzero.roles",
+    "MODEL_STATE_ROLES": "hfzero.roles",
+    "prepare": "hfzero.runtime.prepare",
+    "get_engine": "hfzero.runtime.prepare",
+    "ZeroEngine": "hfzero.runtime.engine",
+    "ZeroOptimizer": "hfzero.runtime.optimizer",
+    "save_checkpoint": "hfzero.checkpoint",
+    "load_checkpoint": "hfzero.checkpoint",
+    "consolidate": "hfzero.checkpoint",
+    "CheckpointError": "hfzero.checkpoint",
+    "ZeroProfiler": "hfzero.profiler",
+    "model_states_bytes": "hfzero.estimate",
+    "max_params": "hfzero.estimate",
+    "choose_stage": "hfzero.estimate",
+    "ZeroAccelerator": "hfzero.integrations.accelerate",
+    "ZeroTrainer": "hfzero.integrations.trainer",
+    "ZeroTrainingArguments": "hfzero.integrations.trainer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from hfzero.checkpoint import CheckpointError, consolidate, load_checkpoint, save_checkpoint
+    from hfzero.config import ConfigError, ZeroConfig
+    from hfzero.estimate import choose_stage, max_params, model_states_bytes
+    from hfzero.integrations.accelerate import ZeroAccelerator
+    from hfzero.integrations.trainer import ZeroTrainer, ZeroTrainingArguments
+    from hfzero.profiler import ZeroProfiler
+    from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
+    from hfzero.runtime.engine import ZeroEngine
+    from hfzero.runtime.optimizer import ZeroOptimizer
+    from hfzero.runtime.prepare import get_engine, prepare
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hfzero' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)
