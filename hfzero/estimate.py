@@ -23,9 +23,8 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import torch
 
 from hfzero.logging import get_logger
 
@@ -311,6 +310,8 @@ def _meta_model(config: Any) -> torch.nn.Module:
     """Instantiate ``config``'s model on the meta device (no memory, no weights): the causal-LM
     class when there is one, else the base ``AutoModel``."""
     from transformers import AutoModel, AutoModelForCausalLM
+
+    import torch  # deferred: the estimator (and the dashboard's estimator page) work without torch
 
     with torch.device("meta"):
         try:
