@@ -25,6 +25,9 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+if TYPE_CHECKING:
+    import torch
+
 
 from hfzero.logging import get_logger
 
