@@ -56,14 +56,16 @@ _Hook = TypeVar("_Hook", bound=Callable[..., None])
 
 
 def _costed(hook: _Hook) -> _Hook:
-    """Add the wall time spent in ``hook`` to the profiler's ``overhead_seconds``."""
+    """Add the wall and CPU time spent in ``hook`` to the profiler's ``overhead_seconds`` and
+    ``overhead_cpu_seconds``."""
     @functools.wraps(hook)
     def timed(self: "ZeroProfiler", *args: Any) -> None:
-        started = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.thread_time()
         try:
             hook(self, *args)
         finally:
-            self.overhead_seconds += time.perf_counter() - started
+            self.overhead_seconds += time.perf_counter() - wall
+            self.overhead_cpu_seconds += time.thread_time() - cpu
     return timed  # type: ignore[return-value]
 
 
@@ -108,9 +110,12 @@ class ZeroProfiler:
         """Index of the step in progress (steps end at the optimizer's step post-hook)."""
         self.overhead_seconds = 0.0
         """Wall time spent in the profiler's hooks so far (what it adds to training, start/stop excluded)."""
+        self.overhead_cpu_seconds = 0.0
+        """CPU time of the threads running those hooks: the same cost, not inflated by other processes."""
         self._writer: RankWriter | None = None
         self._handles: list[Any] = []
         self._active = False
+        self._step_depth = 0
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -151,7 +156,7 @@ class ZeroProfiler:
         if self._active:
             extra = {"exception": type(exception).__name__} if exception is not None else {}
             self._emit(self._record("event", event=EVENT_STOP, overhead_seconds=round(self.overhead_seconds, _ROUND),
-                                    **extra))
+                                    overhead_cpu_seconds=round(self.overhead_cpu_seconds, _ROUND), **extra))
         self._active = False
         self._writer.close()
 
@@ -205,12 +210,16 @@ class ZeroProfiler:
 
     @_costed
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._recording():
+        # A subclass whose step() calls super().step() fires the hooks once per patched level: count
+        # the nesting and keep the outermost pair only.
+        self._step_depth += 1
+        if self._step_depth == 1 and self._recording():
             self._phase_edge("step", "begin")
 
     @_costed
     def _on_step_end(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._active:
+        self._step_depth = max(0, self._step_depth - 1)
+        if not self._active or self._step_depth:
             return
         if self._recording():
             end = self._phase_edge("step", "end")
