@@ -14,7 +14,7 @@ Memory held (bf16 + Adam, Ψ trainable parameters, N ranks), matching the paper:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 import torch
 from torch import nn
@@ -90,7 +90,12 @@ class ZeroEngine:
         groups = [sorted(((order[p], names[p], p) for p in group if p.requires_grad), key=lambda t: t[0])
                   for group in param_groups]
         shard_world = 1 if self.stage == 0 else self.world_size
-        return FlatLayout(groups, self.config.reduce_bucket_size, shard_world, self.rank)
+        return FlatLayout(groups, self.config.reduce_bucket_size, shard_world, self.rank,
+                          unit_of=self._bucket_unit_of())
+
+    def _bucket_unit_of(self) -> Callable[[nn.Parameter], Hashable] | None:
+        """Stage 3: the unit of each parameter (buckets never span two units); None at stages 0-2."""
+        return None
 
     def _place_params(self) -> None:
         """Move the trainable parameters into ``param_flat`` (full, PARAM_FULL) and sync them from rank 0."""
@@ -189,7 +194,7 @@ class ZeroEngine:
 
     @property
     def comm_device(self) -> torch.device:
-        return self.device
+        return self.comm.device
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global gradient norm to ``max_norm``; return the norm before clipping.

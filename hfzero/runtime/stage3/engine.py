@@ -14,7 +14,7 @@ Memory held per rank (bf16 + Adam, Ψ trainable parameters of which P are persis
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from hfzero.config import ZeroConfig
 from hfzero.logging import get_logger
 from hfzero.roles import MemoryRole
 from hfzero.runtime.engine import ZeroEngine
-from hfzero.runtime.layout import Bucket, FlatLayout
+from hfzero.runtime.layout import Bucket
 from hfzero.runtime.stage3.scheduler import UnitScheduler
 from hfzero.runtime.stage3.unit import GatherUnit
 from hfzero.runtime.stage3.units import UnitSpec, resolve_units
@@ -88,13 +88,8 @@ class Stage3Engine(ZeroEngine):
         return {p: rank_of_unit[self._unit_of[p]] * stride + pos if p in self._unit_of else pos
                 for p, pos in registration.items()}
 
-    def _build_layout(self, param_groups: list[list[nn.Parameter]]) -> FlatLayout:
-        order = self._backward_positions()
-        names = {p: n for n, p in self.model.named_parameters()}
-        groups = [sorted(((order[p], names[p], p) for p in group if p.requires_grad), key=lambda t: t[0])
-                  for group in param_groups]
-        return FlatLayout(groups, self.config.reduce_bucket_size, self.world_size, self.rank,
-                          unit_of=self._unit_of.__getitem__)
+    def _bucket_unit_of(self) -> Callable[[nn.Parameter], Hashable]:
+        return self._unit_of.__getitem__
 
     def _persistent_buckets(self) -> list[Bucket]:
         return [b for b in self.layout.buckets if self._unit_of[b.slots[0].param] == _PERSISTENT]

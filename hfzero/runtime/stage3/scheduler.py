@@ -160,9 +160,13 @@ class UnitScheduler:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
-        self._end_pass(Phase.BACKWARD, _END_BACKWARD)
+        self._end_pass(Phase.BACKWARD, None)
+        # Check the pass end only after this backward's gradient reductions finished (the reducer's
+        # end-of-backward callback, queued after this one, runs first): a rank that skipped a unit
+        # launches its last reduce-scatters there, and another rank may be waiting on them.
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._verify(_END_BACKWARD))
 
-    def _end_pass(self, phase: Phase, marker: int) -> None:
+    def _end_pass(self, phase: Phase, marker: int | None) -> None:
         current, self._pass = self._pass, None
         self.phase = Phase.IDLE
         self._in_use.clear()
@@ -174,7 +178,8 @@ class UnitScheduler:
             if current.recorded:
                 logger.debug("stage 3: %s order changed; recording the new one", phase.value)
             self.orders[phase] = current.seen
-        self._verify(marker)
+        if marker is not None:
+            self._verify(marker)
 
     # ---- gathering ------------------------------------------------------------------------------
     def _use(self, unit: GatherUnit, forward: bool) -> None:
