@@ -70,11 +70,17 @@ def test_cuda_snapshot_without_free_memory_is_not_fragmented() -> None:
     assert cuda_snapshot_summary([])["fragmentation"] == 0.0
 
 
+def _pools(current: int, peak: int) -> dict:
+    entry = {"current": current, "peak": peak, "allocated": 10 * peak, "freed": 10 * peak - current}
+    return {"all": entry, "small_pool": dict(entry, current=0), "large_pool": entry}
+
+
 def test_cuda_fields_from_recorded_memory_stats() -> None:
-    stats = {"allocated_bytes.all.current": 3 * MiB, "reserved_bytes.all.current": 8 * MiB,
-             "active_bytes.all.current": 4 * MiB, "inactive_split_bytes.all.current": 1 * MiB,
-             "num_alloc_retries": 2, "num_ooms": 0, "allocated_bytes.all.peak": 6 * MiB,
-             "reserved_bytes.all.peak": 8 * MiB, "allocation.all.current": 17}
+    """On the structure of torch.cuda.memory_stats_as_nested_dict() (what memory_stats() flattens)."""
+    stats = {"allocated_bytes": _pools(3 * MiB, 6 * MiB), "reserved_bytes": _pools(8 * MiB, 8 * MiB),
+             "active_bytes": _pools(4 * MiB, 6 * MiB), "inactive_split_bytes": _pools(1 * MiB, 2 * MiB),
+             "requested_bytes": _pools(3 * MiB - 100, 6 * MiB), "allocation": _pools(17, 20),
+             "num_alloc_retries": 2, "num_ooms": 0, "num_sync_all_streams": 0, "max_split_size": -1}
     fields = cuda_fields(stats, rss=123)
     assert fields == {"rss": 123, "allocated": 3 * MiB, "reserved": 8 * MiB, "active": 4 * MiB,
                       "inactive_split": 1 * MiB, "reserved_unallocated": 5 * MiB, "num_alloc_retries": 2,
@@ -130,6 +136,8 @@ def test_cpu_probe_sample_reads_without_side_effects(monkeypatch: pytest.MonkeyP
     assert set(sample) == {"device", "rss", "allocated", "reserved", "heap_arena", "heap_in_use", "heap_free",
                            "heap_keepcost", "heap_mmapped", "fragmentation"}
     assert probe.snapshot() is None
+    probe.close()
+    assert probe.sample()["rss"] == pytest.approx(sample["rss"], rel=0.5)  # psutil once the /proc fd is closed
 
 
 def test_cuda_probe_reads_stats_and_snapshot_for_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -138,9 +146,9 @@ def test_cuda_probe_reads_stats_and_snapshot_for_its_device(monkeypatch: pytest.
 
     def memory_stats(device: object) -> dict:
         seen.append(device)
-        return {"allocated_bytes.all.current": 5, "reserved_bytes.all.current": 9}
+        return {"allocated_bytes": _pools(5, 5), "reserved_bytes": _pools(9, 9)}
 
-    monkeypatch.setattr(torch.cuda, "memory_stats", memory_stats)
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", memory_stats)
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda include_traces=True: SNAPSHOT)
     probe = AllocatorProbe(torch.device("cuda", 1))
     sample = probe.sample()

@@ -16,8 +16,8 @@ Phase boundaries come from hooks:
 - step begin / end: the optimizer's step pre- and post-hooks. The step post-hook ends a step.
 
 Cost per recorded phase boundary: one ``memory_by_role()`` call, one ``comm.stats()`` copy, one
-allocator sample (CUDA: ``torch.cuda.memory_stats``; CPU: a /proc read and glibc ``mallinfo2``,
-whose cost grows with the number of free heap chunks, ~0.1 ms with thousands) and one flushed JSON
+allocator sample (CUDA: ``torch.cuda.memory_stats_as_nested_dict``; CPU: a /proc pread and glibc
+``mallinfo2``, whose cost grows with the number of free heap chunks, ~0.1 ms with thousands) and one flushed JSON
 line of about 1 KB. A step records six boundaries and one step record. ``every_n_steps`` records
 only every n-th step (the others cost one ``comm.stats()`` copy). ``cuda_snapshot=True`` adds one
 ``torch.cuda.memory_snapshot()`` per recorded step (milliseconds to tens of milliseconds).
@@ -159,6 +159,7 @@ class ZeroProfiler:
                                     overhead_cpu_seconds=round(self.overhead_cpu_seconds, _ROUND), **extra))
         self._active = False
         self._writer.close()
+        self.probe.close()
 
     def __enter__(self) -> "ZeroProfiler":
         return self.start()
