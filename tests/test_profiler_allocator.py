@@ -66,7 +66,8 @@ def test_cuda_snapshot_fragmentation_on_recorded_snapshot() -> None:
 
 
 def test_cuda_snapshot_without_free_memory_is_not_fragmented() -> None:
-    full = [{"device": 0, "total_size": 4 * MiB, "allocated_size": 4 * MiB, "blocks": [_block(4 * MiB, "active_allocated")]}]
+    full = [{"device": 0, "total_size": 4 * MiB, "allocated_size": 4 * MiB,
+             "blocks": [_block(4 * MiB, "active_allocated")]}]
     assert cuda_snapshot_summary(full)["fragmentation"] == 0.0
     assert cuda_snapshot_summary([])["fragmentation"] == 0.0
 
