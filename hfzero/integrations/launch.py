@@ -172,11 +172,36 @@ def main(argv: Sequence[str] | None = None) -> None:
         _patch_transformers()
     target, script_args = argv[0], argv[1:]
     sys.argv = [target, *script_args]
-    if as_module:
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python SCRIPT` does
-        runpy.run_path(target, run_name="__main__")
+    try:
+        if as_module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python SCRIPT` does
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            raise  # the script's own failure: exit as Python would, with its message and code
+    _exit_cleanly()
+
+
+def _exit_cleanly() -> None:
+    """Leave a worker whose script finished: tear down the process group, flush, and ``os._exit(0)``.
+
+    gloo workers can abort in interpreter teardown after the script returned ("terminate called
+    without an active exception"), which torchrun reports as a failed run. The script has finished
+    and its output is flushed here, so skipping the interpreter's teardown loses nothing; a real
+    failure never reaches this point (it raises above).
+    """
+    import logging
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
