@@ -13,6 +13,8 @@ What changes against the base class, and why:
 - ``clip_grad_norm_``: the gradients live in the engine, not in ``param.grad``: the engine clips the
   global norm and returns it.
 - ``save_state``/``load_state``: every rank saves and loads its optimizer shard (see state.py).
+- ``get_state_dict``: CPU copies of the full weights; at stage 3 gathered unit by unit (a collective:
+  every rank calls it) and returned on the main process only (``{}`` elsewhere).
 - mixed precision: ``mixed_precision="bf16"|"fp16"`` sets ZeRO's dtype (16-bit parameters and
   gradients, fp32 master shards); accelerate's autocast stays off.
 """
@@ -36,10 +38,12 @@ from torch import nn
 
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.env import config_from_env
-from hfzero.integrations.state import load_optimizer_shards, save_optimizer_shards, unwrap_optimizer
+from hfzero.integrations.state import (is_partitioned, load_optimizer_shards, save_optimizer_shards,
+                                      unwrap_optimizer)
 from hfzero.logging import get_logger
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.prepare import get_engine, prepare as zero_prepare
+from hfzero.runtime.stage3 import full_state_dict
 
 logger = get_logger(__name__)
 
@@ -264,18 +268,17 @@ class ZeroAccelerator(Accelerator):
 
     # ---- state ----------------------------------------------------------------------------------
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """The full model state dict, as CPU copies (stages 0-2 keep full parameters on every rank).
+        """The full model state dict, as CPU copies.
 
-        Copies, because a ZeRO model's parameters are views into one flat buffer: safetensors would
-        take them for shared tensors and drop all but one.
+        Stages 0-2 keep full parameters on every rank: every rank gets the copy (as with DDP). At
+        stage 3 the parameters are partitioned: every rank must call this (the units are gathered
+        one at a time, a collective) and only the main process gets the weights, other ranks ``{}``
+        (as FSDP's rank0_only full state dict). Copies, because a ZeRO model's parameters are views
+        into flat buffers: safetensors would take them for shared tensors and drop all but one.
         """
         if not _is_zero_model(model):
             return super().get_state_dict(model, unwrap=unwrap)
-        if get_engine(model).stage >= 3:
-            raise ConfigError("ZeroAccelerator.get_state_dict: gathering stage-3 parameters is not available "
-                              "in this version")
-        state = super().get_state_dict(model, unwrap=unwrap)
-        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()}
+        return full_state_dict(model, rank0_only=is_partitioned(model))
 
     def _split_optimizers(self) -> tuple[list[Any], list[Any]]:
         zero = [opt for opt in self._optimizers if unwrap_optimizer(opt) is not None]

@@ -1,8 +1,12 @@
-"""ZeRO optimizer state in Trainer and accelerate checkpoints, through ``hfzero.checkpoint``.
+"""ZeRO model and optimizer state for Trainer and accelerate: full weights, checkpoint shards.
 
-Every rank writes its own shard (a ZeRO optimizer's state exists nowhere else) with
-``hfzero.checkpoint.save_checkpoint``; ``load_checkpoint`` reads it back at any world size and stage
-(resharding). Both are collectives: every rank calls them with the same directory.
+- Weights: stages 0-2 keep full parameters on every rank; at stage 3 (``is_partitioned``) a
+  partitioned parameter is a 0-element tensor between uses, so ``model.state_dict()`` would save
+  an empty model: callers gather with ``hfzero.runtime.stage3.full_state_dict`` (a collective).
+- Training state: every rank writes its own shard (a ZeRO optimizer's state exists nowhere else)
+  with ``hfzero.checkpoint.save_checkpoint``; ``load_checkpoint`` reads it back at any world size
+  and stage (resharding) and republishes the parameters from the fp32 master shards, so it also
+  restores the weights. Both are collectives: every rank calls them with the same directory.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from hfzero.checkpoint import load_checkpoint, save_checkpoint
 from hfzero.config import ConfigError
 from hfzero.logging import get_logger
 from hfzero.runtime.optimizer import ZeroOptimizer
+from hfzero.runtime.prepare import get_engine
 
 logger = get_logger(__name__)
 
@@ -26,6 +31,14 @@ def unwrap_optimizer(optimizer: Any) -> ZeroOptimizer | None:
     while optimizer is not None and not isinstance(optimizer, ZeroOptimizer):
         optimizer = getattr(optimizer, "optimizer", None)
     return optimizer
+
+
+def is_partitioned(model: Any) -> bool:
+    """True for a stage-3 model: its parameters are flat shards between uses, not full tensors."""
+    try:
+        return get_engine(model).stage >= 3
+    except ValueError:
+        return False
 
 
 def _require_zero(optimizer: Any, what: str) -> ZeroOptimizer:

@@ -1,17 +1,25 @@
 """ZeroTrainer and ZeroTrainingArguments: transformers' Trainer with hfzero's ZeRO in place of DDP.
 
 The Trainer keeps its loop (accumulation, clipping, schedulers, evaluation, logging, checkpoints);
-ZeRO enters through four hook points:
+ZeRO enters through these hook points:
 - ``create_accelerator_and_postprocess``: the Trainer builds a ``ZeroAccelerator`` (prepare shards the
   optimizer, backward/no_sync/clip_grad_norm_ go through the engine);
+- ``_save``: at stage 3 every rank takes part in gathering the full weights (a collective), then
+  rank 0 writes them as the Trainer always does, so ``save_model`` and every ``checkpoint-N/`` hold
+  a normal Hugging Face directory at every stage;
 - ``_save_optimizer_and_scheduler``: every rank writes its optimizer shard into the checkpoint
   (``checkpoint-N/zero_optimizer/``), rank 0 the scheduler;
-- ``_load_optimizer_and_scheduler``: every rank loads its shard back (another world size or stage
-  needs ``hfzero.checkpoint``, which reshards);
+- ``_load_optimizer_and_scheduler``: every rank loads its shard back (any world size or stage:
+  ``hfzero.checkpoint`` reshards); this also restores the weights from the fp32 master shards;
+- ``_load_best_model`` (``load_best_model_at_end``): loads the best checkpoint's ``zero_optimizer/``
+  the same way (weights and fp32 masters agree afterwards, at every stage);
+- ``_load_from_checkpoint``: skipped for an already partitioned (stage-3) model, whose weights come
+  from the shards;
 - a ``ZeroProfilerCallback`` when ``zero_profile_dir`` (or ``HFZERO_PROFILE_DIR``) is set.
 ``--bf16``/``--fp16`` become ZeRO's dtype (16-bit parameters and gradients + fp32 master shards),
-not autocast over fp32 parameters. ``save_model`` writes a normal Hugging Face directory: stages 0-2
-keep full parameters on every rank, so rank 0 saves them as the Trainer always does.
+not autocast over fp32 parameters. Evaluation and prediction run the model's own forward (stage 3
+gathers unit by unit); every rank must run the same number of evaluation batches, which the
+Trainer's distributed samplers ensure.
 """
 
 from __future__ import annotations
@@ -33,8 +41,9 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.accelerate import ZeroAccelerator, apply_mixed_precision
 from hfzero.integrations.env import config_strings_from_env, profile_dir_from_env
-from hfzero.integrations.state import load_optimizer_shards, save_optimizer_shards, unwrap_optimizer
+from hfzero.integrations.state import is_partitioned, load_optimizer_shards, save_optimizer_shards, unwrap_optimizer
 from hfzero.logging import get_logger
+from hfzero.runtime.stage3 import full_state_dict
 
 logger = get_logger(__name__)
 
@@ -136,7 +145,11 @@ class ZeroProfilerCallback(TrainerCallback):
 
 
 class ZeroTrainer(Trainer):
-    """``transformers.Trainer`` training with hfzero's ZeRO (stages 0-2; 3 once the engine has it).
+    """``transformers.Trainer`` training with hfzero's ZeRO (stages 0-3).
+
+    At stage 3 ``save_model`` and checkpoint saves are collectives (the weights are gathered unit by
+    unit): call ``save_model`` on every rank, as the Trainer itself does, not under
+    ``if trainer.is_world_process_zero()``.
 
     Args:
         zero_config: ZeRO options; default: from ``ZeroTrainingArguments`` ``zero_*`` fields over the
@@ -158,10 +171,49 @@ class ZeroTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         self.zero_config = resolve_zero_config(self.args, self._zero_override)
+        if self.zero_config.stage == 3 and self.args.load_best_model_at_end and self.args.save_only_model:
+            raise ConfigError("ZeroTrainer: load_best_model_at_end at ZeRO stage 3 needs the optimizer shards in "
+                              "each checkpoint (the weights are partitioned); drop --save_only_model")
         factory = functools.partial(ZeroAccelerator, zero_config=self.zero_config)
         with _accelerator_factory(factory):
             super().create_accelerator_and_postprocess()
         logger.info("ZeroTrainer: ZeRO stage %d, dtype %s", self.zero_config.stage, self.zero_config.dtype)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """At stage 3 gather the full weights first (every rank: a collective); then the Trainer's save."""
+        if state_dict is None and is_partitioned(self.model):
+            # the writers: rank 0, or each node's local rank 0 with save_on_each_node
+            state_dict = full_state_dict(self.model, rank0_only=not self.args.save_on_each_node)
+        super()._save(output_dir, state_dict=state_dict)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """A stage-3 model's weights are restored by its shards (``_load_optimizer_and_scheduler``)."""
+        if is_partitioned(model if model is not None else self.model):
+            logger.info("ZeroTrainer: stage-3 weights are restored from %s/%s with the optimizer shards",
+                        resume_from_checkpoint, SHARD_DIR)
+            return
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        """Load the best checkpoint's ZeRO shards: the weights are republished from its fp32 masters.
+
+        The best checkpoint's optimizer state, loss scale and RNG states come with them (training is
+        over when the Trainer calls this). Without shards (``save_only_model``) stages 0-2 load the
+        saved weights as the Trainer does; stage 3 cannot (its parameters are partitioned).
+        """
+        if unwrap_optimizer(self.optimizer) is None:
+            return super()._load_best_model()
+        best = Path(self.state.best_model_checkpoint)
+        if (best / SHARD_DIR).is_dir():
+            logger.info("ZeroTrainer: loading the best model from %s (score %s)", best / SHARD_DIR,
+                        self.state.best_metric)
+            load_optimizer_shards(best / SHARD_DIR, self.model, self.optimizer)
+            return
+        if is_partitioned(self.model):
+            raise ConfigError(f"load_best_model_at_end at ZeRO stage 3 needs the checkpoint's optimizer shards, "
+                              f"but {best / SHARD_DIR} is missing (save_only_model?). Save full checkpoints, or "
+                              "load the best weights after training with from_pretrained")
+        super()._load_best_model()
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every rank writes its optimizer shard; rank 0 writes the scheduler, as the Trainer does."""
