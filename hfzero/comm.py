@@ -95,6 +95,15 @@ class Communicator:
         """Where scratch tensors for metadata collectives live (NCCL needs them on the GPU)."""
         self._stats: dict[str, CommStats] = {}
 
+    def on_group(self, group: dist.ProcessGroup, *, share_stats: bool = True) -> "Communicator":
+        """A communicator over another group (e.g. a second group so gathers do not queue behind
+        reductions), on the same device and, by default, counting into the same statistics."""
+        impl = "all_reduce" if self.reduce_scatter_via_all_reduce else "native"
+        other = Communicator(group, impl, device=self.device)
+        if share_stats:
+            other._stats = self._stats
+        return other
+
     def stats(self) -> dict[str, CommStats]:
         """Cumulative figures per collective kind (a copy: callers may keep it to take deltas)."""
         return {k: dataclasses.replace(v, impl_calls=dict(v.impl_calls)) for k, v in self._stats.items()}

@@ -18,6 +18,7 @@ from collections.abc import Callable, Hashable, Iterator
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from hfzero.comm import Communicator
 from hfzero.config import ZeroConfig
@@ -52,6 +53,7 @@ class ZeroEngine:
         self._scaled_backward = False
         self._materialized = False
         self.overflow = False
+        self._untracked_param_bytes: int | None = None
 
         self.layout = self._build_layout(param_groups)
         self.num_params = self.layout.num_params
@@ -140,9 +142,14 @@ class ZeroEngine:
         """Defer gradient reduction for backward passes in the block (see GradientReducer.no_sync)."""
         return self.reducer.no_sync()
 
-    def add_backward_end_hook(self, fn: Callable[[], None]) -> None:
-        """Call ``fn()`` at the end of every backward pass, after its reductions completed."""
-        self.reducer.backward_end_hooks.append(fn)
+    def add_backward_end_hook(self, fn: Callable[[], None]) -> RemovableHandle:
+        """Call ``fn()`` at the end of every backward pass, after its reductions completed.
+
+        Returns a handle whose ``remove()`` unregisters ``fn``.
+        """
+        handle = RemovableHandle(self.reducer.backward_end_hooks)
+        self.reducer.backward_end_hooks[handle.id] = fn
+        return handle
 
     @contextlib.contextmanager
     def _scaling(self) -> Iterator[None]:
@@ -249,14 +256,15 @@ class ZeroEngine:
     # ---- introspection --------------------------------------------------------------------------
     def memory_by_role(self) -> dict[MemoryRole, int]:
         """Bytes of live tensors the engine holds, by role (computed from sizes; no side effects)."""
-        in_layout = set(self.layout.slots)
-        other_params = sum(_nbytes(p) for p in {p for p in self.model.parameters() if p not in in_layout})
+        if self._untracked_param_bytes is None:  # parameters outside the layout never change size
+            in_layout = set(self.layout.slots)
+            self._untracked_param_bytes = sum(_nbytes(p) for p in set(self.model.parameters()) if p not in in_layout)
         optim = 0
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
                 optim += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
         roles = {
-            MemoryRole.PARAM_FULL: _nbytes(self.param_flat) + other_params,
+            MemoryRole.PARAM_FULL: _nbytes(self.param_flat) + self._untracked_param_bytes,
             MemoryRole.GRAD_FULL: _nbytes(self.reducer.grad_full),
             MemoryRole.GRAD_SHARD: _nbytes(self.reducer.grad_shard),
             MemoryRole.MASTER_SHARD: _nbytes(self.master_flat),

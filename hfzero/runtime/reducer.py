@@ -78,7 +78,8 @@ class GradientReducer:
         self._inflight: collections.deque[tuple[Bucket, Handle]] = collections.deque()
         self._in_backward = False
         self.before_first_grad: Callable[[], None] | None = None
-        self.backward_end_hooks: list[Callable[[], None]] = []
+        # keyed by RemovableHandle id (an OrderedDict: the handle keeps a weak reference to it)
+        self.backward_end_hooks: collections.OrderedDict[int, Callable[[], None]] = collections.OrderedDict()
         self.on_bucket_filled: Callable[[Bucket], None] | None = None
         """Called once per backward when every parameter of a bucket has added its gradient (stage 3
         releases the gathered unit then)."""
@@ -146,7 +147,7 @@ class GradientReducer:
                 self.state = GradState.LOCAL
         finally:
             self._in_backward = False
-        for hook in self.backward_end_hooks:
+        for hook in list(self.backward_end_hooks.values()):
             hook()
 
     # ---- buffers --------------------------------------------------------------------------------

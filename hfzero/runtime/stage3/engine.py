@@ -29,6 +29,7 @@ from hfzero.runtime.layout import Bucket
 from hfzero.runtime.stage3.scheduler import UnitScheduler
 from hfzero.runtime.stage3.unit import GatherUnit
 from hfzero.runtime.stage3.units import UnitSpec, resolve_units
+from hfzero.runtime.stage3.weights import WeightSource
 
 logger = get_logger(__name__)
 
@@ -46,9 +47,8 @@ def _gather_group_comms(comm: Communicator) -> tuple[Communicator, Communicator 
         return comm, None
     ranks = dist.get_process_group_ranks(comm.group or dist.group.WORLD)
     group = dist.new_group(ranks, use_local_synchronization=True)
-    gather = Communicator(group, "native")
-    gather._stats = comm._stats  # one ledger for the data-parallel group's collectives
-    return gather, Communicator(group, "native")
+    # one ledger for the data-parallel group's collectives; order checks are bookkeeping, not volume
+    return comm.on_group(group), comm.on_group(group, share_stats=False)
 
 
 class Stage3Engine(ZeroEngine):
@@ -56,7 +56,8 @@ class Stage3Engine(ZeroEngine):
 
     def __init__(self, model: nn.Module, param_groups: list[list[nn.Parameter]], config: ZeroConfig,
                  comm: Communicator, device: torch.device, *, units: Sequence[str] | None = None,
-                 verify_gather_order: bool = True):
+                 verify_gather_order: bool = True, weights: WeightSource | None = None):
+        self._weights = weights  # see [Note: stage-3 sharded construction] in weights.py
         trainable = {p for group in param_groups for p in group if p.requires_grad}
         self.unit_specs: list[UnitSpec] = resolve_units(model, units, trainable)
         self._unit_of: dict[nn.Parameter, int] = {}
@@ -105,14 +106,11 @@ class Stage3Engine(ZeroEngine):
         self._persistent_full: dict[int, torch.Tensor] = {}
         shard_at = full_at = 0
         for bucket in self.layout.buckets:
-            full = torch.zeros(bucket.padded, dtype=dtype, device=self.device)  # transient, one bucket
-            for slot in bucket.slots:
-                full[slot.offset: slot.offset + slot.numel].copy_(slot.param.data.reshape(-1))
-            self.comm.broadcast(full)
             lo, hi = bucket.owned(self.rank)
+            full = None if self._weights is not None else self._broadcast_bucket(bucket)
             if bucket in persistent:
                 kept = self.persistent_flat[full_at: full_at + bucket.padded]
-                kept.copy_(full)
+                self._fill(bucket, 0, bucket.padded, kept, full)
                 for slot in bucket.slots:
                     slot.param.data = kept[slot.offset: slot.offset + slot.numel].view(slot.shape)
                 self._persistent_full[bucket.index] = kept
@@ -120,9 +118,24 @@ class Stage3Engine(ZeroEngine):
                 full_at += bucket.padded
             else:
                 self._shard_views[bucket.index] = self.param_shard[shard_at: shard_at + bucket.chunk]
-                self._shard_views[bucket.index].copy_(full[lo:hi])
+                self._fill(bucket, lo, hi, self._shard_views[bucket.index], full)
                 shard_at += bucket.chunk
         self._broadcast_untracked()
+
+    def _broadcast_bucket(self, bucket: Bucket) -> torch.Tensor:
+        """Rank 0's values of the whole bucket (transient, one bucket)."""
+        full = torch.zeros(bucket.padded, dtype=self.policy.param_dtype, device=self.device)
+        for slot in bucket.slots:
+            full[slot.offset: slot.offset + slot.numel].copy_(slot.param.data.reshape(-1))
+        self.comm.broadcast(full)
+        return full
+
+    def _fill(self, bucket: Bucket, lo: int, hi: int, out: torch.Tensor, full: torch.Tensor | None) -> None:
+        """Elements [lo, hi) of ``bucket`` into ``out``: from the broadcast bucket or the weight source."""
+        if full is None:
+            self._weights.fill(bucket, lo, hi, out)
+        else:
+            out.copy_(full[lo:hi])
 
     def _make_unit(self, spec: UnitSpec) -> GatherUnit:
         buckets = [b for b in self.layout.buckets if self._unit_of[b.slots[0].param] == spec.index]
