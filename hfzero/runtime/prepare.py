@@ -17,6 +17,7 @@ from hfzero.logging import get_logger
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.stage3 import Stage3Engine
+from hfzero.runtime.stage3.weights import WeightSource, materialize_meta_params
 
 logger = get_logger(__name__)
 
@@ -25,7 +26,7 @@ _ENGINE_ATTR = "hfzero_engine"
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
             process_group: dist.ProcessGroup | None = None, *, units: Sequence[str] | None = None,
-            verify_gather_order: bool = True) -> tuple[nn.Module, ZeroOptimizer]:
+            verify_gather_order: bool = True, weights: WeightSource | None = None) -> tuple[nn.Module, ZeroOptimizer]:
     """Apply ZeRO to ``model`` and ``optimizer`` over ``process_group`` (default: the world group).
 
     The model keeps its class; its trainable parameters become views into one flat buffer (cast to
@@ -36,6 +37,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     Stage 3 only: ``units`` names the modules gathered as one unit (default: the decoder blocks, see
     [Note: stage-3 units]); ``verify_gather_order`` checks before every gather that all ranks gather
     the same unit (a tiny extra collective), raising GatherOrderError instead of hanging.
+    ``weights`` (a stage-3 WeightSource) fills each rank's shard directly, for a model whose trainable
+    parameters are on the meta device (see stage3/init.py, ``from_pretrained_sharded``).
     """
     config = config or ZeroConfig()
     if not isinstance(config, ZeroConfig):
@@ -52,15 +55,19 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         raise ConfigError("hfzero.prepare: units= applies to ZeroConfig(stage=3) only")
     if units is not None and (isinstance(units, str) or not all(isinstance(u, str) for u in units)):
         raise ConfigError("hfzero.prepare: units must be a list of module names, e.g. ['model.layers.0']")
+    if weights is not None and config.stage != 3:
+        raise ConfigError("hfzero.prepare: weights= (sharded construction) applies to ZeroConfig(stage=3) only")
     groups = _optimizer_groups(model, optimizer)
-    device = _single_device(groups)
+    device = _single_device(groups) if weights is None else _meta_device(groups, weights.device)
     if config.mixed_precision:
         model.to(config.torch_dtype)
+    if weights is not None:
+        materialize_meta_params([p for group in groups for p in group], device)
     comm = Communicator(process_group, config.reduce_scatter_impl)
     _check_ranks_agree(comm, config, model, optimizer, groups)
     if config.stage == 3:
         engine = Stage3Engine(model, groups, config, comm, device, units=units,
-                              verify_gather_order=verify_gather_order)
+                              verify_gather_order=verify_gather_order, weights=weights)
     else:
         engine = ZeroEngine(model, groups, config, comm, device)
     zero_optimizer = ZeroOptimizer(engine, optimizer)
@@ -128,6 +135,17 @@ def _single_device(groups: list[list[nn.Parameter]]) -> torch.device:
         raise ConfigError("hfzero.prepare: parameters are on the meta device; materialize the model "
                           "(e.g. from_pretrained or to_empty + load) before prepare")
     return device
+
+
+def _meta_device(groups: list[list[nn.Parameter]], device: torch.device) -> torch.device:
+    """Sharded construction: the trainable parameters are on meta; the shard goes to ``device``."""
+    if not any(groups):
+        raise ConfigError("hfzero.prepare: the optimizer holds no parameters")
+    real = sorted({str(p.device) for group in groups for p in group if p.device.type != "meta"})
+    if real:
+        raise ConfigError(f"hfzero.prepare: with weights= every trainable parameter must be on the meta device; "
+                          f"some are on {real}")
+    return torch.device(device)
 
 
 def _check_ranks_agree(comm: Communicator, config: ZeroConfig, model: nn.Module,
