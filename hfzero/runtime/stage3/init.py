@@ -146,4 +146,5 @@ def _materialize_frozen(model: nn.Module, optimizer: torch.optim.Optimizer, sour
     in_optimizer = {p for group in optimizer.param_groups for p in group["params"]}
     for name, p in model.named_parameters():
         if p.device.type == "meta" and (not p.requires_grad or p not in in_optimizer):
-            p.data = source.read_whole(name, p.shape).to(source.device, dtype or p.dtype)
+            value = source.read_whole(name, p.shape).to(source.device, dtype or p.dtype)
+            torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))  # keeps ties
