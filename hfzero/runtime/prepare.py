@@ -63,7 +63,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         model.to(config.torch_dtype)
     if weights is not None:
         materialize_meta_params([p for group in groups for p in group], device)
-    comm = Communicator(process_group, config.reduce_scatter_impl)
+    comm = Communicator(process_group, config.reduce_scatter_impl, device=device)
     _check_ranks_agree(comm, config, model, optimizer, groups)
     if config.stage == 3:
         engine = Stage3Engine(model, groups, config, comm, device, units=units,
