@@ -28,6 +28,11 @@ _EXPORTS = {
     "model_states_bytes": "hfzero.estimate",
     "max_params": "hfzero.estimate",
     "choose_stage": "hfzero.estimate",
+    "full_state_dict": "hfzero.runtime.stage3.state_dict",
+    "GatherOrderError": "hfzero.runtime.stage3.scheduler",
+    "init_sharded": "hfzero.runtime.stage3.init",
+    "from_pretrained_sharded": "hfzero.runtime.stage3.init",
+    "WeightLoadError": "hfzero.runtime.stage3.weights",
     "ZeroAccelerator": "hfzero.integrations.accelerate",
     "ZeroTrainer": "hfzero.integrations.trainer",
     "ZeroTrainingArguments": "hfzero.integrations.trainer",
@@ -46,6 +51,10 @@ if TYPE_CHECKING:
     from hfzero.runtime.engine import ZeroEngine
     from hfzero.runtime.optimizer import ZeroOptimizer
     from hfzero.runtime.prepare import get_engine, prepare
+    from hfzero.runtime.stage3.init import from_pretrained_sharded, init_sharded
+    from hfzero.runtime.stage3.scheduler import GatherOrderError
+    from hfzero.runtime.stage3.state_dict import full_state_dict
+    from hfzero.runtime.stage3.weights import WeightLoadError
 
 
 def __getattr__(name: str) -> Any:
