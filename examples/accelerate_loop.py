@@ -1,6 +1,7 @@
 """A custom accelerate training loop with hfzero's ZeroAccelerator (causal LM on the bundled corpus).
 
     hfzero run --nproc_per_node 2 examples/accelerate_loop.py --output_dir out/loop --zero_stage 2
+    hfzero run --nproc_per_node 2 examples/accelerate_loop.py --output_dir out/loop --zero_stage 3
     torchrun --nproc_per_node 2 examples/accelerate_loop.py --output_dir out/loop --stage 1 --bf16
 
 ZeRO options come from --stage/--bf16 here, or from HFZERO_* (which `hfzero run --zero_*` sets).
@@ -105,7 +106,7 @@ def main() -> None:
                 accelerator.wait_for_everyone()
             if step >= args.steps:
                 break
-    state_dict = accelerator.get_state_dict(model)
+    state_dict = accelerator.get_state_dict(model)  # every rank: at stage 3 this gathers (a collective)
     if accelerator.is_main_process:
         accelerator.unwrap_model(model).save_pretrained(out / "model", state_dict=state_dict)
         tokenizer.save_pretrained(out / "model")

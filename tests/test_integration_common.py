@@ -13,39 +13,57 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 CLM = str(ROOT / "examples" / "train_clm.py")
 STEPS = 4
+LAUNCH_TIMEOUT_S = 900
+"""Per launch. One takes ~20 s on an idle 2-core host; generous, for a loaded machine."""
 
 
 def clm_args(out: Path, per_device_batch: int = 2) -> list[str]:
-    """train_clm.py arguments: tiny dropout-free GPT-2, accumulation 2, clipping, eval and saves every 2 steps."""
+    """train_clm.py arguments: tiny dropout-free GPT-2, accumulation 2, clipping, eval and saves every 2 steps.
+
+    ``--greater_is_better true`` on eval_loss makes checkpoint-2 (the higher loss) the best one, so
+    ``load_best_model_at_end`` has to load weights that differ from the final ones.
+    """
     return [CLM, "--do_train", "--config_name", "tiny", "--config_overrides", "resid_pdrop=0,embd_pdrop=0,attn_pdrop=0",
             "--output_dir", str(out), "--max_steps", str(STEPS), "--per_device_train_batch_size",
             str(per_device_batch), "--gradient_accumulation_steps", "2", "--learning_rate", "1e-3",
             "--max_grad_norm", "0.5", "--logging_steps", "1", "--save_steps", "2", "--eval_strategy", "steps",
             "--eval_steps", "2", "--per_device_eval_batch_size", "8", "--load_best_model_at_end", "true",
+            "--metric_for_best_model", "eval_loss", "--greater_is_better", "true",
             "--report_to", "none", "--disable_tqdm", "true", "--seed", "0"]
 
 
-def launch(cmd: list[str]) -> None:
-    """Run a launcher command; plain torchrun on a CPU host gets ACCELERATE_USE_CPU (as `hfzero run` sets)."""
+def launch(cmd: list[str]) -> str:
+    """Run a launcher command, return its output; plain torchrun on a CPU host gets ACCELERATE_USE_CPU (as
+    `hfzero run` sets)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not torch.accelerator.is_available():
         env["ACCELERATE_USE_CPU"] = "true"
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout + proc.stderr
 
 
-def torchrun(nproc: int, args: list[str]) -> None:
-    launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *args])
+def _torchrun_options(nproc: int) -> list[str]:
+    # --standalone: rendezvous on a free port, so runs started by other tests or users at the same time
+    # never collide on torchrun's default port 29500
+    return ["--standalone", "--nproc_per_node", str(nproc)]
 
 
-def hfzero_run(nproc: int, args: list[str]) -> None:
-    launch([sys.executable, "-m", "hfzero", "run", "--nproc_per_node", str(nproc), *args])
+def torchrun(nproc: int, args: list[str]) -> str:
+    return launch([sys.executable, "-m", "torch.distributed.run", *_torchrun_options(nproc), *args])
 
 
-def losses(out: Path) -> dict[int, float]:
-    """Per-step training losses the Trainer logged (averaged over ranks), from trainer_state.json."""
-    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
-    return {h["step"]: h["loss"] for h in history if "loss" in h}
+def hfzero_run(nproc: int, args: list[str]) -> str:
+    return launch([sys.executable, "-m", "hfzero", "run", *_torchrun_options(nproc), *args])
+
+
+def log_history(out: Path) -> list[dict]:
+    return json.loads((out / "trainer_state.json").read_text())["log_history"]
+
+
+def losses(out: Path, key: str = "loss") -> dict[int, float]:
+    """Per-step training losses the Trainer logged (averaged over ranks), or ``key="eval_loss"``."""
+    return {h["step"]: h[key] for h in log_history(out) if key in h}
 
 
 def assert_losses_match(got: dict[int, float], want: dict[int, float], rel: float = 1e-5) -> None:

@@ -52,3 +52,22 @@ def test_cli_fails_before_starting_processes(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "--deepspeed cannot be combined with hfzero's --zero_* options" in proc.stderr
     assert not out.exists()  # nothing started
+
+
+def test_trainer_arguments_for_cpu_bf16_and_stage3_best_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process: `hfzero run`'s ACCELERATE_USE_CPU makes --bf16 acceptable on a CPU host (use_cpu), and
+    stage 3 refuses load_best_model_at_end with save_only_model before training (no shards to load from)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hfzero.integrations.trainer import ZeroTrainer, ZeroTrainingArguments
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    common = dict(output_dir=str(tmp_path), report_to="none", eval_strategy="steps", save_strategy="steps",
+                  eval_steps=2, save_steps=2, load_best_model_at_end=True)
+    if not torch.accelerator.is_available():
+        assert ZeroTrainingArguments(bf16=True, **common).use_cpu
+    args = ZeroTrainingArguments(zero_stage=3, save_only_model=True, **common)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32, n_positions=8))
+    with pytest.raises(ConfigError, match="drop --save_only_model"):
+        ZeroTrainer(model=model, args=args)

@@ -72,9 +72,25 @@ def _zero_config_strings(self: Any) -> dict[str, str]:
     return out
 
 
+def _post_init(self: Any) -> None:
+    """``ACCELERATE_USE_CPU=true`` (set by ``hfzero run`` on hosts without an accelerator) means use_cpu.
+
+    TrainingArguments honours that variable for its process group but not in its ``--bf16`` check
+    ("doesn't support bf16/gpu"), which would refuse ZeRO's bf16 (16-bit parameters, not autocast)
+    on a CPU host although the run is a CPU run.
+    """
+    if not self.use_cpu and not torch.accelerator.is_available() and _env_true("ACCELERATE_USE_CPU"):
+        self.use_cpu = True
+    TrainingArguments.__post_init__(self)
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "y", "on")
+
+
 ZeroTrainingArguments = dataclasses.make_dataclass(
     "ZeroTrainingArguments", _zero_fields(), bases=(TrainingArguments,),
-    namespace={"zero_config_strings": _zero_config_strings, "__module__": __name__})
+    namespace={"zero_config_strings": _zero_config_strings, "__post_init__": _post_init, "__module__": __name__})
 ZeroTrainingArguments.__doc__ = (
     "``transformers.TrainingArguments`` plus every ZeroConfig field as ``zero_<field>`` (default None: taken "
     "from ``HFZERO_<FIELD>`` in the environment, else ZeroConfig's default) and ``zero_profile_dir``. "
