@@ -12,13 +12,20 @@ from hfzero.testing import run_distributed
 from hfzero.testing.workloads import TrainSpec, train_many, train_reference
 
 MODELS = ("gpt2", "llama")
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 ACCUMULATION = ((1, False), (4, False), (4, True))
-FP32_CASES = [TrainSpec(model=m, stage=s, accumulation=a, no_sync=ns)
-              for m in MODELS for s in STAGES for a, ns in ACCUMULATION]
-BF16_CASES = [TrainSpec(model="gpt2", stage=s, dtype="bf16") for s in STAGES]
-FP16_CASES = [TrainSpec(model="gpt2", stage=s, dtype="fp16", overflow_step=3, steps=6) for s in STAGES]
-MEMORY_CASES = [TrainSpec(model="gpt2", stage=s, dtype="bf16", steps=2, max_grad_norm=None) for s in STAGES]
+# The tiny test models are below the default persistence threshold: 0 makes stage 3 partition them all.
+STAGE3 = (("param_persistence_threshold", 0),)
+
+
+def _spec(stage: int, **kwargs) -> TrainSpec:
+    return TrainSpec(stage=stage, extra_config=STAGE3 if stage == 3 else (), **kwargs)
+
+
+FP32_CASES = [_spec(s, model=m, accumulation=a, no_sync=ns) for m in MODELS for s in STAGES for a, ns in ACCUMULATION]
+BF16_CASES = [_spec(s, model="gpt2", dtype="bf16") for s in STAGES]
+FP16_CASES = [_spec(s, model="gpt2", dtype="fp16", overflow_step=3, steps=6) for s in STAGES]
+MEMORY_CASES = [_spec(s, model="gpt2", dtype="bf16", steps=2, max_grad_norm=None) for s in STAGES]
 
 
 def cases(world: int) -> list[TrainSpec]:

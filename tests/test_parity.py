@@ -1,4 +1,4 @@
-"""Parity of stages 0-2 against a single-process full-batch AdamW reference (with clipping and an LR
+"""Parity of stages 0-3 against a single-process full-batch AdamW reference (with clipping and an LR
 schedule), for world sizes 1, 2, 4, accumulation 1 and 4 (with and without no_sync), GPT-2 and
 Llama with tied embeddings, two param groups. One spawn per world size runs every case."""
 

@@ -108,7 +108,7 @@ def train_zero(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
         losses.append(total.item())
     return {
         "losses": losses,
-        "params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
+        "params": _full_params(model, engine),
         "skipped": skipped,
         "loss_scale": optimizer.loss_scale,
         "peak_model_state_bytes": peak_states,
@@ -118,6 +118,14 @@ def train_zero(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
         "num_params_padded": engine.num_params_padded,
         "buckets": len(engine.layout.buckets),
     }
+
+
+def _full_params(model: nn.Module, engine: hfzero.ZeroEngine) -> dict[str, torch.Tensor]:
+    """Every parameter, whole, as fp32 (stage 3 gathers the partitioned ones)."""
+    if engine.stage < 3:
+        return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    full = hfzero.full_state_dict(model, rank0_only=False)
+    return {n: full[n].float() for n, _ in model.named_parameters()}
 
 
 def train_many(rank: int, world_size: int, specs: list[TrainSpec]) -> list[dict[str, Any]]:
