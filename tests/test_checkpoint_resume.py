@@ -1,12 +1,20 @@
-"""Exact resume (stages 0-2, world 2, fp32 and bf16) and resharding on load (world 2 / stage 2 ->
-world 1 / stages 0-1, world 4 / stages 1-2), against uninterrupted training of the same global batches.
+"""Exact resume (stages 0-3, world 2, fp32 and bf16; stage 3 with and without persistent parameters)
+and resharding on load across world sizes and stages, against uninterrupted training of the same
+global batches.
 
-One spawn of 4 ranks runs everything (spawning is the expensive part): ranks 0-1 form a world-2
-sub-group that trains, saves at step K, keeps training (the reference), then builds a fresh
-differently-initialized model with scrambled RNGs, loads and resumes; ranks 2 and 3 then each load
-the world-2 / stage-2 checkpoint alone (world 1, stages 0 and 1); finally all 4 ranks load it
-(world 4, stages 1 and 2). The LR decays multiplicatively each step (so the live hyper-parameters
-must be restored), two param groups have different weight decay, gradients are clipped.
+One spawn of 4 ranks runs everything (spawning is the expensive part):
+1. two world-2 sub-groups run side by side, ranks 0-1 and ranks 2-3, each half of the cases (see
+   PAIR_CASES). Each case trains, saves at step K, keeps training (the reference), then builds a fresh
+   differently-initialized model with scrambled RNGs, loads and resumes;
+2. each rank alone (world 1) loads a world-2 checkpoint: the stage-2 one at stages 3 (without and
+   with persistent parameters), 0 and 1; the stage-3 one at stage 1;
+3. all 4 ranks load: the stage-2 checkpoint at stages 1, 2 and 3, the stage-3 one at stage 1, the
+   stage-3 one with persistent parameters at stage 3 without them.
+Every load also reports the full parameters right after loading (gathered with ``full_state_dict``
+at stage 3), which must equal the saved ones bit for bit: at stage 3 that checks the parameter
+shards and the persistent copies, not only the master weights. The LR decays multiplicatively each
+step (so the live hyper-parameters must be restored), two param groups have different weight
+decay, gradients are clipped.
 """
 
 from __future__ import annotations
@@ -24,21 +32,37 @@ import torch.distributed as dist
 
 from hfzero import ZeroConfig, prepare
 from hfzero.checkpoint import consolidate, load_checkpoint, save_checkpoint
+from hfzero.runtime.stage3 import full_state_dict
 from hfzero.testing import run_distributed
 from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
 
 STEPS, K, GLOBAL_BATCH, SEQ = 6, 3, 4, 16
 BUCKET = 3000  # several buckets, parameters split across ranks' slices
-CASES = ((0, "fp32"), (1, "fp32"), (2, "fp32"), (2, "bf16"))
+PERSIST = 100  # stage 3: the layer norms and attention biases (<= 96 elements) stay whole, the rest is sharded
+# (stage, dtype, param_persistence_threshold) run by ranks 0-1 and, side by side, by ranks 2-3. Each pair
+# builds the same number of stage-3 engines: a Stage3Engine makes a process group with
+# use_local_synchronization, whose name torch derives from the count of groups the process already has,
+# so ranks that later build one engine together must have built equally many before (else they hang).
+PAIR_CASES = (((0, "fp32", 0), (2, "fp32", 0), (3, "fp32", 0), (3, "bf16", PERSIST)),
+              ((1, "fp32", 0), (2, "bf16", 0), (3, "fp32", PERSIST), (3, "bf16", 0)))
+CASES = PAIR_CASES[0] + PAIR_CASES[1]
 
 
-def _build(stage: int, seed: int, group=None, dtype: str = "fp32", bucket: int = BUCKET):
+def _key(stage: int, dtype: str, persist: int) -> str:
+    return f"{stage}-{dtype}" + (f"-p{persist}" if persist else "")
+
+
+KEYS = [_key(*c) for c in CASES]
+
+
+def _build(stage: int, seed: int, group=None, dtype: str = "fp32", bucket: int = BUCKET, persist: int = 0):
     model = tiny_causal_lm("gpt2", seed=seed)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=3e-3)
-    return prepare(model, opt, ZeroConfig(stage=stage, dtype=dtype, reduce_bucket_size=bucket), process_group=group)
+    config = ZeroConfig(stage=stage, dtype=dtype, reduce_bucket_size=bucket, param_persistence_threshold=persist)
+    return prepare(model, opt, config, process_group=group)
 
 
 def _train(model, opt, batches, group) -> list[float]:
@@ -63,54 +87,66 @@ def _draw() -> list[float]:
 
 
 def _full_params(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    """Every parameter whole (a collective at stage 3, where they are shards between uses)."""
+    state = full_state_dict(model, rank0_only=False)
+    return {n: state[n].float().clone() for n, _ in model.named_parameters()}
 
 
-def _world2(rank: int, group, root: str) -> dict:
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def _world2(rank: int, group, root: str, cases) -> dict:
     batches = token_batches(STEPS, GLOBAL_BATCH, SEQ)
     out = {}
-    for stage, dtype in CASES:
+    for stage, dtype, persist in cases:
         torch.manual_seed(10 + rank), random.seed(rank), np.random.seed(rank)
-        model, opt = _build(stage, 0, group, dtype)
+        model, opt = _build(stage, 0, group, dtype, persist=persist)
         ref = _train(model, opt, batches[:K], group)
-        ckpt = Path(root) / f"stage{stage}-{dtype}"
+        ckpt = Path(root) / f"stage{_key(stage, dtype, persist)}"
         save_checkpoint(ckpt, model, opt, extra={"step": K})
         at_save = _full_params(model)
         drawn_ref = _draw()
         ref += _train(model, opt, batches[K:], group)
 
         torch.manual_seed(999), random.seed(999), np.random.seed(999)
-        model2, opt2 = _build(stage, 7, group, dtype)
+        model2, opt2 = _build(stage, 7, group, dtype, persist=persist)
         extra = load_checkpoint(ckpt, model2, opt2)
         drawn = _draw()
+        loaded_equal = _equal(_full_params(model2), at_save)
         resumed = _train(model2, opt2, batches[extra["step"]:], group)
-        final_equal = all(torch.equal(a, b) for a, b in zip(_full_params(model).values(),
-                                                              _full_params(model2).values()))
-        out[f"{stage}-{dtype}"] = {"ref": ref, "resumed": resumed, "drawn_ref": drawn_ref, "drawn": drawn,
-                                   "final_equal": final_equal, "at_save": at_save if rank == 0 else None,
-                                   "ckpt": str(ckpt)}
+        final_equal = _equal(_full_params(model), _full_params(model2))
+        out[_key(stage, dtype, persist)] = {
+            "ref": ref, "resumed": resumed, "drawn_ref": drawn_ref, "drawn": drawn, "loaded_equal": loaded_equal,
+            "final_equal": final_equal, "at_save": at_save if dist.get_rank(group) == 0 else None, "ckpt": str(ckpt)}
     return out
 
 
-def _load_and_train(ckpt: str, stage: int, group) -> list[float]:
+def _load_and_train(root: str, saved: str, stage: int, group, persist: int = 0) -> dict:
+    """Load checkpoint ``saved`` into a fresh model at ``stage``, train the rest; losses and loaded params."""
     batches = token_batches(STEPS, GLOBAL_BATCH, SEQ)
-    model, opt = _build(stage, 7, group, bucket=5000)
-    extra = load_checkpoint(ckpt, model, opt)
-    return _train(model, opt, batches[extra["step"]:], group)
+    model, opt = _build(stage, 7, group, bucket=5000, persist=persist)
+    extra = load_checkpoint(Path(root) / f"stage{saved}", model, opt)
+    loaded = _full_params(model)
+    losses = _train(model, opt, batches[extra["step"]:], group)
+    return {"losses": losses, "loaded": loaded if dist.get_rank(group) == 0 else None}
+
+
+# world-1 loads, one list per rank: (saved case, stage, param_persistence_threshold)
+WORLD1 = ([("2-fp32", 3, 0)], [("2-fp32", 3, PERSIST)], [("2-fp32", 0, 0)], [("2-fp32", 1, 0), ("3-fp32", 1, 0)])
+WORLD4 = (("2-fp32", 1, 0), ("2-fp32", 2, 0), ("2-fp32", 3, 0), ("3-fp32", 1, 0), (f"3-fp32-p{PERSIST}", 3, 0))
 
 
 def _everything(rank: int, world: int, root: str) -> dict:
-    pair = dist.new_group([0, 1])
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     alone = [dist.new_group([r]) for r in range(world)]
     out: dict = {}
-    if rank < 2:
-        out["world2"] = _world2(rank, pair, root)
+    out["world2"] = _world2(rank, pairs[rank // 2], root, PAIR_CASES[rank // 2])
     dist.barrier()
-    ckpt = str(Path(root) / "stage2-fp32")
-    if rank in (2, 3):  # world 1, stage 0 on rank 2 and stage 1 on rank 3, concurrently
-        out["world1"] = {rank - 2: _load_and_train(ckpt, rank - 2, alone[rank])}
+    out["world1"] = {(saved, stage, persist): _load_and_train(root, saved, stage, alone[rank], persist)
+                     for saved, stage, persist in WORLD1[rank]}
     dist.barrier()
-    out["world4"] = {stage: _load_and_train(ckpt, stage, None) for stage in (1, 2)}
+    out["world4"] = {case: _load_and_train(root, *case[:2], None, case[2]) for case in WORLD4}
     return out
 
 
@@ -120,38 +156,64 @@ def results() -> list[dict]:
     return run_distributed(_everything, 4, root, timeout=300)
 
 
-def _world2_results() -> list[dict]:
-    return [r["world2"] for r in results()[:2]]
+def _world2_results(case: str) -> list[dict]:
+    """The two ranks' results of a world-2 case (ranks 0-1 ran PAIR_CASES[0], ranks 2-3 PAIR_CASES[1])."""
+    ranks = results()[:2] if case in map(lambda c: _key(*c), PAIR_CASES[0]) else results()[2:]
+    return [r["world2"][case] for r in ranks]
 
 
-@pytest.mark.parametrize("case", [f"{s}-{d}" for s, d in CASES])
+@pytest.mark.parametrize("case", KEYS)
 def test_exact_resume_world2(case):
-    per_rank = _world2_results()
-    for rank, out in enumerate(per_rank):
-        r = out[case]
+    per_rank = _world2_results(case)
+    for rank, r in enumerate(per_rank):
         assert r["resumed"] == r["ref"][K:], f"rank {rank}: losses after resume differ: {r['resumed']} vs {r['ref'][K:]}"
+        assert r["loaded_equal"], f"rank {rank}: parameters right after loading differ from the saved ones"
         assert r["final_equal"], f"rank {rank}: final parameters differ from uninterrupted training"
         assert r["drawn"] == r["drawn_ref"], f"rank {rank}: RNG states were not restored"
-    assert per_rank[0][case]["drawn"] != per_rank[1][case]["drawn"], "each rank must restore its own RNG state"
+    assert per_rank[0]["drawn"] != per_rank[1]["drawn"], "each rank must restore its own RNG state"
 
 
-@pytest.mark.parametrize("stage", [0, 1])
-def test_reshard_world2_stage2_to_world1(stage):
-    ref = _world2_results()[0]["2-fp32"]["ref"][K:]
-    got = results()[2 + stage]["world1"][stage]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), atol=1e-5, rtol=0)
+def _check_reshard(saved: str, got: dict, where: str) -> None:
+    ref = _world2_results(saved)[0]
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["ref"][K:]), atol=1e-5, rtol=0,
+                               msg=lambda m: f"{where}: {m}")
+    if got["loaded"] is not None:  # fp32 values are copied, whatever the layout: exact
+        assert _equal(got["loaded"], ref["at_save"]), f"{where}: parameters right after loading differ"
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_reshard_world2_stage2_to_world4(stage):
-    ref = _world2_results()[0]["2-fp32"]["ref"][K:]
+@pytest.mark.parametrize("rank, case", [(r, c) for r, cases in enumerate(WORLD1) for c in cases],
+                         ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_reshard_world2_to_world1(rank, case):
+    _check_reshard(case[0], results()[rank]["world1"][case], f"{case[0]} -> world 1 stage {case[1]}")
+
+
+@pytest.mark.parametrize("case", WORLD4, ids=lambda c: f"{c[0]}-to-stage{c[1]}" + (f"-p{c[2]}" if c[2] else ""))
+def test_reshard_world2_to_world4(case):
     for rank, out in enumerate(results()):
-        torch.testing.assert_close(torch.tensor(out["world4"][stage]), torch.tensor(ref), atol=1e-5, rtol=0,
-                                   msg=lambda m: f"world 4 stage {stage} rank {rank}: {m}")
+        _check_reshard(case[0], out["world4"][case], f"{case[0]} -> world 4 stage {case[1]}, rank {rank}")
+
+
+def test_stage2_and_stage3_training_agree():
+    """The stage-3 reference the stage-3 checkpoints are compared with is itself the stage-2 run."""
+    torch.testing.assert_close(torch.tensor(_world2_results("3-fp32")[0]["ref"]),
+                               torch.tensor(_world2_results("2-fp32")[0]["ref"]), atol=1e-5, rtol=0)
+
+
+def test_stage3_manifest_holds_whole_parameters_once():
+    for case in ("3-fp32", f"3-fp32-p{PERSIST}"):
+        manifest = json.loads((Path(_world2_results(case)[0]["ckpt"]) / "manifest.json").read_text())
+        assert manifest["world_size"] == 2 and manifest["stage"] == 3
+        for name, entry in manifest["params"].items():
+            spans = sorted((p["start"], p["end"]) for p in entry["pieces"])
+            numel = 1
+            for d in entry["shape"]:
+                numel *= d
+            assert spans[0][0] == 0 and spans[-1][1] == numel, (case, name, spans)
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (case, name, spans)
 
 
 def test_manifest_records_ranges_of_both_ranks():
-    manifest = json.loads((Path(_world2_results()[0]["2-fp32"]["ckpt"]) / "manifest.json").read_text())
+    manifest = json.loads((Path(_world2_results("2-fp32")[0]["ckpt"]) / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["stage"] == 2
     split = [n for n, p in manifest["params"].items() if len({q["file"] for q in p["pieces"]}) == 2]
     assert split, "with small buckets some parameter must be split between the two rank files"
@@ -160,11 +222,11 @@ def test_manifest_records_ranges_of_both_ranks():
     assert lr == pytest.approx(3e-3 * 0.8**K), "the live (decayed) learning rate is saved"
 
 
-@pytest.mark.parametrize("case", ["2-fp32", "0-fp32"])
+@pytest.mark.parametrize("case", ["2-fp32", "0-fp32", "3-fp32", f"3-fp32-p{PERSIST}"])
 def test_consolidate_world2_checkpoint_loads_with_from_pretrained(case, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    out = _world2_results()[0][case]
+    out = _world2_results(case)[0]
     result = consolidate(out["ckpt"], tmp_path / "hf")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     got = dict(model.named_parameters())

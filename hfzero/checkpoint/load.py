@@ -143,8 +143,10 @@ def _match_model(directory: Path, manifest: dict[str, Any], inv: Inventory, opti
             problems.append(f"{label} of the model absent from the checkpoint: {_listing(missing)}")
         if unexpected:
             problems.append(f"{label} in the checkpoint the model does not have: {_listing(unexpected)}")
-    shapes = [f"{n} (checkpoint {tuple(saved[n]['shape'])}, model {tuple(p.shape)})"
-              for n, p in now.items() if n in saved and tuple(saved[n]["shape"]) != tuple(p.shape)]
+    # the layout's shape, not p.shape: a stage-3 parameter is a 0-element tensor between uses
+    logical = {n: tuple(engine.layout.slots[p].shape) for n, p in now.items()}
+    shapes = [f"{n} (checkpoint {tuple(saved[n]['shape'])}, model {shape})"
+              for n, shape in logical.items() if n in saved and tuple(saved[n]["shape"]) != shape]
     shapes += [f"{n} (checkpoint {tuple(saved_frozen[n]['shape'])}, model {tuple(t.shape)})"
                for n, (t, _) in now_frozen.items()
                if n in saved_frozen and tuple(saved_frozen[n]["shape"]) != tuple(t.shape)]
