@@ -29,7 +29,10 @@ def good(tmp_path_factory) -> Path:
 
 
 def _snapshot(model, opt) -> list[torch.Tensor]:
-    tensors = [t.detach().clone() for t in model.state_dict().values()]
+    # parameters and buffers, plus the master views (at stage 3, where parameters are 0-element tensors
+    # between uses, those are the parameter shards)
+    tensors = [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
+    tensors += [v.detach().clone() for v in opt.engine.master_views]
     for state in opt.engine.optimizer.state.values():
         tensors += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
     return tensors + [torch.tensor([g["lr"] for g in opt.param_groups])]
@@ -109,9 +112,31 @@ def test_tampered_manifest_ranges(good, tmp_path):
     _expect_untouched_failure(path, "malformed.*fc1.weight")
 
 
-def test_checkpoint_of_another_model_shape(good):
-    message = _expect_untouched_failure(good, "another model: shape mismatch", hidden=48)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_of_another_model_shape(good, stage):
+    # stage 3: the model's shapes come from the layout (its parameters are 0-element shards between uses)
+    message = _expect_untouched_failure(good, "another model: shape mismatch", stage=stage, hidden=48)
     assert "fc1.weight" in message and "(32, 8)" in message and "(48, 8)" in message
+    assert "(0,)" not in message
+
+
+def test_stage1_checkpoint_loads_at_stage3_and_back(good, tmp_path):
+    """World 1: a stage-1 checkpoint resumes at stage 3 (all parameters partitioned), and a checkpoint that
+    stage 3 saves resumes at stage 1; losses equal uninterrupted stage-1 training."""
+    from hfzero.runtime.stage3 import full_state_dict
+    from test_checkpoint_kill import train
+
+    reference = train(*build(), data())
+    model, opt = build(stage=3, seed=3)
+    assert load_checkpoint(good, model, opt) == {"step": 2}
+    losses = train(model, opt, data()[2:4])
+    save_checkpoint(tmp_path / "s3", model, opt, extra={"step": 4})
+    trained = full_state_dict(model)
+    model1, opt1 = build(stage=1, seed=5)
+    load_checkpoint(tmp_path / "s3", model1, opt1)
+    assert all(torch.equal(v, trained[k]) for k, v in model1.state_dict().items())
+    losses += train(model1, opt1, data()[4:])
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[2:]), atol=1e-6, rtol=0)
 
 
 def test_checkpoint_of_another_model_names(good):

@@ -46,9 +46,10 @@ class MLP(nn.Module):
 
 
 def build(stage: int = 1, seed: int = 0, **kwargs):
+    """Prepared MLP and optimizer; at stage 3 every trainable parameter is partitioned (threshold 0)."""
     model = MLP(seed, **kwargs)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    return prepare(model, opt, ZeroConfig(stage=stage, reduce_bucket_size=100))
+    return prepare(model, opt, ZeroConfig(stage=stage, reduce_bucket_size=100, param_persistence_threshold=0))
 
 
 def data(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
