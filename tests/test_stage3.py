@@ -263,8 +263,11 @@ def test_stage3_state_dict_semantics_and_options():
     engine = hfzero.get_engine(model)
     assert engine.stage == 3 and engine.world_size == 1 and [u.name for u in engine.units] == [
         "", "model.layers.0", "model.layers.1"]
-    # Between uses partitioned parameters are empty; full_state_dict gathers them.
-    assert all(v.numel() == 0 for k, v in model.state_dict().items() if "layers" in k and "weight" in k)
+    # Between uses partitioned parameters are empty, so model.state_dict() is refused (a saved model
+    # must never come out empty); full_state_dict gathers them.
+    assert all(p.numel() == 0 for n, p in model.named_parameters() if "layers" in n and "weight" in n)
+    with pytest.raises(RuntimeError, match="full_state_dict"):
+        model.state_dict()
     full = full_state_dict(model)
     ref = tiny_causal_lm("llama").state_dict()
     assert full.keys() == ref.keys() and all(torch.equal(full[k], ref[k]) for k in ref)

@@ -75,8 +75,25 @@ class Stage3Engine(ZeroEngine):
                                        config.allgather_bucket_size)
         self.reducer.on_bucket_filled = self._on_bucket_filled
         self.num_persistent_params = sum(b.numel for b in self._persistent_buckets())
+        self._partitioned = {p for p, unit in self._unit_of.items() if unit != _PERSISTENT}
+        self.allow_partitioned_state_dict = False
+        # a plain function (torch tags the hook object, which a bound method does not allow)
+        model.register_state_dict_post_hook(lambda *args: self._refuse_empty_state_dict(*args))
         logger.info("stage 3: %d unit(s), %d persistent parameter(s) (< %d elements each kept whole)",
                     len(self.units), self.num_persistent_params, config.param_persistence_threshold)
+
+    def _refuse_empty_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        """``model.state_dict()`` would hold 0-element tensors for partitioned parameters: refuse it
+        (a saved model must never come out empty). See [Note: stage-3 state_dict]."""
+        if self.allow_partitioned_state_dict:
+            return
+        empty = [n for n, p in module.named_parameters() if p in self._partitioned and p.numel() == 0]
+        if empty:
+            raise RuntimeError(
+                f"hfzero stage 3: model.state_dict() would return {len(empty)} empty (partitioned) tensor(s), e.g. "
+                f"{empty[0]!r}, and a model saved from it would be empty. Call hfzero.full_state_dict(model) on "
+                "every rank (rank 0 receives the full tensors) and pass it on, e.g. "
+                "model.save_pretrained(dir, state_dict=full_sd) on rank 0.")
 
     # ---- construction ---------------------------------------------------------------------------
     def _backward_positions(self) -> dict[nn.Parameter, int]:

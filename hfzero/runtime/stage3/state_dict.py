@@ -2,8 +2,8 @@
 
 [Note: stage-3 state_dict]
 At stage 3, between uses, a partitioned parameter is a 0-element tensor of its dtype (see
-[Note: stage-3 release]), so ``model.state_dict()`` returns empty tensors for it: saving that
-would write an empty model. ``full_state_dict(model)`` gathers each unit in turn (a collective:
+[Note: stage-3 release]), so ``model.state_dict()`` would return empty tensors for it: saving that
+would write an empty model, and the engine refuses it with an error that points here. ``full_state_dict(model)`` gathers each unit in turn (a collective:
 every rank must call it), copies its parameters to the CPU and releases it again, so at most one
 unit's full buffer is resident at a time beyond the result.
 """
@@ -40,7 +40,12 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     if not keep:
         return {}
     out: dict[str, torch.Tensor] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
+    engine.allow_partitioned_state_dict = True  # the empty entries are replaced by the gathered tensors below
+    try:
+        entries = model.state_dict(keep_vars=True)
+    finally:
+        engine.allow_partitioned_state_dict = False
+    for key, value in entries.items():
         tensor = gathered.get(value) if isinstance(value, nn.Parameter) else None
         out[key] = tensor if tensor is not None else value.detach().to("cpu", copy=True)
     return out
