@@ -37,6 +37,12 @@ _PERSISTENT = -1
 """Unit key of the persistent parameters' buckets (they are never gathered)."""
 
 
+_GATHER_GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
+"""One gather group per set of ranks (and default group): engines built again reuse it, so groups
+neither pile up nor depend on how many engines each rank built before (torch names a new group from
+its ranks and the count of groups this process created, so unequal counts would hang its setup)."""
+
+
 def _gather_group_comms(comm: Communicator) -> tuple[Communicator, Communicator | None]:
     """A communicator for parameter gathers on a group of its own, and one for order checks.
 
@@ -45,8 +51,11 @@ def _gather_group_comms(comm: Communicator) -> tuple[Communicator, Communicator 
     """
     if comm.world_size == 1:
         return comm, None
-    ranks = dist.get_process_group_ranks(comm.group or dist.group.WORLD)
-    group = dist.new_group(ranks, use_local_synchronization=True)
+    ranks = tuple(dist.get_process_group_ranks(comm.group or dist.group.WORLD))
+    key = (id(dist.group.WORLD), ranks)
+    if key not in _GATHER_GROUPS:
+        _GATHER_GROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+    group = _GATHER_GROUPS[key]
     # one ledger for the data-parallel group's collectives; order checks are bookkeeping, not volume
     return comm.on_group(group), comm.on_group(group, share_stats=False)
 
