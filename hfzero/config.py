@@ -58,7 +58,10 @@ class ZeroConfig:
     all-reduce, 100 MB in ~70 ms against ~125 ms for reduce_scatter; NCCL: native, half the bytes)."""
 
     param_persistence_threshold: int = 100_000
-    """Stage 3: parameters with fewer elements stay whole on every rank (counted as PARAM_FULL)."""
+    """Stage 3: parameters with fewer elements stay whole on every rank (counted as PARAM_FULL). The
+    default was chosen with benchmarks/persistence_threshold.py: on a 5.3M-parameter GPT-2 at world 2
+    it keeps 5.8% of the parameters whole (+1.4% model states) for a 2.6% faster step than 0, while
+    1e6 keeps 60% whole (+15%) for 5.8%."""
 
     offload_optimizer: bool = False
     """Keep fp32 master weights and optimizer states on the CPU (the parameters stay on their device)."""
