@@ -10,7 +10,9 @@ into OUT_DIR (how ``docs/screenshots/*.png`` were made).
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -89,11 +91,11 @@ def serve(run_dirs: list[str]) -> Iterator[str]:
             time.sleep(0.5)
         yield url
     finally:
-        process.terminate()
+        os.killpg(process.pid, signal.SIGTERM)  # the whole session: nothing may outlive the test
         try:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
             process.wait()
 
 

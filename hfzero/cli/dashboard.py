@@ -1,6 +1,6 @@
 """``hfzero dashboard RUN_DIR [RUN_DIR ...]``: browse profiles in the Streamlit dashboard.
 
-Starts ``streamlit run dashboard/app.py`` as a subprocess (headless, no usage statistics, bound to
+Replaces itself with ``streamlit run dashboard/app.py`` (headless, no usage statistics, bound to
 127.0.0.1 unless ``--host`` says otherwise) and passes it the run directories. A directory may be a
 run directory or a parent of run directories (the app's run picker lists each). See
 ``docs/dashboard.md``.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import subprocess
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -70,17 +70,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"hfzero dashboard: error: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1
                                                             else ""), file=sys.stderr)
         return 2
-    print(f"hfzero dashboard: serving on http://{args.host}:{args.port} (Ctrl+C stops it)")
-    process = subprocess.Popen(build_command(args))
-    try:
-        return process.wait()
-    except KeyboardInterrupt:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        return 130
+    print(f"hfzero dashboard: serving on http://{args.host}:{args.port} (Ctrl+C stops it)", flush=True)
+    sys.stderr.flush()
+    # Become the streamlit server (no child process): a signal to this process reaches the server
+    # itself, so stopping `hfzero dashboard` never leaves an orphaned server behind.
+    command = build_command(args)
+    os.execv(command[0], command)
+    return 0  # not reached
 
 
 def build_parser_for_tests() -> argparse.ArgumentParser:
