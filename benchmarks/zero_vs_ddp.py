@@ -1,4 +1,5 @@
-"""Side-by-side step time and memory: torch DDP, FSDP2 and hfzero stages 0-3 on the same model.
+"""Side-by-side step time and memory: torch DDP, FSDP2, DeepSpeed ZeRO 1-3 (when installed:
+`DS_BUILD_OPS=0 pip install deepspeed`) and hfzero stages 0-3 on the same model.
 
 All variants live in the same 2-rank gloo process group and are stepped in interleaved rounds, so
 machine noise hits them alike; the figures are ratios to DDP taken in one run. Usage:
@@ -22,6 +23,9 @@ from hfzero.testing import run_distributed
 from hfzero.testing.models import tiny_causal_lm
 
 
+VARIANTS = ["ddp", "fsdp2", "deepspeed1", "deepspeed2", "deepspeed3", "zero0", "zero1", "zero2", "zero3"]
+
+
 def _build(name: str, args: argparse.Namespace):
     model = tiny_causal_lm("gpt2", hidden=args.hidden, layers=args.layers, vocab=args.vocab, positions=args.seq)
     if name == "ddp":
@@ -34,6 +38,8 @@ def _build(name: str, args: argparse.Namespace):
             fully_shard(block)
         fully_shard(model)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4), None
+    if name.startswith("deepspeed"):
+        return _build_deepspeed(model, int(name.removeprefix("deepspeed")), args)
     stage = int(name.removeprefix("zero"))
     config = hfzero.ZeroConfig(stage=stage, reduce_bucket_size=args.bucket)
     try:
@@ -43,9 +49,28 @@ def _build(name: str, args: argparse.Namespace):
     return model, optimizer, hfzero.get_engine(model)
 
 
+def _build_deepspeed(model, stage: int, args: argparse.Namespace):
+    """DeepSpeed's ZeRO as a peer (never a dependency of hfzero); None when it is not installed."""
+    try:
+        import deepspeed
+    except ImportError:
+        return None
+    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket,
+                                    "allgather_bucket_size": args.bucket, "overlap_comm": True}}
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                                   config=config)
+    return engine, optimizer, "deepspeed"
+
+
 def _step(model, optimizer, engine, batch: torch.Tensor) -> int:
     """One training step; returns model-state bytes after the update, before gradients are dropped."""
     loss = model(input_ids=batch, labels=batch).loss
+    if engine == "deepspeed":  # clipping, step and zeroing happen inside DeepSpeed's engine
+        model.backward(loss)
+        model.step()
+        return 0
     loss.backward()
     if engine is None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -70,8 +95,7 @@ def _model_state_bytes(model, optimizer, engine) -> int:
 
 
 def bench(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
-    names = ["ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3"]
-    variants = {n: v for n in names if (v := _build(n, args)) is not None}
+    variants = {n: v for n in args.variants if (v := _build(n, args)) is not None}
     g = torch.Generator().manual_seed(rank)
     batch = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
     times: dict[str, list[float]] = {n: [] for n in variants}
@@ -98,6 +122,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--bucket", type=int, default=2_000_000)
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS,
+                        help="what to run side by side (ddp first: ratios are to DDP)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args()
     per_rank = run_distributed(bench, args.world, args, timeout=1800)
@@ -106,12 +132,14 @@ def main() -> None:
     for name, fig in per_rank[0].items():
         rows.append({"variant": name, "median_step_s": round(fig["median_s"], 4),
                      "ratio_vs_ddp": round(fig["median_s"] / ddp, 3),
-                     "model_state_MB_rank0": round(fig["model_state_bytes"] / 1e6, 2)})
+                     "model_state_MB_rank0": round(fig["model_state_bytes"] / 1e6, 2) or None})
     print(f"world {args.world}, gloo, GPT-2 hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, "
           f"seq {args.seq}, batch {args.batch}/rank, fp32 AdamW, {args.steps} timed steps (median)")
-    print(f"{'variant':<8} {'step s':>8} {'x DDP':>7} {'model states MB/rank':>22}")
+    print(f"{'variant':<10} {'step s':>8} {'x DDP':>7} {'model states MB/rank':>22}")
     for r in rows:
-        print(f"{r['variant']:<8} {r['median_step_s']:>8.4f} {r['ratio_vs_ddp']:>7.3f} {r['model_state_MB_rank0']:>22.2f}")
+        mb = r["model_state_MB_rank0"]
+        print(f"{r['variant']:<10} {r['median_step_s']:>8.4f} {r['ratio_vs_ddp']:>7.3f} "
+              f"{'(not measured)' if mb is None else f'{mb:.2f}':>22}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)
