@@ -63,6 +63,12 @@ class ZeroConfig:
     it keeps 5.8% of the parameters whole (+1.4% model states) for a 2.6% faster step than 0, while
     1e6 keeps 60% whole (+15%) for 5.8%."""
 
+    find_unused_parameters: bool = False
+    """As in DDP: before each step, agree across ranks (one all-reduce of a flag per parameter) on which
+    parameters received no gradient on any rank since the last step, and leave those parameters and
+    their optimizer states untouched by the step (otherwise weight decay and momentum still move them).
+    Adam's per-slice step counter still advances for them."""
+
     offload_optimizer: bool = False
     """Keep fp32 master weights and optimizer states on the CPU (the parameters stay on their device)."""
 
@@ -93,7 +99,7 @@ class ZeroConfig:
                "param_persistence_threshold", self.param_persistence_threshold, "must be an integer >= 0")
         _check(self.reduce_scatter_impl in ("auto", "native", "all_reduce"), "reduce_scatter_impl",
                self.reduce_scatter_impl, 'must be "auto", "native" or "all_reduce"')
-        for name in ("overlap_comm", "offload_optimizer"):
+        for name in ("overlap_comm", "offload_optimizer", "find_unused_parameters"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be true or false")
         _check(self.loss_scale >= 0, "loss_scale", self.loss_scale, "must be >= 0 (0 = dynamic)")
         _check(self.initial_loss_scale > 0, "initial_loss_scale", self.initial_loss_scale, "must be > 0")

@@ -1,5 +1,6 @@
-"""Edge cases of stages 0-2, each checked against torch DDP in the same process group:
-frozen parameters, a module used on one rank only, SGD with momentum, the non-default
+"""Edge cases of the engine, each checked against torch DDP in the same process group:
+frozen parameters, a module used on one rank only, a module no rank uses after step 0
+(find_unused_parameters, stages 0-3), SGD with momentum, the non-default
 communication paths (no overlap, native reduce-scatter on gloo), and a state_dict round trip."""
 
 from __future__ import annotations
@@ -16,6 +17,23 @@ from hfzero.testing import run_distributed
 from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
 
 STEPS = 6
+
+
+class UsedOnce(nn.Module):
+    """A causal LM plus a head that every rank uses at step 0 only (unused by all ranks afterwards)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = tiny_causal_lm("gpt2")
+        self.head = nn.Linear(32, 4)
+        self.calls = 0
+
+    def forward(self, input_ids, rank):
+        out = self.lm(input_ids=input_ids, labels=input_ids, output_hidden_states=True)
+        self.calls += 1
+        if self.calls == 1:
+            return out.loss + self.head(out.hidden_states[-1]).pow(2).mean()
+        return out.loss
 
 
 class WithAuxHead(nn.Module):
@@ -35,6 +53,9 @@ class WithAuxHead(nn.Module):
 
 
 def _model(case: str) -> nn.Module:
+    if case == "once":
+        torch.manual_seed(0)
+        return UsedOnce()
     if case == "aux":
         torch.manual_seed(0)
         return WithAuxHead()
@@ -53,7 +74,7 @@ def _optimizer(case: str, params) -> torch.optim.Optimizer:
 
 
 def _loss(model, case, ids, rank):
-    return model(ids, rank) if case == "aux" else model(input_ids=ids, labels=ids).loss
+    return model(ids, rank) if case in ("aux", "once") else model(input_ids=ids, labels=ids).loss
 
 
 def _train(model, optimizer, case, rank, world, steps, clip, zero: bool):
@@ -73,15 +94,19 @@ def _train(model, optimizer, case, rank, world, steps, clip, zero: bool):
 
 
 def _params(model):
-    module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    return {n: p.detach().clone() for n, p in module.named_parameters()}
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    if hfzero.get_engine(model).stage == 3:
+        full = hfzero.full_state_dict(model, rank0_only=False)
+        return {n: full[n] for n, _ in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def run_cases(rank: int, world: int, cases: list[tuple[str, int, dict]]) -> dict:
     batches = token_batches(STEPS, 8, 16)
     out = {}
     for case, stage, extra in cases:
-        ddp_model = nn.parallel.DistributedDataParallel(_model(case), find_unused_parameters=(case == "aux"))
+        ddp_model = nn.parallel.DistributedDataParallel(_model(case), find_unused_parameters=case in ("aux", "once"))
         ddp_opt = _optimizer(case, ddp_model.parameters())
         ddp_losses = _train(ddp_model, ddp_opt, case, rank, world, batches, 1.0, zero=False)
         model = _model(case)
@@ -119,6 +144,8 @@ def round_trip(rank: int, world: int, stage: int) -> tuple[list[float], list[flo
 
 CASES = [("frozen", s, {}) for s in (0, 1, 2)] + [("aux", s, {}) for s in (0, 1, 2)] + \
         [("sgd", s, {}) for s in (1, 2)] + \
+        [("once", s, {"find_unused_parameters": True}) for s in (0, 1, 2)] + \
+        [("once", 3, {"find_unused_parameters": True, "param_persistence_threshold": 0})] + \
         [("plain", 2, {"overlap_comm": False}), ("plain", 1, {"reduce_scatter_impl": "native"}),
          ("plain", 2, {"reduce_scatter_impl": "native", "max_inflight_buckets": 1})]
 

@@ -19,6 +19,8 @@ def test_state_dict_refused_full_state_dict_saves_a_loadable_model(tmp_path):
     with pytest.raises(RuntimeError, match="full_state_dict"):
         model.state_dict()
     with pytest.raises(RuntimeError, match="full_state_dict"):
+        model.transformer.h[0].state_dict()  # a submodule's state dict would be empty too
+    with pytest.raises(RuntimeError, match="full_state_dict"):
         model.save_pretrained(tmp_path / "empty")
     full = hfzero.full_state_dict(model)
     model.save_pretrained(tmp_path / "full", state_dict=full)

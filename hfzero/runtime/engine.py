@@ -54,6 +54,7 @@ class ZeroEngine:
         self._materialized = False
         self.overflow = False
         self._untracked_param_bytes: int | None = None
+        self.unused_ranges: list[tuple[int, int, int]] = []
 
         self.layout = self._build_layout(param_groups)
         self.num_params = self.layout.num_params
@@ -192,12 +193,54 @@ class ZeroEngine:
                 grad = view.copy_(grad)
             master.grad = grad.mul_(factor)
         self._materialized = True
+        self.unused_ranges = self._find_unused_ranges() if self.config.find_unused_parameters else []
         self.overflow = False
         if self.scaler.enabled:
-            flag = torch.zeros(1, device=self.comm_device)
-            flag[0] = float(any(not torch.isfinite(m.grad).all() for m in self.master_views))
+            finite = torch.stack([torch.isfinite(m.grad).all() for m in self.master_views]).all()
+            flag = (~finite).to(self.comm_device, torch.float32).reshape(1)  # one device sync, below
             self.comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             self.overflow = bool(flag.item() > 0)
+
+    def _find_unused_ranges(self) -> list[tuple[int, int, int]]:
+        """(bucket index, start, end) ranges of master views whose parameters no rank used since the
+        last step (one all-reduce of a flag per parameter)."""
+        slots = list(self.layout.slots.values())
+        flags = torch.tensor([slot.param in self.reducer.used for slot in slots], dtype=torch.uint8,
+                             device=self.comm_device)
+        self.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        ranges = []
+        for slot, used in zip(slots, flags.tolist()):
+            if used:
+                continue
+            bucket = self.layout.buckets[slot.bucket]
+            lo, hi = bucket.owned(self.rank) if self.layout.shard_world > 1 else (0, bucket.padded)
+            start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+            if start < end:
+                ranges.append((bucket.index, start - lo, end - lo))
+        return ranges
+
+    @contextlib.contextmanager
+    def keep_unused_unchanged(self) -> Iterator[None]:
+        """Around the inner optimizer's step: restore master slices and optimizer states of parameters
+        no rank used (see ZeroConfig.find_unused_parameters)."""
+        saved = []
+        for index, start, end in self.unused_ranges:
+            master = self.master_views[index]
+            state = self.optimizer.state.get(master, {}) if self.optimizer is not None else {}
+            tensors = {k: v[start:end].clone() for k, v in state.items()
+                       if isinstance(v, torch.Tensor) and v.shape == master.shape}
+            saved.append((index, start, end, master[start:end].clone(), tensors))
+        yield
+        for index, start, end, values, tensors in saved:
+            master = self.master_views[index]
+            master[start:end].copy_(values)
+            for key, value in self.optimizer.state.get(master, {}).items():
+                if not isinstance(value, torch.Tensor) or value.shape != master.shape:
+                    continue
+                if key in tensors:
+                    value[start:end].copy_(tensors[key])
+                else:  # the state was created by this step: as if it had never been touched
+                    value[start:end].zero_()
 
     @property
     def comm_device(self) -> torch.device:
@@ -250,6 +293,7 @@ class ZeroEngine:
         for master in self.master_views:
             master.grad = None
         self.master_grad_flat = None
+        self.unused_ranges = []
         self._materialized = False
         self.reducer.zero()
 

@@ -101,7 +101,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             for ours, inner in zip(self.param_groups, self.inner.param_groups):
                 inner.update({k: v for k, v in ours.items() if k != "params"})
-            self.inner.step()
+            with engine.keep_unused_unchanged():
+                self.inner.step()
             engine.publish_params()
         engine.scaler.update(engine.overflow)
         engine.finish_step()

@@ -42,9 +42,9 @@ class PrecisionPolicy:
 class LossScaler:
     """Dynamic (or static) loss scaling for fp16; a scale of 1 that never changes otherwise.
 
-    Dynamic: after an overflow (counted across ranks) the step is skipped; after
-    ``hysteresis`` consecutive overflows the scale halves (not below ``min_scale``); after ``window``
-    clean steps it doubles. Holds no tensor memory.
+    Dynamic: after an overflow (on any rank) the step is skipped; every ``hysteresis``-th overflow
+    halves the scale (not below ``min_scale``); the overflow count restarts when the scale doubles,
+    after ``window`` clean steps (DeepSpeed's default, non-consecutive hysteresis). Holds no tensor memory.
     """
 
     def __init__(self, config: ZeroConfig):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -73,7 +74,21 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     zero_optimizer = ZeroOptimizer(engine, optimizer)
     setattr(model, _ENGINE_ATTR, engine)
     model.no_sync = engine.no_sync  # the DDP-style context accelerate and Trainer look for
+    if config.stage == 3 and comm.world_size > 1 and hasattr(model, "generate"):
+        _sync_generate(model)
     return model, zero_optimizer
+
+
+def _sync_generate(model: nn.Module) -> None:
+    """Stage 3: every forward is collective, so ranks must keep stepping ``generate`` until all are done
+    (transformers' ``synced_gpus``); without it a rank that reaches EOS first leaves the others hanging."""
+    generate = model.generate
+
+    def synced_generate(*args, **kwargs):
+        kwargs.setdefault("synced_gpus", True)
+        return generate(*args, **kwargs)
+
+    model.generate = functools.wraps(generate)(synced_generate)
 
 
 def get_engine(obj: nn.Module | torch.optim.Optimizer) -> ZeroEngine:

@@ -13,7 +13,7 @@ Stores hold SUMS over ranks, never averages; the division by the world size (and
 unscaling) happens once, when the owned slice is converted to fp32 for the step. To keep repeated
 backward passes without ``zero_grad`` exact:
 - stage 0 all-reduces in place, so every rank holds the full sum S; before the next backward adds to
-  it, the buffer is divided by the world size, and the next all-reduce gives S + sum(new).
+  it, every rank but rank 0 zeroes its buffer, and the next all-reduce gives exactly S + sum(new).
 - stage 1 reduce-scatters in place and zeroes the slices it does not own, so only the owner keeps S.
 - stage 2 reduces fresh staging buffers and adds the owned slice into the shard.
 """
@@ -71,9 +71,11 @@ class GradientReducer:
         self.accumulator: torch.Tensor | None = None
         self._staging: dict[int, torch.Tensor] = {}
         self._pool: list[torch.Tensor] = []
-        self._max_bucket = max((b.padded for b in layout.buckets), default=0)
         self._pending: list[int] = []
         self._fired: set[nn.Parameter] = set()
+        self.used: set[nn.Parameter] = set()
+        """Parameters that received a gradient on this rank since the last zero()."""
+        self._dirty = False
         self._next_launch = 0
         self._inflight: collections.deque[tuple[Bucket, Handle]] = collections.deque()
         self._in_backward = False
@@ -115,6 +117,8 @@ class GradientReducer:
                 "use_reentrant=False (e.g. model.gradient_checkpointing_enable("
                 "gradient_checkpointing_kwargs={'use_reentrant': False})).")
         self._fired.add(param)
+        self.used.add(param)
+        self._dirty = True
         slot = self.layout.slots[param]
         bucket = self.layout.buckets[slot.bucket]
         dest = self._fill_target(bucket)
@@ -128,8 +132,8 @@ class GradientReducer:
     def _begin_backward(self) -> None:
         if self.before_first_grad is not None:
             self.before_first_grad()
-        if self.state is GradState.REDUCED and self.stage == 0 and self.comm.world_size > 1:
-            self.grad_full.div_(self.comm.world_size)  # See [Note: gradient sums]
+        if self.state is GradState.REDUCED and self.stage == 0 and self.comm.rank != 0:
+            self.grad_full.zero_()  # only rank 0 keeps the sum S: See [Note: gradient sums]
         self._in_backward = True
         self._pending = [len(b.slots) for b in self.layout.buckets]
         self._fired.clear()
@@ -142,6 +146,7 @@ class GradientReducer:
                 self._launch_all_remaining()
                 self._wait_all()
                 self.accumulator = None
+                self._trim_pool()
                 self.state = GradState.REDUCED
             else:
                 self.state = GradState.LOCAL
@@ -161,8 +166,11 @@ class GradientReducer:
             return self.accumulator[bucket.offset: bucket.offset + bucket.padded]
         staging = self._staging.get(bucket.index)
         if staging is None:
-            flat = self._pool.pop() if self._pool else torch.empty(self._max_bucket, dtype=self.dtype,
-                                                                   device=self.device)
+            fitting = [i for i, t in enumerate(self._pool) if t.numel() >= bucket.padded]
+            if fitting:
+                flat = self._pool.pop(min(fitting, key=lambda i: self._pool[i].numel()))
+            else:
+                flat = torch.empty(bucket.padded, dtype=self.dtype, device=self.device)
             staging = flat[: bucket.padded].zero_()
             self._staging[bucket.index] = staging
         return staging
@@ -171,6 +179,15 @@ class GradientReducer:
         staging = self._staging.pop(bucket.index, None)
         if staging is not None:
             self._pool.append(staging._base if staging._base is not None else staging)
+
+    def _trim_pool(self) -> None:
+        """Keep at most ``max_inflight + 1`` staging buffers (the largest) between backward passes.
+
+        A bucket launched late (an unused parameter, ``overlap_comm=False``) keeps later buckets' staging
+        open during backward; that peak is transient and is given back here.
+        """
+        self._pool.sort(key=torch.Tensor.numel, reverse=True)
+        del self._pool[self.max_inflight + 1:]
 
     # ---- reduction ------------------------------------------------------------------------------
     def _launch_ready(self) -> None:
@@ -205,9 +222,7 @@ class GradientReducer:
             source[hi:].zero_()
             return
         self.grad_shard[bucket.shard_offset: bucket.shard_offset + bucket.chunk].add_(source[lo:hi])
-        if self.accumulator is not None:
-            source.zero_()
-        self._release_staging(bucket)
+        self._release_staging(bucket)  # (an accumulator is dropped whole once every bucket is reduced)
 
     def _wait_all(self) -> None:
         while self._inflight:
@@ -235,6 +250,10 @@ class GradientReducer:
         """Forget all gradients (the state becomes EMPTY); buffers stay allocated."""
         if self._in_backward:
             raise RuntimeError("hfzero: zero_grad() called during backward")
+        self.used.clear()
+        if not self._dirty:  # already zero (e.g. zero_grad() right after step(), which zeroed)
+            return
+        self._dirty = False
         for store in (self.grad_full, self.grad_shard):
             if store is not None:
                 store.zero_()
@@ -244,7 +263,8 @@ class GradientReducer:
     def staging_bytes(self) -> int:
         """Bytes of staging buffers and of the deferred-reduction accumulator (GRAD_BUCKET)."""
         element = torch.empty(0, dtype=self.dtype).element_size()
-        staging = (len(self._pool) + len(self._staging)) * self._max_bucket * element
+        live = [t._base if t._base is not None else t for t in self._staging.values()]
+        staging = sum(t.numel() for t in [*self._pool, *live]) * element
         acc = 0 if self.accumulator is None else self.accumulator.numel() * element
         return staging + acc
 

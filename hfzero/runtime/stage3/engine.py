@@ -86,8 +86,11 @@ class Stage3Engine(ZeroEngine):
         self.num_persistent_params = sum(b.numel for b in self._persistent_buckets())
         self._partitioned = {p for p, unit in self._unit_of.items() if unit != _PERSISTENT}
         self.allow_partitioned_state_dict = False
-        # a plain function (torch tags the hook object, which a bound method does not allow)
-        model.register_state_dict_post_hook(lambda *args: self._refuse_empty_state_dict(*args))
+        # On every module that owns a partitioned parameter, so a submodule's state_dict() is refused
+        # too; a plain function (torch tags the hook object, which a bound method does not allow).
+        for module in model.modules():
+            if any(p in self._partitioned for p in module.parameters(recurse=False)):
+                module.register_state_dict_post_hook(lambda *args: self._refuse_empty_state_dict(*args))
         logger.info("stage 3: %d unit(s), %d persistent parameter(s) (< %d elements each kept whole)",
                     len(self.units), self.num_persistent_params, config.param_persistence_threshold)
 
@@ -96,7 +99,8 @@ class Stage3Engine(ZeroEngine):
         (a saved model must never come out empty). See [Note: stage-3 state_dict]."""
         if self.allow_partitioned_state_dict:
             return
-        empty = [n for n, p in module.named_parameters() if p in self._partitioned and p.numel() == 0]
+        empty = [prefix + n for n, p in module.named_parameters(recurse=False)
+                 if p in self._partitioned and p.numel() == 0]
         if empty:
             raise RuntimeError(
                 f"hfzero stage 3: model.state_dict() would return {len(empty)} empty (partitioned) tensor(s), e.g. "
