@@ -8,15 +8,17 @@ is raised in the parent; a run past ``timeout`` is killed and reported instead o
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
-import pickle
 import queue
 import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 
 class WorkerFailure(RuntimeError):
@@ -44,9 +46,12 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, backe
             out = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        # Plain pickle (in-band bytes): torch's queue reducers share tensors through file descriptors
-        # that die with this process. These bytes only travel between the harness's own processes.
-        results.put((rank, "ok", pickle.dumps(out)))
+        # Serialized in band with torch.save (torch's queue reducers share tensors through file
+        # descriptors that die with this process) and read back with weights_only=True: results are
+        # tensors and plain containers, never arbitrary objects.
+        buffer = io.BytesIO()
+        torch.save(out, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - report everything to the parent, then exit non-zero
         results.put((rank, "error", traceback.format_exc()))
         code = 1
@@ -91,7 +96,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
                 continue
             if status == "error":
                 raise WorkerFailure(f"rank {rank} failed:\n{payload}")
-            outputs[rank] = pickle.loads(payload)
+            try:
+                outputs[rank] = torch.load(io.BytesIO(payload), weights_only=True)
+            except Exception as error:  # noqa: BLE001 - name the contract that was broken
+                raise WorkerFailure(f"rank {rank} returned something other than tensors and plain containers "
+                                    f"(dict, list, tuple, str, numbers, None): {error}") from None
         return [outputs[r] for r in range(world_size)]
     finally:
         for p in procs:
