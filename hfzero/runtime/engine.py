@@ -26,7 +26,7 @@ from hfzero.logging import get_logger
 from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
 from hfzero.runtime.layout import FlatLayout
 from hfzero.runtime.precision import LossScaler, PrecisionPolicy
-from hfzero.runtime.reducer import GradientReducer, GradState
+from hfzero.runtime.reducer import GradientReducer
 
 logger = get_logger(__name__)
 
@@ -321,7 +321,3 @@ class ZeroEngine:
     def model_state_bytes(self) -> int:
         """Sum of the model-state roles held right now."""
         return sum(v for k, v in self.memory_by_role().items() if k in MODEL_STATE_ROLES)
-
-    @property
-    def grad_state(self) -> GradState:
-        return self.reducer.state

@@ -120,7 +120,3 @@ class FlatLayout:
 
     def group_buckets(self, group: int) -> list[Bucket]:
         return [b for b in self.buckets if b.group == group]
-
-    def signature(self) -> list[tuple[int, int, int, list[tuple[str, tuple[int, ...]]]]]:
-        """A JSON-able description used to check that all ranks built the same layout."""
-        return [(b.group, b.numel, b.padded, [(s.name, tuple(s.shape)) for s in b.slots]) for b in self.buckets]

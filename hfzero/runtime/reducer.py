@@ -85,8 +85,8 @@ class GradientReducer:
         self.on_bucket_filled: Callable[[Bucket], None] | None = None
         """Called once per backward when every parameter of a bucket has added its gradient (stage 3
         releases the gathered unit then)."""
-        self._hooks = [slot.param.register_post_accumulate_grad_hook(self._on_grad)
-                       for slot in layout.slots.values()]
+        for slot in layout.slots.values():
+            slot.param.register_post_accumulate_grad_hook(self._on_grad)
 
     # ---- switches -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -267,8 +267,3 @@ class GradientReducer:
         staging = sum(t.numel() for t in [*self._pool, *live]) * element
         acc = 0 if self.accumulator is None else self.accumulator.numel() * element
         return staging + acc
-
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
