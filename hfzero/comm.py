@@ -48,7 +48,9 @@ class CommStats:
     elements: int = 0
     bytes: int = 0
     seconds: float = 0.0
-    """Wall time from launch until the caller's wait returned (overlapped time included)."""
+    """Host wall time from launch until the caller's wait returned (overlapped time included). On
+    backends whose wait blocks the host (gloo) that covers the transfer; on NCCL a wait only orders the
+    streams, so it is launch time (see ``Communicator.timing``)."""
     impl_calls: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
@@ -94,6 +96,13 @@ class Communicator:
         self.device = device if device is not None else _default_device(self.backend)
         """Where scratch tensors for metadata collectives live (NCCL needs them on the GPU)."""
         self._stats: dict[str, CommStats] = {}
+
+    @property
+    def timing(self) -> str:
+        """What ``CommStats.seconds`` measures here: "wall" (gloo: waits block until the transfer is
+        done) or "launch" (NCCL and other device backends: no host synchronization is added to time the
+        transfer; use a CUDA trace, where every collective runs under an ``hfzero::`` label)."""
+        return "wall" if self.backend.split(":")[0] in ("gloo", "none") else "launch"
 
     def on_group(self, group: dist.ProcessGroup, *, share_stats: bool = True) -> "Communicator":
         """A communicator over another group (e.g. a second group so gathers do not queue behind

@@ -137,8 +137,14 @@ def model_states_breakdown(
     grad_bytes: int = 2,
     optimizer_k: int = 12,
     persistent_params: float = 0,
+    accumulation_steps: int = 1,
+    accumulation: str = "auto",
 ) -> ModelStateBytes:
     """Per-device bytes of parameters, gradients and the K part, wherever they live.
+
+    ``accumulation`` ("auto", "sharded", "local"; see ZeroConfig.accumulation) with
+    ``accumulation_steps`` > 1: under "local" at stages 2-3 a full gradient buffer (g bytes per
+    parameter) is held across the micro-batches, a model state counted with the gradients.
 
     Ψ = ``num_params / mp``. ``persistent_params`` (a subset of ``num_params``, also divided by
     ``mp``) matters at stage 3 only: those parameters stay whole on every rank, so their
@@ -158,8 +164,49 @@ def model_states_breakdown(
     else:
         params = param_bytes * psi
     grads = grad_bytes * psi / _shard_divisor("grads", stage, dp)
+    if accumulator_held(stage, accumulation, accumulation_steps):
+        grads += grad_bytes * psi
     optimizer = optimizer_k * psi / _shard_divisor("optimizer", stage, dp)
     return ModelStateBytes(params, grads, optimizer)
+
+
+def resolve_accumulation(stage: int, accumulation: str = "auto") -> str:
+    """The accumulation policy that runs: "sharded" at stages 2-3 and "local" at 0-1 for "auto"."""
+    if accumulation not in ("auto", "sharded", "local"):
+        raise EstimateError(f'accumulation must be "auto", "sharded" or "local", got {accumulation!r}')
+    if accumulation != "auto":
+        return accumulation
+    return "sharded" if stage >= 2 else "local"
+
+
+def comm_elements_per_step(num_params: float, dp: int, stage: int, *, accumulation_steps: int = 1,
+                           accumulation: str = "auto") -> float:
+    """Communication per rank per optimizer step in the paper's volume (elements), clipping aside.
+
+    Reductions run once per step under "local" accumulation and once per micro-batch under
+    "sharded": stage 0 all-reduces (2Ψ each), stages 1-2 reduce-scatter (Ψ each) then all-gather the
+    updated parameters once (Ψ), stage 3 reduce-scatters the same way and gathers the parameters for
+    every micro-batch's forward and backward (2Ψ each). One rank moves nothing.
+    """
+    _check_layout(dp, stage, 1)
+    accumulator_held(stage, accumulation, accumulation_steps)  # validates both
+    if dp == 1:
+        return 0.0
+    local = resolve_accumulation(stage, accumulation) == "local"
+    reductions = 1 if local else accumulation_steps
+    if stage == 0:
+        return 2.0 * num_params * reductions
+    gathers = num_params if stage < 3 else 2.0 * num_params * accumulation_steps
+    return num_params * reductions + gathers
+
+
+def accumulator_held(stage: int, accumulation: str = "auto", accumulation_steps: int = 1) -> bool:
+    """True when a full local gradient buffer is held across micro-batches on top of the stage's
+    gradients: "local" accumulation of more than one micro-batch at stages 2-3."""
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise EstimateError(f"accumulation_steps must be a positive integer, got {accumulation_steps!r}")
+    policy = resolve_accumulation(stage, accumulation)
+    return stage >= 2 and accumulation_steps > 1 and policy == "local"
 
 
 def model_states_bytes(
@@ -173,6 +220,8 @@ def model_states_bytes(
     optimizer_k: int = 12,
     persistent_params: float = 0,
     offload_optimizer: bool = False,
+    accumulation_steps: int = 1,
+    accumulation: str = "auto",
 ) -> float:
     """Per-device (accelerator) model-state bytes of the paper's formula for ``stage``.
 
@@ -184,6 +233,7 @@ def model_states_bytes(
     parts = model_states_breakdown(
         num_params, dp, stage, mp=mp, param_bytes=param_bytes, grad_bytes=grad_bytes,
         optimizer_k=optimizer_k, persistent_params=persistent_params,
+        accumulation_steps=accumulation_steps, accumulation=accumulation,
     )
     return parts.params + parts.grads + (0.0 if offload_optimizer else parts.optimizer)
 
@@ -199,9 +249,12 @@ def model_states_cpu_bytes(
     optimizer_k: int = 12,
     persistent_params: float = 0,
     offload_optimizer: bool = False,
+    accumulation_steps: int = 1,
+    accumulation: str = "auto",
 ) -> float:
     """CPU bytes per rank of model states: the K part (KΨ, or KΨ/N_d from stage 1) when
-    ``offload_optimizer`` is set, else 0. Same arguments as ``model_states_bytes``."""
+    ``offload_optimizer`` is set, else 0. Same arguments as ``model_states_bytes`` (the accumulation
+    ones change nothing here: an accumulator lives with the gradients, on the device)."""
     if not offload_optimizer:
         _check_layout(dp, stage, mp)
         return 0.0

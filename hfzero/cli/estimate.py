@@ -27,6 +27,8 @@ class _Request:
     optimizer: str
     offload_optimizer: bool
     persistent_params: float
+    accumulation_steps: int
+    accumulation: str
     memory: float | None
     headroom: float
     seq_len: int | None
@@ -56,6 +58,11 @@ def register(subparsers: Any) -> None:
                         help="master weights and optimizer states in CPU memory (reported separately)")
     layout.add_argument("--persistent-params", metavar="N", default="0",
                         help="stage 3: parameters kept whole on every rank (default 0)")
+    layout.add_argument("--accumulation-steps", metavar="N", default="1",
+                        help="micro-batches accumulated per optimizer step (default 1)")
+    layout.add_argument("--accumulation", default="auto",
+                        help="auto | sharded | local: when micro-batch gradients are reduced (ZeroConfig.accumulation; "
+                             "'local' at stages 2-3 holds a full gradient buffer across micro-batches)")
     fit = parser.add_argument_group("fitting")
     fit.add_argument("--memory", metavar="BYTES", help="device memory in bytes, e.g. 32e9: adds max_params per stage")
     fit.add_argument("--headroom", metavar="FRACTION", default=str(est.DEFAULT_HEADROOM),
@@ -123,6 +130,9 @@ def _read_request(args: argparse.Namespace) -> _Request:
         optimizer=args.optimizer,
         offload_optimizer=args.offload_optimizer,
         persistent_params=_number("--persistent-params", args.persistent_params, "a parameter count", allow_zero=True),
+        accumulation_steps=_number("--accumulation-steps", args.accumulation_steps, "micro-batches per step",
+                                   integer=True),
+        accumulation=args.accumulation,
         memory=_number("--memory", args.memory, "device memory in bytes, e.g. 32e9"),
         headroom=headroom,
         seq_len=_number("--seq-len", args.seq_len, "tokens per sequence", integer=True),
@@ -132,6 +142,7 @@ def _read_request(args: argparse.Namespace) -> _Request:
         as_json=args.json,
     )
     _check_activation_options(request)
+    est.accumulator_held(2, request.accumulation, request.accumulation_steps)  # validates the policy name
     return request
 
 
@@ -156,6 +167,7 @@ def _per_stage(function: Any, first: float, request: _Request, precision: est.Pr
             first, request.dp, stage, mp=request.mp, param_bytes=precision.param_bytes,
             grad_bytes=precision.grad_bytes, optimizer_k=precision.optimizer_k,
             persistent_params=request.persistent_params, offload_optimizer=request.offload_optimizer,
+            accumulation_steps=request.accumulation_steps, accumulation=request.accumulation,
         )
         for stage in est.STAGES
     }
@@ -168,10 +180,16 @@ def _estimate(request: _Request) -> dict[str, Any]:
         "params": params, "config": request.config, "dp": request.dp, "mp": request.mp, "dtype": request.dtype,
         "optimizer": request.optimizer, "offload_optimizer": request.offload_optimizer,
         "persistent_params": request.persistent_params, "memory": request.memory, "headroom": request.headroom,
+        "accumulation_steps": request.accumulation_steps, "accumulation": request.accumulation,
         "bytes_per_param": precision._asdict(),
     }
     if params is not None:
         result["model_states_bytes"] = _per_stage(est.model_states_bytes, params, request, precision)
+        result["comm_elements_per_step"] = {
+            str(stage): est.comm_elements_per_step(
+                params / request.mp, request.dp, stage, accumulation_steps=request.accumulation_steps,
+                accumulation=request.accumulation)
+            for stage in est.STAGES}
         if request.offload_optimizer:
             result["model_states_cpu_bytes"] = _per_stage(est.model_states_cpu_bytes, params, request, precision)
     activations = _activations(request, precision) if request.seq_len is not None else None
@@ -207,6 +225,7 @@ def _auto_stage(params: float, request: _Request, precision: est.PrecisionBytes,
             reserved_bytes=activations["total_bytes"] if activations else 0.0, mp=request.mp,
             param_bytes=precision.param_bytes, grad_bytes=precision.grad_bytes, optimizer_k=precision.optimizer_k,
             persistent_params=request.persistent_params, offload_optimizer=request.offload_optimizer,
+            accumulation_steps=request.accumulation_steps, accumulation=request.accumulation,
         )
     except est.EstimateError:
         return None
@@ -222,7 +241,9 @@ def _render(result: dict[str, Any]) -> str:
     lines = [
         f"dp {result['dp']}, mp {result['mp']}, {result['dtype']} + {result['optimizer']}: "
         f"{bpp['param_bytes']} + {bpp['grad_bytes']} + K={bpp['optimizer_k']} bytes per parameter"
-        + (", optimizer states offloaded to CPU" if result["offload_optimizer"] else ""),
+        + (", optimizer states offloaded to CPU" if result["offload_optimizer"] else "")
+        + (f", {result['accumulation_steps']} micro-batches per step (accumulation {result['accumulation']})"
+           if result["accumulation_steps"] > 1 else ""),
     ]
     if result["params"] is not None:
         lines.insert(0, f"model: {result['params'] / 1e9:.4g}B parameters" + (f" ({result['config']})" if result["config"] else ""))
@@ -238,14 +259,18 @@ def _render(result: dict[str, Any]) -> str:
 
 def _stage_table(result: dict[str, Any]) -> list[str]:
     columns = [(key, title) for key, title in (("model_states_bytes", "device GB"), ("model_states_cpu_bytes", "CPU GB"),
-                                              ("max_params", "max params")) if key in result]
+                                              ("max_params", "max params"), ("comm_elements_per_step", "comm/step"))
+               if key in result]
     header = f"{'stage':<14}" + "".join(f"{title:>14}" for _, title in columns)
     rows = [header]
     for stage in est.STAGES:
         cells = []
         for key, _ in columns:
             value = result[key][str(stage)]
-            cells.append(f"{value / 1e9:>13.2f}B" if key == "max_params" else f"{value / _GB:>14.2f}")
+            if key == "comm_elements_per_step":
+                cells.append(f"{value / max(result['params'] / result['mp'], 1):>13.2f}Ψ")
+            else:
+                cells.append(f"{value / 1e9:>13.2f}B" if key == "max_params" else f"{value / _GB:>14.2f}")
         rows.append(f"{stage} {est.STAGE_NAMES[stage]:<12}" + "".join(cells))
     return ["model states per device (GB = 1e9 bytes)" if "model_states_bytes" in result
             else f"largest model whose model states fit {result['memory'] / _GB:g} GB per device"] + rows

@@ -98,6 +98,18 @@ def _track_scheduler_steps(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = wrapper  # type: ignore[method-assign]
 
 
+class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
+    """accelerate's optimizer wrapper around a ZeroOptimizer, reporting fp16 overflow skips.
+
+    ``AcceleratedScheduler`` does not advance on a step whose ``step_was_skipped`` is true; plain
+    ``AcceleratedOptimizer`` only knows a GradScaler's skips, while ZeRO's loss scaler lives in the engine.
+    """
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return bool(self.optimizer.last_step_skipped)
+
+
 class ZeroAccelerator(Accelerator):
     """An Accelerator that prepares models and optimizers with ZeRO (any stage, gloo or NCCL).
 
@@ -159,7 +171,7 @@ class ZeroAccelerator(Accelerator):
         model, zero = zero_prepare(model, optimizer, self.zero_config)
         self._zero_pairs.append((model, zero))
         self._zero_by_source[id(optimizer)] = zero
-        wrapped = AcceleratedOptimizer(zero, device_placement=False, scaler=None)
+        wrapped = ZeroAcceleratedOptimizer(zero, device_placement=False, scaler=None)
         self._optimizers.append(wrapped)
         return wrapped
 

@@ -152,7 +152,8 @@ class ZeroProfilerCallback(TrainerCallback):
         zero = unwrap_optimizer(optimizer)
         if zero is None:
             raise ConfigError("ZeroProfilerCallback: the Trainer's optimizer was not prepared by hfzero")
-        self.profiler = ZeroProfiler(model, zero, self.run_dir).start()
+        self.profiler = ZeroProfiler(model, zero, self.run_dir,
+                                     accumulation_steps=int(args.gradient_accumulation_steps)).start()
 
     def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         if self.profiler is not None:
@@ -195,11 +196,28 @@ class ZeroTrainer(Trainer):
             super().create_accelerator_and_postprocess()
         logger.info("ZeroTrainer: ZeRO stage %d, dtype %s", self.zero_config.stage, self.zero_config.dtype)
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """At stage 3 every rank gathers the full weights first (a collective), then the Trainer saves.
+
+        The gather happens here, on every rank, because transformers 4.x calls ``_save`` on the saving
+        rank only (5.x on every rank): gathering inside ``_save`` would hang there.
+        """
+        if not is_partitioned(self.model):
+            return super().save_model(output_dir, _internal_call)
+        # the writers: rank 0, or each node's local rank 0 with save_on_each_node
+        self._gathered_state = full_state_dict(self.model, rank0_only=not self.args.save_on_each_node)
+        try:
+            super().save_model(output_dir, _internal_call)
+        finally:
+            self._gathered_state = None
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """At stage 3 gather the full weights first (every rank: a collective); then the Trainer's save."""
+        """At stage 3 write the weights ``save_model`` gathered on every rank; then the Trainer's save."""
         if state_dict is None and is_partitioned(self.model):
-            # the writers: rank 0, or each node's local rank 0 with save_on_each_node
-            state_dict = full_state_dict(self.model, rank0_only=not self.args.save_on_each_node)
+            state_dict = getattr(self, "_gathered_state", None)
+            if state_dict is None:
+                raise RuntimeError("ZeroTrainer: at stage 3 save through save_model() (every rank must gather "
+                                   "the partitioned weights), not _save()")
         super()._save(output_dir, state_dict=state_dict)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:

@@ -44,14 +44,14 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def predict(engine: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: int = 1) -> dict[str, Any] | None:
     """The estimator's model-state bytes per rank for this run, with the formula and its inputs.
 
     ``model_state_bytes`` counts every model state wherever it lives (what the profile measures);
     ``device_model_state_bytes`` leaves out the K part when the optimizer is offloaded. Returns None
     (and logs why) when the optimizer's kind is not one the estimator knows.
     """
-    from hfzero.estimate import model_states_bytes, precision_bytes
+    from hfzero.estimate import accumulator_held, model_states_bytes, precision_bytes
 
     kind = optimizer_kind(optimizer)
     if kind is None:
@@ -62,10 +62,13 @@ def predict(engine: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any] | N
     p, g, k = precision_bytes(config.dtype, kind)
     persistent = int(getattr(engine, "num_persistent_params", 0) or 0)
     inputs = {"num_params": int(engine.num_params), "dp": int(engine.world_size), "stage": int(engine.stage),
-              "param_bytes": p, "grad_bytes": g, "optimizer_k": k, "persistent_params": persistent}
+              "param_bytes": p, "grad_bytes": g, "optimizer_k": k, "persistent_params": persistent,
+              "accumulation_steps": int(accumulation_steps), "accumulation": engine.accumulation}
     formula = _STAGE_FORMULAS[inputs["stage"]].format(p=p, g=g, k=k)
     if persistent and inputs["stage"] == 3:
         formula += f" + {p}P(1 - 1/N_d)"
+    if accumulator_held(inputs["stage"], engine.accumulation, accumulation_steps):
+        formula += f" + {g}Ψ (local accumulator)"
     return {
         "model_state_bytes": model_states_bytes(**inputs),
         "device_model_state_bytes": model_states_bytes(**inputs, offload_optimizer=config.offload_optimizer),
@@ -77,7 +80,7 @@ def predict(engine: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any] | N
 
 def build_header(*, run_id: str, engine: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  global_world_size: int, device: torch.device, every_n_steps: int,
-                 cuda_snapshot: bool) -> dict[str, Any]:
+                 cuda_snapshot: bool, accumulation_steps: int = 1) -> dict[str, Any]:
     """The contents of ``header.json`` (see docs/profile-format.md for every key)."""
     import transformers
 
@@ -94,6 +97,8 @@ def build_header(*, run_id: str, engine: Any, model: torch.nn.Module, optimizer:
         "global_world_size": int(global_world_size),
         "stage": int(engine.stage),
         "config": config.to_dict(),
+        "accumulation": {"policy": engine.accumulation, "steps": int(accumulation_steps)},
+        "comm_timing": engine.comm.timing,
         "model": {
             "class": type(model).__name__,
             "module": type(model).__module__,
@@ -108,5 +113,5 @@ def build_header(*, run_id: str, engine: Any, model: torch.nn.Module, optimizer:
                      "transformers": transformers.__version__, "python": platform.python_version()},
         "host": {"hostname": socket.gethostname(), "platform": sys.platform},
         "profiler": {"every_n_steps": every_n_steps, "cuda_snapshot": cuda_snapshot},
-        "prediction": predict(engine, optimizer),
+        "prediction": predict(engine, optimizer, accumulation_steps),
     }

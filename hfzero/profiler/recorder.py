@@ -95,9 +95,13 @@ class ZeroProfiler:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_dir: str | Path, *,
-                 every_n_steps: int = 1, cuda_snapshot: bool = False) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be a positive integer, got {every_n_steps!r}")
+                 every_n_steps: int = 1, cuda_snapshot: bool = False, accumulation_steps: int = 1) -> None:
+        for name, value in (("every_n_steps", every_n_steps), ("accumulation_steps", accumulation_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.accumulation_steps = accumulation_steps
+        """Micro-batches per optimizer step: with "local" accumulation at stages 2-3 the prediction
+        counts the full gradient accumulator held across them."""
         self.model = model
         self.optimizer = optimizer
         self.engine = _find_engine(model, optimizer)
@@ -132,7 +136,7 @@ class ZeroProfiler:
             write_header(self.run_dir, build_header(
                 run_id=run_id, engine=self.engine, model=self.model, optimizer=self.optimizer,
                 global_world_size=world, device=self.device, every_n_steps=self.every_n_steps,
-                cuda_snapshot=self.cuda_snapshot))
+                cuda_snapshot=self.cuda_snapshot, accumulation_steps=self.accumulation_steps))
         self._writer = RankWriter(self.run_dir / rank_file_name(rank))
         self._t0 = time.perf_counter()
         self._comm_last = self.engine.comm.stats()

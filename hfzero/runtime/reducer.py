@@ -271,7 +271,9 @@ class GradientReducer:
         fitting = [i for i, t in enumerate(self._pool) if t.numel() >= numel]
         if fitting:
             flat = self._pool.pop(min(fitting, key=lambda i: self._pool[i].numel()))
-        else:
+        else:  # none fits: give pooled ones back first, so open + pooled stay within max_inflight + 1
+            live = len(self._staging) + len(self._late) + 1
+            del self._pool[max(0, self.max_inflight + 1 - live):]
             flat = torch.empty(numel, dtype=self.dtype, device=self.device)
         return flat[:numel].zero_()
 
@@ -294,13 +296,14 @@ class GradientReducer:
         return staging
 
     def _trim_pool(self) -> None:
-        """Keep at most ``max_inflight`` pooled staging buffers (the largest).
+        """Keep at most ``max_inflight + 1`` staging buffers, open and pooled together (the largest pooled).
 
-        Open buckets hold their own staging; a buffer goes back to the pool as soon as its bucket is
-        reduced, so the pool never grows past what ``max_inflight`` reductions in flight reuse.
+        A buffer goes back to the pool as soon as its bucket is reduced, and the pool only keeps what
+        ``max_inflight`` reductions in flight plus the bucket being filled can reuse.
         """
+        live = len(self._staging) + len(self._late)
         self._pool.sort(key=torch.Tensor.numel, reverse=True)
-        del self._pool[self.max_inflight:]
+        del self._pool[max(0, self.max_inflight + 1 - live):]
 
     def _note_staging(self) -> None:
         self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes())
