@@ -135,7 +135,7 @@ class ZeroAccelerator(Accelerator):
             kwargs["cpu"] = True  # without it accelerate runs torchrun workers on CPU as separate single processes
         super().__init__(*args, mixed_precision="no", **kwargs)
         if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP,
-                                     DistributedType.MEGATRON_LM) or self.is_fsdp2:
+                                     DistributedType.MEGATRON_LM) or getattr(self, "is_fsdp2", False):
             raise ConfigError(f"ZeroAccelerator: accelerate is configured for {self.distributed_type.value} "
                               "(accelerate config / ACCELERATE_USE_* environment); hfzero's ZeRO replaces it: "
                               "launch with `hfzero run` or plain torchrun instead")
