@@ -81,7 +81,8 @@ def bench(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             out[f"{name}@{accumulation}"] = {
                 "median_s": statistics.median(times[name]), "peak_model_state_bytes": peaks[name],
                 "comm_elements": sum(v for k, v in comm[name].items() if k != "all_reduce" or engine.stage == 0),
-                "num_params": engine.num_params, "policy": engine.accumulation}
+                "num_params": engine.num_params, "policy": engine.accumulation,
+                "persistent": getattr(engine, "num_persistent_params", 0)}
         del built
     return out
 
@@ -113,7 +114,7 @@ def main() -> None:
         for name, (stage, _) in VARIANTS.items():
             fig = figures[f"{name}@{accumulation}"]
             psi = fig["num_params"]
-            kwargs = dict(accumulation_steps=accumulation, accumulation=fig["policy"])
+            kwargs = dict(accumulation_steps=accumulation, accumulation=fig["policy"], persistent_params=fig["persistent"])
             est_bytes = model_states_bytes(psi, args.world, stage, param_bytes=p, grad_bytes=g, optimizer_k=k, **kwargs)
             est_comm = comm_elements_per_step(psi, args.world, stage, **kwargs)
             row = {"variant": name, "accumulation": accumulation, "median_step_s": round(fig["median_s"], 4),

@@ -287,17 +287,34 @@ def prediction_inputs(run: Run) -> dict[str, Any] | None:
 
 
 def comm_theory_elements(run: Run) -> float | None:
-    """The paper's communication volume per step in elements: 2Ψ for stages 0-2 (all-reduce, or
-    reduce-scatter + all-gather), 3Ψ for stage 3 (two parameter all-gathers and one reduce-scatter).
+    """The paper's communication volume per step in elements, for the run's accumulation policy.
 
-    At stage 3 the P persistent parameters (kept whole, see the header's prediction inputs) are not
-    gathered: they move 2P (reduce-scatter of their gradients, all-gather of their update), so the
-    volume is 3(Ψ - P) + 2P. Ψ is the header's unpadded trainable count; None when it lacks it.
+    One reduction per step ("local" accumulation, or one micro-batch): 2Ψ for stages 0-2 (all-reduce,
+    or reduce-scatter + all-gather), 3Ψ for stage 3 (two parameter all-gathers and one reduce-scatter).
+    With n micro-batches per step, "sharded" reduces every micro-batch (n reductions) and stage 3
+    gathers for every micro-batch (2n). At stage 3 the P persistent parameters (kept whole, see the
+    header's prediction inputs) are not gathered: their update is all-gathered once per step. Ψ is the
+    header's unpadded trainable count; None when it lacks it.
     """
     psi = (run.header.get("model") or {}).get("num_params")
     if not isinstance(psi, (int, float)):
         return None
+    micro, policy = accumulation_of(run)
+    reductions = 1 if policy == "local" else micro
+    if run.stage == 0:
+        return 2 * float(psi) * reductions
     if run.stage != 3:
-        return 2 * float(psi)
+        return float(psi) * (reductions + 1)
     persistent = (prediction_inputs(run) or {}).get("persistent_params") or 0
-    return 3 * (float(psi) - persistent) + 2 * float(persistent)
+    return float(psi) * reductions + 2 * micro * (float(psi) - persistent) + float(persistent)
+
+
+def accumulation_of(run: Run) -> tuple[int, str]:
+    """(micro-batches per step, policy) from the header; (1, the stage's default) for older profiles."""
+    block = run.header.get("accumulation")
+    block = block if isinstance(block, dict) else {}
+    steps = block.get("steps")
+    steps = steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1 else 1
+    policy = block.get("policy") if block.get("policy") in ("sharded", "local") else (
+        "sharded" if run.stage >= 2 else "local")
+    return steps, policy

@@ -212,14 +212,18 @@ def fragmentation_figure(timeline: pd.DataFrame, steps: pd.DataFrame, *, factor:
 # --------------------------------------------------------------------------------------------------
 
 
-def comm_figure(comm: pd.DataFrame, theory_elements: float | None, *, rank: int, stage: int) -> go.Figure:
-    """Per step of ``rank``: elements (stacked by collective kind) against the paper's 2Ψ (stages
-    0-2) or 3Ψ (stage 3), and wall seconds per collective kind."""
+def comm_figure(comm: pd.DataFrame, theory_elements: float | None, *, rank: int, stage: int,
+                timing: str | None = None) -> go.Figure:
+    """Per step of ``rank``: elements (stacked by collective kind) against the paper's volume for the
+    run's accumulation (2Ψ for stages 0-2, 3Ψ for stage 3 at one reduction per step), and seconds per
+    collective kind (wall time, or launch time when ``timing`` is "launch": NCCL waits do not block)."""
     mine = comm[comm["rank"] == rank] if not comm.empty else comm
     if mine.empty:
         return _empty(f"Rank {rank} recorded no collective in its step records.")
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
-                        subplot_titles=["elements per step (the paper's logical volume)", "seconds per step"])
+                        subplot_titles=["elements per step (the paper's logical volume)",
+                                        "launch seconds per step (NCCL: transfers overlap, see a CUDA trace)"
+                                        if timing == "launch" else "wall seconds per step"])
     kinds = sorted(mine["kind"].unique())
     for index, kind in enumerate(kinds):
         rows = mine[mine["kind"] == kind]
@@ -234,7 +238,7 @@ def comm_figure(comm: pd.DataFrame, theory_elements: float | None, *, rank: int,
                     hovertemplate=f"{kind}, step %{{x}}<br>%{{y:.4f}} s<extra></extra>")
     title = f"Communication per step, rank {rank}, stage {stage}"
     if theory_elements is not None:
-        label = f"theory {'3Ψ (2Ψ for persistent)' if stage == 3 else '2Ψ'} = {theory_elements:,.0f} elements"
+        label = f"theory = {theory_elements:,.0f} elements"
         fig.add_hline(y=theory_elements, line_dash="dash", line_color="black", annotation_text=label,
                       annotation_position="top left", row=1, col=1)
         measured = mine.groupby("step")["elements"].sum().mean()

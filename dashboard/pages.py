@@ -124,10 +124,14 @@ def view_comm(loaded: LoadedRun, settings: dict[str, int]) -> None:
             comm = comm[comm["step"].isin(steps[::stride])]
             st.caption(f"Showing every {stride}th step of {len(steps)}.")
     st.plotly_chart(figures.comm_figure(comm, data.comm_theory_elements(loaded.run), rank=rank,
-                                        stage=loaded.run.stage), width="stretch")
+                                        stage=loaded.run.stage, timing=loaded.run.header.get("comm_timing")),
+                    width="stretch")
+    micro, policy = data.accumulation_of(loaded.run)
     st.caption("Elements follow the paper's logical volume: an all-reduce of n counts 2n, a reduce-scatter "
-               "or an all-gather of n counts n. Small extra all-reduces (gradient clipping, overflow checks) "
-               "come on top of 2Ψ.")
+               "or an all-gather of n counts n. Theory: 2Ψ (stages 0-2) or 3Ψ (stage 3) per reduction, "
+               f"here {micro} micro-batch(es) per step with '{policy}' accumulation ('sharded' reduces every "
+               "micro-batch, 'local' once per step; stage 3 gathers for every micro-batch). Small extra "
+               "all-reduces (gradient clipping, overflow checks) come on top.")
 
 
 def view_compare(runs: list[LoadedRun], settings: dict[str, int]) -> None:

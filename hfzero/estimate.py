@@ -180,13 +180,14 @@ def resolve_accumulation(stage: int, accumulation: str = "auto") -> str:
 
 
 def comm_elements_per_step(num_params: float, dp: int, stage: int, *, accumulation_steps: int = 1,
-                           accumulation: str = "auto") -> float:
+                           accumulation: str = "auto", persistent_params: float = 0) -> float:
     """Communication per rank per optimizer step in the paper's volume (elements), clipping aside.
 
     Reductions run once per step under "local" accumulation and once per micro-batch under
     "sharded": stage 0 all-reduces (2Ψ each), stages 1-2 reduce-scatter (Ψ each) then all-gather the
     updated parameters once (Ψ), stage 3 reduce-scatters the same way and gathers the parameters for
-    every micro-batch's forward and backward (2Ψ each). One rank moves nothing.
+    every micro-batch's forward and backward (2Ψ each), except the P persistent parameters, kept
+    whole and all-gathered once after the update (P). One rank moves nothing.
     """
     _check_layout(dp, stage, 1)
     accumulator_held(stage, accumulation, accumulation_steps)  # validates both
@@ -196,7 +197,10 @@ def comm_elements_per_step(num_params: float, dp: int, stage: int, *, accumulati
     reductions = 1 if local else accumulation_steps
     if stage == 0:
         return 2.0 * num_params * reductions
-    gathers = num_params if stage < 3 else 2.0 * num_params * accumulation_steps
+    if stage < 3:
+        gathers = num_params
+    else:
+        gathers = 2.0 * (num_params - persistent_params) * accumulation_steps + persistent_params
     return num_params * reductions + gathers
 
 

@@ -168,8 +168,9 @@ def _collective_order(rank: int, world: int) -> dict:
         ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
         model = Stack()
         model.blocks[0].use_extra = rank == 0
+        # find_unused_parameters: blocks 1-3's ``extra`` run on no rank, and DDP leaves them untouched
         config = hfzero.ZeroConfig(stage=3, param_persistence_threshold=0, reduce_bucket_size=64,
-                                   allgather_bucket_size=1000)
+                                   allgather_bucket_size=1000, find_unused_parameters=True)
         model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
         ddp_losses, losses = [], []
         for batch in batches:

@@ -31,6 +31,8 @@ class FakeCommStats:
 
 
 class FakeComm:
+    timing = "wall"
+
     def __init__(self) -> None:
         self._stats: dict[str, FakeCommStats] = {}
 

@@ -63,11 +63,11 @@ def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: i
     persistent = int(getattr(engine, "num_persistent_params", 0) or 0)
     inputs = {"num_params": int(engine.num_params), "dp": int(engine.world_size), "stage": int(engine.stage),
               "param_bytes": p, "grad_bytes": g, "optimizer_k": k, "persistent_params": persistent,
-              "accumulation_steps": int(accumulation_steps), "accumulation": engine.accumulation}
+              "accumulation_steps": int(accumulation_steps), "accumulation": config.accumulation_policy}
     formula = _STAGE_FORMULAS[inputs["stage"]].format(p=p, g=g, k=k)
     if persistent and inputs["stage"] == 3:
         formula += f" + {p}P(1 - 1/N_d)"
-    if accumulator_held(inputs["stage"], engine.accumulation, accumulation_steps):
+    if accumulator_held(inputs["stage"], config.accumulation_policy, accumulation_steps):
         formula += f" + {g}Ψ (local accumulator)"
     return {
         "model_state_bytes": model_states_bytes(**inputs),
@@ -97,7 +97,7 @@ def build_header(*, run_id: str, engine: Any, model: torch.nn.Module, optimizer:
         "global_world_size": int(global_world_size),
         "stage": int(engine.stage),
         "config": config.to_dict(),
-        "accumulation": {"policy": engine.accumulation, "steps": int(accumulation_steps)},
+        "accumulation": {"policy": config.accumulation_policy, "steps": int(accumulation_steps)},
         "comm_timing": engine.comm.timing,
         "model": {
             "class": type(model).__name__,

@@ -169,6 +169,15 @@ class ZeroEngine:
             slot.param.grad = None
         return len(grads)
 
+    def add_backward_end_hook(self, fn: Callable[[], None]) -> RemovableHandle:
+        """Call ``fn()`` at the end of every backward pass, after its reductions completed.
+
+        Returns a handle whose ``remove()`` unregisters ``fn``.
+        """
+        handle = RemovableHandle(self.reducer.backward_end_hooks)
+        self.reducer.backward_end_hooks[handle.id] = fn
+        return handle
+
     @contextlib.contextmanager
     def _scaling(self) -> Iterator[None]:
         self._scaled_backward = True

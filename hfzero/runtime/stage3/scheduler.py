@@ -65,11 +65,13 @@ def _tensors(value: Any) -> Iterable[torch.Tensor]:
 
 
 class _Pass:
-    """Bookkeeping of one forward or backward pass: the units it used, in order."""
+    """Bookkeeping of one forward or backward pass: the units it used and gathered, in order."""
 
     def __init__(self, recorded: list[int]):
         self.recorded = recorded
         self.seen: list[int] = []
+        self.issued: list[int] = []
+        """Units whose gather this pass launched (prefetched ones included): what must match across ranks."""
         self.diverged = False
 
 
@@ -168,7 +170,8 @@ class UnitScheduler:
                     self._issue(unit)
                     unit.wait()
                 return
-            self._finish_earlier_units()
+            if unit is not self.root:  # the root's output hooks may sit on a block's output tensor too
+                self._finish_earlier_units()
             self._backward_seen.add(unit.index)
             self._log("backward", unit)
             self._use(unit, forward=False)
@@ -204,12 +207,12 @@ class UnitScheduler:
 
     def _end_backward(self) -> None:
         self._finish_earlier_units()
+        issued = self._pass.issued if self._pass is not None else []
         self._end_pass(Phase.BACKWARD, None)
         # Check the pass end only after this backward's gradient reductions finished (the reducer's
         # end-of-backward callback, queued after this one, runs first): a rank that skipped a unit
         # launches its last reduce-scatters there, and another rank may be waiting on them.
-        seen = list(self.orders[Phase.BACKWARD])
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._verify_pass(_END_BACKWARD, seen))
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._verify_pass(_END_BACKWARD, issued))
 
     def _end_pass(self, phase: Phase, marker: int | None) -> None:
         current, self._pass = self._pass, None
@@ -219,13 +222,13 @@ class UnitScheduler:
             if unit.state is not UnitState.SHARDED:
                 self._log("release", unit)
                 unit.release()
-        seen = current.seen if current is not None else []
+        issued = current.issued if current is not None else []
         if current is not None and current.seen != current.recorded:
             if current.recorded:
                 logger.debug("stage 3: %s order changed; recording the new one", phase.value)
             self.orders[phase] = current.seen
         if marker is not None:
-            self._verify_pass(marker, seen)
+            self._verify_pass(marker, issued)
 
     # ---- gathering ------------------------------------------------------------------------------
     def _use(self, unit: GatherUnit, forward: bool) -> None:
@@ -257,6 +260,8 @@ class UnitScheduler:
             return
         if self._pass is None or not self._pass.recorded:  # recording an order (or outside a pass)
             self._verify(unit.index)
+        if self._pass is not None:
+            self._pass.issued.append(unit.index)
         self._log("gather", unit)
         unit.start_gather()
 
@@ -277,20 +282,20 @@ class UnitScheduler:
                 "backward; a branch that skips a unit on some ranks only must be taken on all ranks, or "
                 "the module must belong to a unit every rank runs (prepare(units=...)).")
 
-    def _verify_pass(self, marker: int, seen: list[int]) -> None:
+    def _verify_pass(self, marker: int, issued: list[int]) -> None:
         """All ranks must end the pass having gathered the same units in the same order: one tiny
         all-gather of a signature (and one host synchronization) per pass."""
         comm = self.verify_comm
         if comm is None or comm.world_size == 1:
             return
-        signature = hash((marker, tuple(seen))) & (2**62 - 1)  # ints hash the same in every process
+        signature = hash((marker, tuple(issued))) & (2**62 - 1)  # ints hash the same in every process
         mine = torch.tensor([signature], dtype=torch.int64, device=self.root.full.device)
         everyone = torch.empty(comm.world_size, dtype=torch.int64, device=mine.device)
         comm.all_gather(everyone, mine)
         if len(set(everyone.tolist())) == 1:
             return
         what = ", ".join(f"rank {r}: {[self._describe(i) for i in json.loads(payload)]}" for r, payload in
-                         enumerate(comm.all_gather_bytes(json.dumps(seen).encode())))
+                         enumerate(comm.all_gather_bytes(json.dumps(issued).encode())))
         raise GatherOrderError(
             f"hfzero stage 3: ranks gathered different units in one {'forward' if marker == _END_FORWARD else 'backward'} "
             f"pass ({what}). "
