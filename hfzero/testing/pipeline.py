@@ -1,0 +1,122 @@
+"""Pipeline training runs shared by the pipeline tests and benchmarks/pipeline_zero.py.
+
+``train_pipeline`` runs one PipeSpec on the calling rank (every rank of the world is in the pp x dp
+mesh); ``reference`` trains the same model single-process on the full batch with plain torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import hfzero
+from hfzero.parallel.mesh import build_mesh
+from hfzero.parallel.pipeline import PipelineConfig, pipeline
+from hfzero.testing.models import tiny_causal_lm, token_batches
+from hfzero.testing.workloads import param_groups
+
+
+@dataclasses.dataclass(frozen=True)
+class PipeSpec:
+    """One pipeline training run."""
+
+    model: str = "llama"
+    layers: int = 4
+    hidden: int = 32
+    pp: int = 2
+    stage: int = 2
+    accumulation: str = "local"
+    schedule: str = "1F1B"
+    n_micro: int = 4
+    stage3_gather: str = "step"
+    dtype: str = "fp32"
+    steps: int = 10
+    global_batch: int = 16
+    seq_len: int = 16
+    lr: float = 1e-3
+    max_grad_norm: float | None = 1.0
+    bucket_size: int = 4096
+    extra_config: tuple[tuple[str, Any], ...] = ()
+    """Extra ZeroConfig fields, e.g. (("param_persistence_threshold", 0),)."""
+
+
+def _lr_schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.1 * step))
+
+
+def reference(spec: PipeSpec) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process, full-batch fp32 training of ``spec``'s model: per-step losses, final parameters."""
+    model = tiny_causal_lm(spec.model, layers=spec.layers, hidden=spec.hidden)
+    optimizer = torch.optim.AdamW(param_groups(model), lr=spec.lr)
+    scheduler = _lr_schedule(optimizer)
+    losses = []
+    for batch in token_batches(spec.steps, spec.global_batch, spec.seq_len):
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        if spec.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def stage_params(pipe) -> dict[str, torch.Tensor]:
+    """This rank's stage parameters, whole, fp32, under their HF names (stage 3 gathers them)."""
+    if pipe.engine.stage < 3:
+        return {n: p.detach().float().clone() for n, p in pipe.module.named_parameters()}
+    full = hfzero.full_state_dict(pipe.module, rank0_only=False)
+    return {n: full[n].float() for n, _ in pipe.module.named_parameters()}
+
+
+def train_pipeline(rank: int, world_size: int, spec: PipeSpec) -> dict[str, Any]:
+    """Train ``spec`` on this rank; return losses, final stage parameters, memory, comm and times per step."""
+    mesh = build_mesh(spec.pp)
+    model = tiny_causal_lm(spec.model, layers=spec.layers, hidden=spec.hidden)
+    zero = hfzero.ZeroConfig(stage=spec.stage, dtype=spec.dtype, reduce_bucket_size=spec.bucket_size,
+                             **dict(spec.extra_config))
+    config = PipelineConfig(pp_size=spec.pp, schedule=spec.schedule, n_microbatches=spec.n_micro,
+                            stage3_gather=spec.stage3_gather)
+    pipe = pipeline(model, torch.optim.AdamW(param_groups(model), lr=spec.lr), zero, config, mesh=mesh,
+                    accumulation=spec.accumulation)
+    del model
+    scheduler = _lr_schedule(pipe.optimizer)
+    engine = pipe.engine
+    losses, comm_steps, times, peak_states = [], [], [], 0
+    for batch in token_batches(spec.steps, spec.global_batch, spec.seq_len):
+        local = batch.chunk(mesh.dp_size)[mesh.dp_rank]  # (B / dp, T): this replica's rows
+        before = engine.comm.stats()
+        dist.barrier()
+        started = time.perf_counter()
+        loss = pipe.forward_backward(local)
+        peak_states = max(peak_states, engine.model_state_bytes())
+        if spec.max_grad_norm is not None:
+            pipe.clip_grad_norm_(spec.max_grad_norm)
+        pipe.optimizer.step()
+        pipe.optimizer.zero_grad()
+        times.append(time.perf_counter() - started)
+        scheduler.step()
+        after = engine.comm.stats()
+        comm_steps.append({k: after[k].elements - (before[k].elements if k in before else 0) for k in after})
+        losses.append(loss)
+    return {
+        "coords": (mesh.pp_rank, mesh.dp_rank),
+        "losses": losses,
+        "params": stage_params(pipe),
+        "roles": {k.value: v for k, v in engine.memory_by_role().items()},
+        "peak_model_state_bytes": peak_states,
+        "comm_per_step": comm_steps,
+        "step_seconds": times,
+        "num_params": engine.num_params,
+        "num_params_padded": engine.num_params_padded,
+    }
+
+
+def train_pipelines(rank: int, world_size: int, specs: list[PipeSpec]) -> list[dict[str, Any]]:
+    """Run several specs in one spawned process group (spawning is the expensive part)."""
+    return [train_pipeline(rank, world_size, spec) for spec in specs]
