@@ -78,6 +78,9 @@ class UnitScheduler:
         self._pass: _Pass | None = None
         self._in_use: list[int] = []  # units between their pre- and post-forward (a stack)
         self._backward_seen: set[int] = set()
+        self.keep_gathered = False
+        """When True, units stay gathered after use until ``release_all()`` (called by the step's
+        ``publish_params``): gather once per step for all micro-batches (the pipeline's "step" policy)."""
         self.events: list[tuple[str, str]] | None = None
         """When a list (``trace(True)``), ("gather"|"wait"|"release"|"forward"|"forward_end"|
         "backward", unit name) events are appended in the order they happen."""
@@ -106,7 +109,7 @@ class UnitScheduler:
     def on_bucket_filled(self, unit: GatherUnit) -> None:
         """A bucket of ``unit`` got all its gradients; release the unit once all its buckets did."""
         unit.filled_left -= 1
-        if unit.filled_left == 0 and self.phase is Phase.BACKWARD:
+        if unit.filled_left == 0 and self.phase is Phase.BACKWARD and not self.keep_gathered:
             self._log("release", unit)
             unit.release()
 
@@ -132,7 +135,7 @@ class UnitScheduler:
                     if t.requires_grad:
                         t.register_hook(self._hook_pre_backward(unit))
             self._log("forward_end", unit)
-            if unit.index not in self._in_use:
+            if unit.index not in self._in_use and not self.keep_gathered:
                 unit.release()
             if unit is self.root and self.phase is Phase.FORWARD:
                 self._end_pass(Phase.FORWARD, _END_FORWARD)
@@ -171,7 +174,7 @@ class UnitScheduler:
         self.phase = Phase.IDLE
         self._in_use.clear()
         for unit in self.units:
-            if unit.state is not UnitState.SHARDED:
+            if unit.state is not UnitState.SHARDED and not self.keep_gathered:
                 self._log("release", unit)
                 unit.release()
         if current is not None and current.seen != current.recorded:
