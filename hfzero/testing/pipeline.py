@@ -6,6 +6,7 @@ mesh); ``reference`` trains the same model single-process on the full batch with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -42,6 +43,50 @@ class PipeSpec:
     bucket_size: int = 4096
     extra_config: tuple[tuple[str, Any], ...] = ()
     """Extra ZeroConfig fields, e.g. (("param_persistence_threshold", 0),)."""
+    measure_activations: bool = False
+    """Record the peak of saved activations (ActivationMeter; slows the step a little)."""
+
+
+class ActivationMeter:
+    """Peak bytes of tensors autograd saved for backward (parameters excluded), via saved_tensors_hooks.
+
+    A saved tensor counts from its pack until autograd drops it; tensors sharing a parameter's
+    storage (weights saved by matmuls, stage-3 gathered buffers) are not activations and do not count.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.live = 0
+        self.peak = 0
+
+    def _pack(self, tensor: torch.Tensor):
+        params = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        if tensor.untyped_storage().data_ptr() in params:
+            return tensor
+        return _Counted(self, tensor)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _Counted) else packed
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+class _Counted:
+    def __init__(self, meter: ActivationMeter, tensor: torch.Tensor):
+        self.meter, self.tensor = meter, tensor
+        self.nbytes = tensor.numel() * tensor.element_size()
+        meter.live += self.nbytes
+        meter.peak = max(meter.peak, meter.live)
+
+    def __del__(self):
+        self.meter.live -= self.nbytes
 
 
 def _lr_schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
@@ -69,9 +114,9 @@ def reference(spec: PipeSpec) -> tuple[list[float], dict[str, torch.Tensor]]:
 def stage_params(pipe) -> dict[str, torch.Tensor]:
     """This rank's stage parameters, whole, fp32, under their HF names (stage 3 gathers them)."""
     if pipe.engine.stage < 3:
-        return {n: p.detach().float().clone() for n, p in pipe.module.named_parameters()}
+        return {pipe.hf_name(n): p.detach().float().clone() for n, p in pipe.module.named_parameters()}
     full = hfzero.full_state_dict(pipe.module, rank0_only=False)
-    return {n: full[n].float() for n, _ in pipe.module.named_parameters()}
+    return {pipe.hf_name(n): full[n].float() for n, _ in pipe.module.named_parameters()}
 
 
 def train_pipeline(rank: int, world_size: int, spec: PipeSpec) -> dict[str, Any]:
@@ -87,14 +132,17 @@ def train_pipeline(rank: int, world_size: int, spec: PipeSpec) -> dict[str, Any]
     del model
     scheduler = _lr_schedule(pipe.optimizer)
     engine = pipe.engine
-    losses, comm_steps, times, peak_states = [], [], [], 0
+    losses, comm_steps, times, step_roles, activation_peak = [], [], [], {}, 0
     for batch in token_batches(spec.steps, spec.global_batch, spec.seq_len):
         local = batch.chunk(mesh.dp_size)[mesh.dp_rank]  # (B / dp, T): this replica's rows
         before = engine.comm.stats()
         dist.barrier()
         started = time.perf_counter()
-        loss = pipe.forward_backward(local)
-        peak_states = max(peak_states, engine.model_state_bytes())
+        meter = ActivationMeter(pipe.module) if spec.measure_activations else contextlib.nullcontext()
+        with meter:
+            loss = pipe.forward_backward(local)
+        activation_peak = max(activation_peak, getattr(meter, "peak", 0))
+        step_roles = {k.value: v for k, v in pipe.step_roles.items()}
         if spec.max_grad_norm is not None:
             pipe.clip_grad_norm_(spec.max_grad_norm)
         pipe.optimizer.step()
@@ -109,7 +157,8 @@ def train_pipeline(rank: int, world_size: int, spec: PipeSpec) -> dict[str, Any]
         "losses": losses,
         "params": stage_params(pipe),
         "roles": {k.value: v for k, v in engine.memory_by_role().items()},
-        "peak_model_state_bytes": peak_states,
+        "step_roles": step_roles,
+        "activation_peak_bytes": activation_peak,
         "comm_per_step": comm_steps,
         "step_seconds": times,
         "num_params": engine.num_params,

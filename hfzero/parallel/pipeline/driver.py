@@ -105,6 +105,9 @@ class Pipeline:
         self.tied_comm = self._tied_pair_comm(is_tied, tied is not None)
         self._schedules: dict[tuple, Any] = {}
         self._reduced_stages = 0
+        self.step_roles: dict[Any, int] = {}
+        """Peak bytes by MemoryRole over the last forward_backward, sampled after the last backward
+        (before the deferred reduction frees local accumulators) and at its end."""
 
     # ---- construction ---------------------------------------------------------------------------
     def _tied_param(self) -> nn.Parameter | None:
@@ -141,6 +144,10 @@ class Pipeline:
             if dp_rank == self.mesh.dp_rank and holds_tied:
                 mine = self.engine.comm.on_group(group)
         return mine
+
+    def hf_name(self, name: str) -> str:
+        """The HF model's name of a parameter or buffer named ``name`` in ``self.module``."""
+        return name.split(".", 1)[1] if isinstance(self.module, StageChunks) else name
 
     # ---- schedule -------------------------------------------------------------------------------
     def _schedule(self, rows: int, seq: int, train: bool):
@@ -204,9 +211,11 @@ class Pipeline:
         target = labels.to(device) if self.holds_last else None
         losses: list[torch.Tensor] = []
         self._reduced_stages = 0
+        self.step_roles = {}
         with self._policy(), self._scaled():
             schedule.step(*args, target=target, losses=losses if self.holds_last else None)
         self.engine.materialize_grads()
+        self._sample_roles()
         self._vote_overflow()
         return self._global_loss(losses)
 
@@ -257,12 +266,17 @@ class Pipeline:
         self._reduced_stages += 1
         if self._reduced_stages < len(self.stages):
             return
+        self._sample_roles()
         if self.kind.zero_bubble:
             self.engine.absorb_manual_grads()
         self.engine.reducer.reduce_pending()
         if self.tied_comm is not None:
             for bucket in self.engine.layout.group_buckets(self._tied_group):
                 self.tied_comm.all_reduce(self.engine.reducer.owned_grad(bucket))
+
+    def _sample_roles(self) -> None:
+        for role, size in self.engine.memory_by_role().items():
+            self.step_roles[role] = max(size, self.step_roles.get(role, 0))
 
     def _vote_overflow(self) -> None:
         if not self.engine.scaler.enabled or self.mesh.pp_size == 1:
