@@ -13,6 +13,7 @@ from typing import Any, Literal
 import torch
 
 DtypeName = Literal["fp32", "bf16", "fp16"]
+AccumulationName = Literal["auto", "sharded", "local"]
 
 _DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -48,6 +49,17 @@ class ZeroConfig:
 
     overlap_comm: bool = True
     """Launch each bucket's reduction asynchronously as soon as it is full, overlapping backward."""
+
+    accumulation: AccumulationName = "auto"
+    """When gradients of accumulation micro-batches (backward passes inside ``no_sync()``, or the
+    micro-batches of a pipeline schedule) are reduced. "sharded": every backward pass reduce-scatters
+    its gradients into the rank's shard (bucketed, overlapped with backward), so no full gradient is
+    ever held across micro-batches: the stage's memory, n_micro x Ψ reduction traffic per step.
+    "local": full local gradients accumulate across micro-batches and are reduced once at the
+    synchronizing backward (or step): one reduction per step, but stages 2-3 then hold a full
+    gradient buffer across micro-batches (a model state, GRAD_ACCUM: 2Ψ in bf16). "auto" picks
+    "sharded" at stages 2-3 (memory is why they are chosen) and "local" at stages 0-1 (which hold full
+    gradients anyway). See docs/engine.md for the memory/traffic table."""
 
     max_inflight_buckets: int = 2
     """Bucket reductions allowed in flight at once; launching one more waits for the oldest."""
@@ -97,6 +109,8 @@ class ZeroConfig:
                    "must be a positive integer")
         _check(isinstance(self.param_persistence_threshold, int) and self.param_persistence_threshold >= 0,
                "param_persistence_threshold", self.param_persistence_threshold, "must be an integer >= 0")
+        _check(self.accumulation in ("auto", "sharded", "local"), "accumulation", self.accumulation,
+               'must be "auto", "sharded" or "local"')
         _check(self.reduce_scatter_impl in ("auto", "native", "all_reduce"), "reduce_scatter_impl",
                self.reduce_scatter_impl, 'must be "auto", "native" or "all_reduce"')
         for name in ("overlap_comm", "offload_optimizer", "find_unused_parameters"):
@@ -111,6 +125,13 @@ class ZeroConfig:
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype of parameters and gradients on the device."""
         return _DTYPES[self.dtype]
+
+    @property
+    def accumulation_policy(self) -> Literal["sharded", "local"]:
+        """The accumulation policy that runs: ``accumulation`` with "auto" resolved by stage."""
+        if self.accumulation != "auto":
+            return self.accumulation  # type: ignore[return-value]
+        return "sharded" if self.stage >= 2 else "local"
 
     @property
     def mixed_precision(self) -> bool:

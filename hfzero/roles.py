@@ -20,11 +20,14 @@ class MemoryRole(str, enum.Enum):
         GRAD_FULL: full gradients kept until the step (stages 0-1): a flat buffer shaped like the
             trainable parameters.
         GRAD_SHARD: this rank's slice of the reduced gradients (stages 2-3).
+        GRAD_ACCUM: full local gradients accumulated across micro-batches before their one
+            reduction (the "local" accumulation policy at stages 2-3): held across micro-batches,
+            so a model state.
         MASTER_SHARD: fp32 master weights for this rank's slice (mixed precision only; in fp32
             the parameters are their own master copy).
         OPTIM_STATE: optimizer states (e.g. Adam's exp_avg and exp_avg_sq) for this rank's slice.
-        GRAD_BUCKET: gradients waiting in a fixed-size bucket for their reduction (transient), and
-            the local accumulator used when reduction is deferred (``no_sync``) at stage 2.
+        GRAD_BUCKET: gradients waiting in a fixed-size bucket for their reduction within one
+            backward pass (transient staging).
         GRAD_FP32: fp32 gradients of the rank's slice, materialized between the end of
             accumulation and the optimizer step (transient).
         PARAM_GATHERED: stage-3 units gathered for compute (transient).
@@ -36,6 +39,7 @@ class MemoryRole(str, enum.Enum):
     PARAM_SHARD = "param_shard"
     GRAD_FULL = "grad_full"
     GRAD_SHARD = "grad_shard"
+    GRAD_ACCUM = "grad_accum"
     MASTER_SHARD = "master_shard"
     OPTIM_STATE = "optim_state"
     GRAD_BUCKET = "grad_bucket"
@@ -51,6 +55,7 @@ MODEL_STATE_ROLES: frozenset[MemoryRole] = frozenset(
         MemoryRole.PARAM_SHARD,
         MemoryRole.GRAD_FULL,
         MemoryRole.GRAD_SHARD,
+        MemoryRole.GRAD_ACCUM,
         MemoryRole.MASTER_SHARD,
         MemoryRole.OPTIM_STATE,
     }

@@ -18,19 +18,27 @@ ACCUMULATION = ((1, False), (4, False), (4, True))
 STAGE3 = (("param_persistence_threshold", 0),)
 
 
-def _spec(stage: int, **kwargs) -> TrainSpec:
-    return TrainSpec(stage=stage, extra_config=STAGE3 if stage == 3 else (), **kwargs)
+# The accumulation policy each stage does not pick by default (see ZeroConfig.accumulation).
+OTHER_POLICY = {0: "sharded", 1: "sharded", 2: "local", 3: "local"}
 
 
-FP32_CASES = [_spec(s, model=m, accumulation=a, no_sync=ns) for m in MODELS for s in STAGES for a, ns in ACCUMULATION]
+def _spec(stage: int, policy: str = "auto", **kwargs) -> TrainSpec:
+    extra = (STAGE3 if stage == 3 else ()) + ((("accumulation", policy),) if policy != "auto" else ())
+    return TrainSpec(stage=stage, extra_config=extra, **kwargs)
+
+
+FP32_CASES = ([_spec(s, model=m, accumulation=a, no_sync=ns) for m in MODELS for s in STAGES for a, ns in ACCUMULATION]
+              + [_spec(s, OTHER_POLICY[s], model=m, accumulation=4, no_sync=True) for m in MODELS for s in STAGES])
 BF16_CASES = [_spec(s, model="gpt2", dtype="bf16") for s in STAGES]
 FP16_CASES = [_spec(s, model="gpt2", dtype="fp16", overflow_step=3, steps=6) for s in STAGES]
 MEMORY_CASES = [_spec(s, model="gpt2", dtype="bf16", steps=2, max_grad_norm=None) for s in STAGES]
+ACCUMULATION_MEMORY_CASES = [_spec(s, p, model="gpt2", dtype="bf16", steps=2, max_grad_norm=None, accumulation=4,
+                                   no_sync=True) for s in (2, 3) for p in ("sharded", "local")]
 
 
 def cases(world: int) -> list[TrainSpec]:
     extra = BF16_CASES + FP16_CASES if world == 2 else []
-    return FP32_CASES + extra + [s for s in MEMORY_CASES if s not in extra]
+    return FP32_CASES + extra + [s for s in MEMORY_CASES + ACCUMULATION_MEMORY_CASES if s not in extra]
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,6 +54,13 @@ def reference(model: str, steps: int = 10):
     return train_reference(TrainSpec(model=model, steps=steps))
 
 
+def policy_of(spec: TrainSpec) -> str:
+    """The accumulation policy ``spec`` runs with ("auto" resolved by stage)."""
+    chosen = dict(spec.extra_config).get("accumulation", "auto")
+    return chosen if chosen != "auto" else ("sharded" if spec.stage >= 2 else "local")
+
+
 def case_id(spec: TrainSpec) -> str:
+    policy = dict(spec.extra_config).get("accumulation")
     return (f"{spec.model}-{spec.dtype}-stage{spec.stage}-accum{spec.accumulation}"
-            f"{'-nosync' if spec.no_sync else ''}")
+            f"{'-nosync' if spec.no_sync else ''}{'-' + policy if policy else ''}")

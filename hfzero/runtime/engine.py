@@ -3,7 +3,8 @@
 Memory held (bf16 + Adam, Ψ trainable parameters, N ranks), matching the paper:
 - ``param_flat``: all trainable parameters, full, in the device dtype (PARAM_FULL, 2Ψ); the model's
   parameters are views into it (contiguous pre-allocated storage, ZeRO-R MD).
-- gradients: see reducer.py (GRAD_FULL 2Ψ at stages 0-1, GRAD_SHARD 2Ψ/N at stage 2).
+- gradients: see reducer.py (GRAD_FULL 2Ψ at stages 0-1, GRAD_SHARD 2Ψ/N at stage 2; under the
+  "local" accumulation policy at stage 2, also GRAD_ACCUM 2Ψ while micro-batches accumulate).
 - ``master_flat``: fp32 master weights of this rank's slice (MASTER_SHARD, 4Ψ/N; 4Ψ at stage 0),
   only when a separate master copy is needed (mixed precision or offload).
 - optimizer states of the inner optimizer over the master slices (OPTIM_STATE, 8Ψ/N with Adam).
@@ -71,12 +72,16 @@ class ZeroEngine:
                 self._master_view(bucket).copy_(self._owned_param(bucket))
         self.master_views = [self._master_view(b) for b in self.layout.buckets]
 
+        self.accumulation = config.accumulation_policy
+        """The accumulation policy that runs ("sharded" or "local"); see [Note: accumulation policy]."""
         self.reducer = GradientReducer(self.layout, comm, self.stage, self.policy.param_dtype, device,
-                                       config.overlap_comm, config.max_inflight_buckets)
+                                       config.overlap_comm, config.max_inflight_buckets, self.accumulation)
         self.reducer.before_first_grad = self._before_backward
-        logger.info("stage %d over %d rank(s): %d trainable parameters in %d bucket(s), %d padded, dtype %s",
-                    self.stage, self.world_size, self.num_params, len(self.layout.buckets),
-                    self.num_params_padded, config.dtype)
+        self.reducer.always_find_unused = config.find_unused_parameters
+        self._forward_hook = model.register_forward_hook(lambda m, a, out: self.reducer.record_graph_roots(out))
+        logger.info("stage %d over %d rank(s): %d trainable parameters in %d bucket(s), %d padded, dtype %s, "
+                    "accumulation %s", self.stage, self.world_size, self.num_params, len(self.layout.buckets),
+                    self.num_params_padded, config.dtype, self.accumulation)
 
     # ---- construction steps (overridden by the stage-3 engine) ----------------------------------
     def _backward_positions(self) -> dict[nn.Parameter, int]:
@@ -140,17 +145,29 @@ class ZeroEngine:
 
     # ---- backward -------------------------------------------------------------------------------
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        """Defer gradient reduction for backward passes in the block (see GradientReducer.no_sync)."""
+        """Defer gradient reduction for backward passes in the block under the "local" accumulation
+        policy; under "sharded" every backward still reduces (see GradientReducer.no_sync)."""
         return self.reducer.no_sync()
 
-    def add_backward_end_hook(self, fn: Callable[[], None]) -> RemovableHandle:
-        """Call ``fn()`` at the end of every backward pass, after its reductions completed.
+    def reduce_pending(self) -> None:
+        """Reduce what backward passes under ``no_sync`` left local: the end-of-step reduction a
+        pipeline schedule calls after its last micro-batch (``step()`` calls it too)."""
+        self.reducer.reduce_pending()
 
-        Returns a handle whose ``remove()`` unregisters ``fn``.
+    def absorb_manual_grads(self) -> int:
+        """Take ``.grad`` tensors written by hand into the engine's gradient store; returns how many.
+
+        The zero-bubble pipeline schedules compute weight gradients outside autograd's accumulation,
+        so no post-accumulate-grad hook fires for them: call this after such a schedule's step. The
+        gradients are added as one more local contribution, reduced by the next ``reduce_pending()``
+        (or step) whatever the policy, since they were accumulated whole across micro-batches anyway.
         """
-        handle = RemovableHandle(self.reducer.backward_end_hooks)
-        self.reducer.backward_end_hooks[handle.id] = fn
-        return handle
+        grads = [(slot, param.grad) for param, slot in self.layout.slots.items() if param.grad is not None]
+        if grads:
+            self.reducer.add_local([(slot, grad) for slot, grad in grads])
+        for slot, _ in grads:
+            slot.param.grad = None
+        return len(grads)
 
     @contextlib.contextmanager
     def _scaling(self) -> Iterator[None]:
@@ -162,6 +179,7 @@ class ZeroEngine:
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward()`` with the loss scale applied (required for fp16, harmless otherwise)."""
+        self.reducer.record_graph_roots(loss, replace=True)
         with self._scaling():
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward(**kwargs)
 
@@ -311,6 +329,7 @@ class ZeroEngine:
             MemoryRole.PARAM_FULL: _nbytes(self.param_flat) + self._untracked_param_bytes,
             MemoryRole.GRAD_FULL: _nbytes(self.reducer.grad_full),
             MemoryRole.GRAD_SHARD: _nbytes(self.reducer.grad_shard),
+            MemoryRole.GRAD_ACCUM: self.reducer.accumulator_bytes(),
             MemoryRole.MASTER_SHARD: _nbytes(self.master_flat),
             MemoryRole.OPTIM_STATE: optim,
             MemoryRole.GRAD_BUCKET: self.reducer.staging_bytes(),

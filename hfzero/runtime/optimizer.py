@@ -60,6 +60,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.engine = engine
         groups = [{**g, "params": list(g["params"])} for g in base.param_groups]
         super().__init__(groups, dict(base.defaults))
+        # Share the user's group dicts, so a scheduler built on ``base`` before prepare drives the shards.
+        self.param_groups = base.param_groups
+        self._source = base
         inner_groups = []
         for index, group in enumerate(base.param_groups):
             views = [engine.master_views[b.index] for b in engine.layout.group_buckets(index)]
@@ -93,6 +96,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         engine = self.engine
+        # A scheduler built on the user's optimizer checks that its step ran (torch's LRScheduler marker).
+        self._source._opt_called = True  # type: ignore[attr-defined]
         engine.materialize_grads()
         self.last_step_skipped = engine.overflow
         if engine.overflow:

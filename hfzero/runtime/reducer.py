@@ -3,10 +3,11 @@
 Memory held, by stage (see [Note: bucket sharding] in layout.py):
 - stages 0-1: ``grad_full``, one flat gradient buffer shaped like the trainable parameters
   (GRAD_FULL, a model state). Buckets are views of it and are reduced in place.
-- stage 2: ``grad_shard``, this rank's slice of every bucket (GRAD_SHARD, a model state), plus
-  fixed-size staging buffers for buckets being filled or reduced (GRAD_BUCKET, transient, at most
-  the buckets open at once), plus, only while reduction is deferred with ``no_sync``, a full local
-  accumulator (GRAD_BUCKET) that is freed by the next synchronizing backward.
+- stages 2-3: ``grad_shard``, this rank's slice of every bucket (GRAD_SHARD, a model state), plus
+  staging buffers for buckets being filled or reduced within one backward pass (GRAD_BUCKET,
+  transient: at most ``max_inflight`` buffers are pooled between passes), plus, only under the
+  "local" accumulation policy while reduction is deferred, a full local accumulator (GRAD_ACCUM, a
+  model state: it is held across micro-batches) that the synchronizing backward reduces and frees.
 
 [Note: gradient sums]
 Stores hold SUMS over ranks, never averages; the division by the world size (and the loss-scale
@@ -15,7 +16,26 @@ backward passes without ``zero_grad`` exact:
 - stage 0 all-reduces in place, so every rank holds the full sum S; before the next backward adds to
   it, every rank but rank 0 zeroes its buffer, and the next all-reduce gives exactly S + sum(new).
 - stage 1 reduce-scatters in place and zeroes the slices it does not own, so only the owner keeps S.
-- stage 2 reduces fresh staging buffers and adds the owned slice into the shard.
+- stages 2-3 reduce fresh staging buffers and add the owned slice into the shard.
+
+[Note: accumulation policy]
+``policy`` decides what ``no_sync()`` does. "local": backward passes inside it add into the full
+local store (stages 0-1: ``grad_full``; stages 2-3: the accumulator) and the reduction runs once, at
+the next synchronizing backward or at ``reduce_pending()`` (the step). "sharded": ``no_sync()``
+does not defer; every backward pass reduces its buckets as they fill. A pipeline schedule drives the
+same two behaviours without the user's ``no_sync``: it runs its micro-batches inside ``no_sync()``
+("local") or not ("sharded") and the step's ``reduce_pending()`` is the end-of-step reduction.
+
+[Note: collective order across ranks]
+Every rank launches every bucket's reduction exactly once per synchronizing backward, in bucket
+index order, so a single process group never sees mismatched collectives. Stage 3 runs parameter
+gathers on a second group; there the *interleaving* of gathers and reductions must not depend on
+the rank either (NCCL kernels of two communicators issued in different orders on two ranks can
+deadlock). So at stage 3 a bucket is launched only at rank-independent points (``launch_on_fill``
+is False): when the backward pass moves on to a later unit (``force_ready``), or at the end of the
+backward pass, never at the moment its last gradient happens to arrive, which differs between ranks
+(an unused parameter, a slower branch). Gradients arriving after their bucket was launched ("late")
+are kept and reduced at the end of the backward pass, after one small agreement collective.
 """
 
 from __future__ import annotations
@@ -23,16 +43,24 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from hfzero.comm import Communicator, Handle
 from hfzero.logging import get_logger
-from hfzero.runtime.layout import Bucket, FlatLayout
+from hfzero.runtime.layout import Bucket, FlatLayout, ParamSlot
 
 logger = get_logger(__name__)
+
+_MAX_GRAPH_ROOTS = 64
+"""Forward outputs remembered for the unused-parameter lookup before the graphs are let go."""
+
+FAILED_PASS_MESSAGE = (
+    "hfzero: the previous forward or backward pass raised before it finished, so this step's gradients "
+    "are incomplete; call optimizer.zero_grad() (on every rank) to discard them, then continue with the "
+    "next batch")
 
 
 class GradState(enum.Enum):
@@ -52,7 +80,7 @@ class GradientReducer:
     """Registers post-accumulate-grad hooks and reduces gradients bucket by bucket."""
 
     def __init__(self, layout: FlatLayout, comm: Communicator, stage: int, dtype: torch.dtype,
-                 device: torch.device, overlap: bool, max_inflight: int):
+                 device: torch.device, overlap: bool, max_inflight: int, policy: str = "local"):
         self.layout = layout
         self.comm = comm
         self.stage = stage
@@ -60,6 +88,7 @@ class GradientReducer:
         self.device = device
         self.overlap = overlap
         self.max_inflight = max_inflight
+        self.policy = policy
         self.sync = True
         self.state = GradState.EMPTY
         self.grad_full: torch.Tensor | None = None
@@ -69,38 +98,73 @@ class GradientReducer:
         else:
             self.grad_shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         self.accumulator: torch.Tensor | None = None
+        self.launch_on_fill = True
+        """False at stage 3: buckets launch only at rank-independent points (see the Note above)."""
+        self.agree_comm: Communicator | None = None
+        """Where the end-of-backward agreement on late gradients runs (launch_on_fill=False only)."""
         self._staging: dict[int, torch.Tensor] = {}
+        self._late: dict[int, torch.Tensor] = {}
         self._pool: list[torch.Tensor] = []
         self._pending: list[int] = []
+        self._forced: list[bool] = []
         self._fired: set[nn.Parameter] = set()
+        self._assumed_unused: set[nn.Parameter] = set()
         self.used: set[nn.Parameter] = set()
         """Parameters that received a gradient on this rank since the last zero()."""
         self._dirty = False
         self._next_launch = 0
         self._inflight: collections.deque[tuple[Bucket, Handle]] = collections.deque()
         self._in_backward = False
+        self._graph_task = -1
+        self._told_sharded = False
+        self.always_find_unused = False
+        """ZeroConfig.find_unused_parameters: look unused parameters up before every backward."""
+        self.find_unused = True
+        """Look up, at the start of the next backward, which parameters the graph cannot reach, so their
+        buckets do not wait for them (and hold staging open for every later bucket). On for the first
+        backward; then only while some parameter went unused (or ``always_find_unused``)."""
+        self._graph_roots: list[torch.autograd.graph.Node] = []
+        self._roots_complete = True
+        self.peak_staging_bytes = 0
+        """Largest GRAD_BUCKET footprint seen (pool + open staging + late buffers) since construction."""
         self.before_first_grad: Callable[[], None] | None = None
         # keyed by RemovableHandle id (an OrderedDict: the handle keeps a weak reference to it)
         self.backward_end_hooks: collections.OrderedDict[int, Callable[[], None]] = collections.OrderedDict()
-        self.on_bucket_filled: Callable[[Bucket], None] | None = None
-        """Called once per backward when every parameter of a bucket has added its gradient (stage 3
-        releases the gathered unit then)."""
         for slot in layout.slots.values():
             slot.param.register_post_accumulate_grad_hook(self._on_grad)
 
     # ---- switches -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally, without communication, for backward passes inside the block.
-
-        Stages 0-1 accumulate into their full gradient buffer; stage 2 allocates a full local
-        accumulator (the memory of stage 1) until the next synchronizing backward reduces it.
-        """
+        """Under the "local" policy, accumulate gradients locally, without communication, for backward
+        passes inside the block; under "sharded", backward passes still reduce (no full gradient is
+        held). See [Note: accumulation policy]."""
+        if self.policy != "local":
+            if not self._told_sharded:
+                logger.info("accumulation='sharded': no_sync() does not defer reduction; every micro-batch is "
+                            "reduce-scattered into the shard (set accumulation='local' to reduce once per step)")
+                self._told_sharded = True
+            yield
+            return
         previous, self.sync = self.sync, False
         try:
             yield
         finally:
             self.sync = previous
+
+    def record_graph_roots(self, output: object, *, replace: bool = False) -> None:
+        """Remember the autograd nodes of ``output`` (a forward's outputs, or with ``replace`` the loss
+        about to be back-propagated), to find unused parameters when the backward pass starts."""
+        if not self.find_unused or not torch.is_grad_enabled():
+            return
+        roots = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        if replace:
+            self._graph_roots, self._roots_complete = roots, True
+        elif len(self._graph_roots) + len(roots) > _MAX_GRAPH_ROOTS:
+            # many forwards without a backward (evaluation with grad enabled?): keep no graph alive
+            self._graph_roots, self._roots_complete = [], False
+        elif self._roots_complete:
+            self._graph_roots.extend(roots)
 
     # ---- hooks ----------------------------------------------------------------------------------
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -108,9 +172,14 @@ class GradientReducer:
         param.grad = None
         if grad is None:
             return
+        if self._in_backward and torch._C._current_graph_task_id() != self._graph_task:
+            raise RuntimeError(FAILED_PASS_MESSAGE)
         if not self._in_backward:
             self._begin_backward()
-        if param in self._fired:
+        counted = param in self._assumed_unused  # the graph lookup missed it: its bucket did not wait
+        if counted:
+            self._assumed_unused.discard(param)
+        elif param in self._fired:
             raise RuntimeError(
                 "hfzero: a parameter received two gradients in one backward pass. Reentrant activation "
                 "checkpointing (torch.utils.checkpoint with use_reentrant=True) does this; use "
@@ -121,12 +190,27 @@ class GradientReducer:
         self._dirty = True
         slot = self.layout.slots[param]
         bucket = self.layout.buckets[slot.bucket]
+        if self.sync and bucket.index < self._next_launch:  # its reduction already left: a late gradient
+            if self.launch_on_fill:
+                raise RuntimeError(
+                    f"hfzero: parameter {slot.name!r} received its gradient after its bucket was reduced: it was "
+                    "used outside the graph of the model's forward outputs. Call optimizer.backward(loss) "
+                    "(the engine then looks up unused parameters from the loss itself).")
+            late = self._late.get(bucket.index)
+            if late is None:
+                late = self._late[bucket.index] = self._take_buffer(bucket.padded)
+            late[slot.offset: slot.offset + slot.numel].add_(grad.reshape(-1))
+            self._note_staging()
+            return
         dest = self._fill_target(bucket)
         dest[slot.offset: slot.offset + slot.numel].add_(grad.reshape(-1))
-        self._pending[bucket.index] -= 1
-        if self._pending[bucket.index] == 0 and self.on_bucket_filled is not None:
-            self.on_bucket_filled(bucket)
-        if self.sync and self.overlap and self._pending[bucket.index] == 0:
+        self._note_staging()
+        if not counted:
+            self._mark_filled(bucket.index, 1)
+
+    def _mark_filled(self, index: int, count: int) -> None:
+        self._pending[index] -= count
+        if self._pending[index] == 0 and self.sync and self.overlap and self.launch_on_fill:
             self._launch_ready()
 
     def _begin_backward(self) -> None:
@@ -135,27 +219,67 @@ class GradientReducer:
         if self.state is GradState.REDUCED and self.stage == 0 and self.comm.rank != 0:
             self.grad_full.zero_()  # only rank 0 keeps the sum S: See [Note: gradient sums]
         self._in_backward = True
+        self._graph_task = torch._C._current_graph_task_id()
         self._pending = [len(b.slots) for b in self.layout.buckets]
+        self._forced = [False] * len(self.layout.buckets)
         self._fired.clear()
+        self._assumed_unused.clear()
         self._next_launch = 0
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        roots, self._graph_roots = self._graph_roots, []
+        complete, self._roots_complete = self._roots_complete, True
+        if self.find_unused and roots and complete:
+            reachable = _reachable_params(roots)
+            for param, slot in self.layout.slots.items():
+                if param not in reachable:  # this backward cannot produce it: do not wait for it
+                    self._assumed_unused.add(param)
+                    self._pending[slot.bucket] -= 1
+            if self.sync and self.overlap and self.launch_on_fill:
+                self._launch_ready()
 
     def _end_backward(self) -> None:
         try:
             if self.sync:
                 self._launch_all_remaining()
                 self._wait_all()
+                self._reduce_late()
                 self.accumulator = None
                 self._trim_pool()
                 self.state = GradState.REDUCED
             else:
                 self.state = GradState.LOCAL
+            # keep looking unused parameters up only while there are some (a graph walk per backward)
+            self.find_unused = self.always_find_unused or len(self._fired) < len(self.layout.slots)
         finally:
             self._in_backward = False
         for hook in list(self.backward_end_hooks.values()):
             hook()
 
+    def force_ready(self, buckets: Iterable[Bucket]) -> None:
+        """Treat ``buckets`` as complete for this backward (stage 3: their unit's backward is over on
+        every rank) and launch what the fixed order allows. See [Note: collective order across ranks]."""
+        if not self._in_backward:
+            return
+        for bucket in buckets:
+            self._forced[bucket.index] = True
+        if self.sync and self.overlap:
+            self._launch_ready()
+
     # ---- buffers --------------------------------------------------------------------------------
+    def _take_buffer(self, numel: int) -> torch.Tensor:
+        """A zeroed staging buffer of ``numel`` elements, from the pool when one fits."""
+        fitting = [i for i, t in enumerate(self._pool) if t.numel() >= numel]
+        if fitting:
+            flat = self._pool.pop(min(fitting, key=lambda i: self._pool[i].numel()))
+        else:
+            flat = torch.empty(numel, dtype=self.dtype, device=self.device)
+        return flat[:numel].zero_()
+
+    def _give_back(self, buffer: torch.Tensor) -> None:
+        """Return a staging buffer to the pool, keeping at most ``max_inflight`` pooled (the largest)."""
+        self._pool.append(buffer._base if buffer._base is not None else buffer)
+        self._trim_pool()
+
     def _fill_target(self, bucket: Bucket) -> torch.Tensor:
         """The bucket-shaped buffer this backward's gradients for ``bucket`` are added into."""
         if self.grad_full is not None:
@@ -166,33 +290,27 @@ class GradientReducer:
             return self.accumulator[bucket.offset: bucket.offset + bucket.padded]
         staging = self._staging.get(bucket.index)
         if staging is None:
-            fitting = [i for i, t in enumerate(self._pool) if t.numel() >= bucket.padded]
-            if fitting:
-                flat = self._pool.pop(min(fitting, key=lambda i: self._pool[i].numel()))
-            else:
-                flat = torch.empty(bucket.padded, dtype=self.dtype, device=self.device)
-            staging = flat[: bucket.padded].zero_()
-            self._staging[bucket.index] = staging
+            staging = self._staging[bucket.index] = self._take_buffer(bucket.padded)
         return staging
 
-    def _release_staging(self, bucket: Bucket) -> None:
-        staging = self._staging.pop(bucket.index, None)
-        if staging is not None:
-            self._pool.append(staging._base if staging._base is not None else staging)
-
     def _trim_pool(self) -> None:
-        """Keep at most ``max_inflight + 1`` staging buffers (the largest) between backward passes.
+        """Keep at most ``max_inflight`` pooled staging buffers (the largest).
 
-        A bucket launched late (an unused parameter, ``overlap_comm=False``) keeps later buckets' staging
-        open during backward; that peak is transient and is given back here.
+        Open buckets hold their own staging; a buffer goes back to the pool as soon as its bucket is
+        reduced, so the pool never grows past what ``max_inflight`` reductions in flight reuse.
         """
         self._pool.sort(key=torch.Tensor.numel, reverse=True)
-        del self._pool[self.max_inflight + 1:]
+        del self._pool[self.max_inflight:]
+
+    def _note_staging(self) -> None:
+        self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes())
 
     # ---- reduction ------------------------------------------------------------------------------
     def _launch_ready(self) -> None:
-        while self._next_launch < len(self.layout.buckets) and self._pending[self._next_launch] == 0:
-            self._launch(self.layout.buckets[self._next_launch])
+        buckets = self.layout.buckets
+        while self._next_launch < len(buckets) and (
+                self._forced[self._next_launch] or (self.launch_on_fill and self._pending[self._next_launch] <= 0)):
+            self._launch(buckets[self._next_launch])
             self._next_launch += 1
 
     def _launch_all_remaining(self) -> None:
@@ -200,43 +318,108 @@ class GradientReducer:
             self._launch(self.layout.buckets[self._next_launch])
             self._next_launch += 1
 
-    def _launch(self, bucket: Bucket) -> None:
+    def _launch(self, bucket: Bucket, source: torch.Tensor | None = None) -> None:
         while len(self._inflight) >= self.max_inflight:
             self._complete(*self._inflight.popleft())
-        source = self._fill_target(bucket)
+        source = self._fill_target(bucket) if source is None else source
         if self.stage == 0:
             handle = self.comm.all_reduce(source, async_op=True)
         else:
             lo, hi = bucket.owned(self.comm.rank)
             handle = self.comm.reduce_scatter(source[lo:hi], source, async_op=True)
-        self._inflight.append((bucket, handle))
+        self._inflight.append((bucket, handle, source))
 
-    def _complete(self, bucket: Bucket, handle: Handle) -> None:
+    def _complete(self, bucket: Bucket, handle: Handle, source: torch.Tensor) -> None:
         handle.wait()
         if self.stage == 0:
             return
-        source = self._fill_target(bucket)
         lo, hi = bucket.owned(self.comm.rank)
         if self.stage == 1:
             source[:lo].zero_()  # See [Note: gradient sums]
             source[hi:].zero_()
             return
         self.grad_shard[bucket.shard_offset: bucket.shard_offset + bucket.chunk].add_(source[lo:hi])
-        self._release_staging(bucket)  # (an accumulator is dropped whole once every bucket is reduced)
+        staging = self._staging.get(bucket.index)
+        if staging is not None and staging.data_ptr() == source.data_ptr():
+            self._give_back(self._staging.pop(bucket.index))
+        elif self._late.get(bucket.index) is source:
+            self._give_back(self._late.pop(bucket.index))
+        # (an accumulator is dropped whole once every bucket is reduced)
 
     def _wait_all(self) -> None:
         while self._inflight:
             self._complete(*self._inflight.popleft())
 
+    def _reduce_late(self) -> None:
+        """Reduce gradients that arrived after their bucket was launched (stage 3 only, rare).
+
+        Every rank takes part in one tiny all-reduce of a flag per bucket, so they agree on which
+        buckets need a second reduction; ranks without late gradients contribute zeros.
+        """
+        if self.launch_on_fill:
+            return
+        if self.comm.world_size > 1 and self.agree_comm is not None:
+            flags = torch.zeros(len(self.layout.buckets), dtype=torch.uint8, device=self.agree_comm.device)
+            for index in self._late:
+                flags[index] = 1
+            self.agree_comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+            late = [i for i, flag in enumerate(flags.tolist()) if flag]  # one host sync per backward
+        else:
+            late = sorted(self._late)
+        for index in late:
+            bucket = self.layout.buckets[index]
+            source = self._late.get(index)
+            if source is None:
+                source = self._late[index] = self._take_buffer(bucket.padded)
+            self._launch(bucket, source)
+        self._wait_all()
+
     def reduce_pending(self) -> None:
         """Reduce whatever backward passes under ``no_sync`` left local (before a step or clip)."""
+        if self._in_backward:
+            self.abort_pass()
+            raise RuntimeError(FAILED_PASS_MESSAGE)
         if self.state is not GradState.LOCAL:
             return
         for bucket in self.layout.buckets:
             self._launch(bucket)
         self._wait_all()
         self.accumulator = None
+        self._trim_pool()
         self.state = GradState.REDUCED
+
+    def add_local(self, grads: list[tuple[ParamSlot, torch.Tensor]]) -> None:
+        """Add gradients computed outside autograd's accumulation (a zero-bubble weight pass) to the
+        local store, to be reduced by the next ``reduce_pending()``. See [Note: gradient sums]."""
+        if self._in_backward:
+            raise RuntimeError("hfzero: gradients can be added by hand only between backward passes")
+        if self.state is GradState.REDUCED and self.stage == 0 and self.comm.rank != 0:
+            self.grad_full.zero_()
+        if self.grad_full is None and self.accumulator is None:
+            self.accumulator = torch.zeros(self.layout.total_padded, dtype=self.dtype, device=self.device)
+        store = self.grad_full if self.grad_full is not None else self.accumulator
+        for slot, grad in grads:
+            start = self.layout.buckets[slot.bucket].offset + slot.offset
+            store[start: start + slot.numel].add_(grad.reshape(-1))
+            self.used.add(slot.param)
+        self._dirty = True
+        self.state = GradState.LOCAL
+
+    # ---- recovery -------------------------------------------------------------------------------
+    def abort_pass(self) -> None:
+        """Forget a backward pass that raised before its end (its end-of-backward never ran) and every
+        gradient of this step; wait for reductions already launched (each rank launched the same ones
+        when every rank failed at the same point)."""
+        self._wait_all()
+        for buffers in (self._staging, self._late):
+            for buffer in buffers.values():
+                self._give_back(buffer)
+            buffers.clear()
+        self._fired.clear()
+        self._graph_roots, self._roots_complete = [], True
+        self._in_backward = False
+        self._dirty = True
+        self.zero()
 
     # ---- access ---------------------------------------------------------------------------------
     def owned_grad(self, bucket: Bucket) -> torch.Tensor:
@@ -247,10 +430,18 @@ class GradientReducer:
         return self.grad_full[bucket.offset + lo: bucket.offset + hi]
 
     def zero(self) -> None:
-        """Forget all gradients (the state becomes EMPTY); buffers stay allocated."""
+        """Forget all gradients (the state becomes EMPTY); buffers stay allocated.
+
+        Called while a backward pass that raised is still marked as running (``zero_grad()`` after an
+        exception), it first aborts that pass, so training can go on with the next batch.
+        """
         if self._in_backward:
-            raise RuntimeError("hfzero: zero_grad() called during backward")
+            if torch._C._current_graph_task_id() != -1:
+                raise RuntimeError("hfzero: zero_grad() called during backward")
+            self.abort_pass()
+            return
         self.used.clear()
+        self._graph_roots, self._roots_complete = [], True
         if not self._dirty:  # already zero (e.g. zero_grad() right after step(), which zeroed)
             return
         self._dirty = False
@@ -261,9 +452,39 @@ class GradientReducer:
         self.state = GradState.EMPTY
 
     def staging_bytes(self) -> int:
-        """Bytes of staging buffers and of the deferred-reduction accumulator (GRAD_BUCKET)."""
+        """Bytes of staging buffers: pooled, open and late (GRAD_BUCKET)."""
         element = torch.empty(0, dtype=self.dtype).element_size()
-        live = [t._base if t._base is not None else t for t in self._staging.values()]
-        staging = sum(t.numel() for t in [*self._pool, *live]) * element
-        acc = 0 if self.accumulator is None else self.accumulator.numel() * element
-        return staging + acc
+        live = [t._base if t._base is not None else t for t in (*self._staging.values(), *self._late.values())]
+        return sum(t.numel() for t in [*self._pool, *live]) * element
+
+    def accumulator_bytes(self) -> int:
+        """Bytes of the full local accumulator held across micro-batches (GRAD_ACCUM), if any."""
+        return 0 if self.accumulator is None else self.accumulator.numel() * self.accumulator.element_size()
+
+
+def _tensors(value: object) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _reachable_params(roots: list[torch.autograd.graph.Node]) -> set[torch.Tensor]:
+    """Leaf tensors whose AccumulateGrad nodes the autograd graph below ``roots`` reaches."""
+    seen: set[torch.autograd.graph.Node] = set()
+    params: set[torch.Tensor] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            params.add(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return params

@@ -92,6 +92,7 @@ def train_zero(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
                     optimizer.backward(loss)
             else:
                 optimizer.backward(loss)
+            peak_states = max(peak_states, engine.model_state_bytes())  # what is held across micro-batches
         if spec.max_grad_norm is not None:
             optimizer.clip_grad_norm_(spec.max_grad_norm)
         peak_states = max(peak_states, engine.model_state_bytes())
@@ -115,6 +116,7 @@ def train_zero(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
         "roles": {k.value: v for k, v in engine.memory_by_role().items()},
         "comm_per_step": comm_steps,
         "num_params": engine.num_params,
+        "accumulation_policy": engine.accumulation,
         "num_params_padded": engine.num_params_padded,
         "buckets": len(engine.layout.buckets),
     }

@@ -26,7 +26,7 @@ from hfzero.logging import get_logger
 from hfzero.roles import MemoryRole
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.layout import Bucket
-from hfzero.runtime.stage3.scheduler import UnitScheduler
+from hfzero.runtime.stage3.scheduler import Phase, UnitScheduler
 from hfzero.runtime.stage3.unit import GatherUnit
 from hfzero.runtime.stage3.units import UnitSpec, resolve_units
 from hfzero.runtime.stage3.weights import WeightSource
@@ -78,11 +78,12 @@ class Stage3Engine(ZeroEngine):
         self._verify_gather_order = verify_gather_order
         super().__init__(model, param_groups, config, comm, device)
         self.units = [self._make_unit(spec) for spec in self.unit_specs]
-        self._unit_by_bucket = {b.index: self.units[self._unit_of[b.slots[0].param]] for b in self.layout.buckets
-                                if self._unit_of[b.slots[0].param] != _PERSISTENT}
         self.scheduler = UnitScheduler(self.units, verify_comm if verify_gather_order else None,
                                        config.allgather_bucket_size)
-        self.reducer.on_bucket_filled = self._on_bucket_filled
+        # See [Note: collective order across ranks] in reducer.py
+        self.reducer.launch_on_fill = False
+        self.reducer.agree_comm = comm.on_group(comm.group, share_stats=False)
+        self.scheduler.on_unit_done = lambda unit: self.reducer.force_ready(unit.buckets)
         self.num_persistent_params = sum(b.numel for b in self._persistent_buckets())
         self._partitioned = {p for p, unit in self._unit_of.items() if unit != _PERSISTENT}
         self.allow_partitioned_state_dict = False
@@ -175,10 +176,11 @@ class Stage3Engine(ZeroEngine):
     def _owned_param(self, bucket: Bucket) -> torch.Tensor:
         return self._shard_views[bucket.index]
 
-    def _on_bucket_filled(self, bucket: Bucket) -> None:
-        unit = self._unit_by_bucket.get(bucket.index)
-        if unit is not None:
-            self.scheduler.on_bucket_filled(unit)
+    def finish_step(self) -> None:
+        """As at stages 0-2; a forward or backward pass that raised is forgotten (units released) too."""
+        if self.scheduler.phase is not Phase.IDLE and torch._C._current_graph_task_id() == -1:
+            self.scheduler.abort_pass()
+        super().finish_step()
 
     # ---- step -----------------------------------------------------------------------------------
     def publish_params(self) -> None:

@@ -2,21 +2,28 @@
 
 [Note: stage-3 gather order]
 Gathers are collectives, so every rank must gather the same units in the same order. They run on a
-process group of their own (the gather group), apart from the gradient reduce-scatters, so the two
-sequences never interleave differently on two ranks. Within a pass (one forward of the root, or one
-backward) a unit is gathered on demand by its forward pre-hook (forward) or by a hook on its forward
-outputs' gradients (backward), and the next units of the order recorded in the previous pass of the
-same kind are prefetched, within ``allgather_bucket_size`` elements of not-yet-used gathered units.
-A pass that departs from the recorded order stops prefetching (the rest is gathered on demand) and
-becomes the new recorded order; prefetched units it did not use are released when the pass ends.
-With ``verify=True`` every gather is preceded by a tiny all-gather of the unit's index (and every
-pass end by an end marker) on the gather group: when ranks disagree (a rank skipped a unit) every
-rank raises GatherOrderError naming what each rank asked for, instead of hanging or mixing shards.
+process group of their own (the gather group), apart from the gradient reduce-scatters; the
+reductions are launched only at rank-independent points of the backward pass (when it moves on to
+the next unit, and at its end), so the interleaving of the two sequences is the same on every rank
+too (see [Note: collective order across ranks] in reducer.py). Within a pass (one forward of the
+root, or one backward) a unit is gathered on demand by its forward pre-hook (forward) or by a hook on
+its forward outputs' gradients (backward), and the next units of the order recorded in the previous
+pass of the same kind are prefetched, within ``allgather_bucket_size`` elements of not-yet-used
+gathered units. A pass that departs from the recorded order stops prefetching (the rest is gathered
+on demand) and becomes the new recorded order; prefetched units it did not use are released when
+the pass ends.
+With ``verify=True`` the order is checked without a host synchronization on the hot path: while an
+order is being recorded (the first pass of each kind) every gather is preceded by a tiny all-gather
+of the unit's index, and every pass ends with an all-gather of a signature of the units it gathered
+(one host synchronization per pass). When ranks disagree every rank raises GatherOrderError naming
+what each rank did, instead of mixing shards. A rank that departs from a recorded order is caught at
+the end of the pass, unless its mismatched gathers (of different sizes) already failed.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,6 +32,7 @@ from torch import nn
 
 from hfzero.comm import Communicator
 from hfzero.logging import get_logger
+from hfzero.runtime.reducer import FAILED_PASS_MESSAGE
 from hfzero.runtime.stage3.unit import GatherUnit, UnitState
 
 logger = get_logger(__name__)
@@ -78,6 +86,10 @@ class UnitScheduler:
         self._pass: _Pass | None = None
         self._in_use: list[int] = []  # units between their pre- and post-forward (a stack)
         self._backward_seen: set[int] = set()
+        self._finished: set[int] = set()
+        self._graph_task = -1
+        self.on_unit_done: Callable[[GatherUnit], None] | None = None
+        """Called when the backward pass is done with a unit (engine: launch its buckets' reductions)."""
         self.keep_gathered = False
         """When True, units stay gathered after use until ``release_all()`` (called by the step's
         ``publish_params``): gather once per step for all micro-batches (the pipeline's "step" policy)."""
@@ -106,16 +118,23 @@ class UnitScheduler:
         self._issue(unit)
         unit.wait()
 
-    def on_bucket_filled(self, unit: GatherUnit) -> None:
-        """A bucket of ``unit`` got all its gradients; release the unit once all its buckets did."""
-        unit.filled_left -= 1
-        if unit.filled_left == 0 and self.phase is Phase.BACKWARD and not self.keep_gathered:
-            self._log("release", unit)
-            unit.release()
+    def abort_pass(self) -> None:
+        """Forget a forward or backward pass that raised before its end: release every gathered unit
+        (waiting for gathers in flight) and go back to IDLE; recorded orders stay."""
+        self._pass = None
+        self.phase = Phase.IDLE
+        self._in_use.clear()
+        self._backward_seen = set()
+        self._finished = set()
+        self.release_all()
 
     # ---- hooks ----------------------------------------------------------------------------------
     def _hook_pre_forward(self, unit: GatherUnit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
+            if unit is self.root and self.phase is Phase.FORWARD and self.root.index in self._in_use:
+                logger.warning("stage 3: the previous forward pass raised before its end; its gathered units "
+                               "are released and this forward starts afresh")
+                self.abort_pass()
             if unit is self.root and self.phase is Phase.IDLE:
                 self.phase = Phase.FORWARD
                 self._pass = _Pass(self.orders[Phase.FORWARD])
@@ -143,31 +162,58 @@ class UnitScheduler:
 
     def _hook_pre_backward(self, unit: GatherUnit) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
+            if self.phase is Phase.BACKWARD and torch._C._current_graph_task_id() != self._graph_task:
+                raise RuntimeError(FAILED_PASS_MESSAGE)
             if self.phase is not Phase.BACKWARD:
                 self._begin_backward()
             if unit.index in self._backward_seen:
+                if unit.state is UnitState.SHARDED:  # used again after it was finished (a shared block)
+                    self._issue(unit)
+                    unit.wait()
                 return
+            self._finish_earlier_units()
             self._backward_seen.add(unit.index)
             self._log("backward", unit)
-            unit.filled_left = len(unit.buckets)
             self._use(unit, forward=False)
         return hook
+
+    def _finish_earlier_units(self) -> None:
+        """The backward pass reached a new unit: the units it used before are done on every rank (their
+        gradients are accumulated: autograd runs AccumulateGrad nodes first). Launch their reductions
+        and release them, at this rank-independent point. See [Note: stage-3 gather order]."""
+        current = self._pass
+        if current is None:
+            return
+        for index in current.seen:
+            if index in self._finished or index == self.root.index:
+                continue
+            self._finished.add(index)
+            unit = self.units[index]
+            if self.on_unit_done is not None:
+                self.on_unit_done(unit)
+            if not self.keep_gathered:
+                self._log("release", unit)
+                unit.release()
 
     # ---- passes ---------------------------------------------------------------------------------
     def _begin_backward(self) -> None:
         if self.phase is Phase.FORWARD:  # backward inside the root's forward: end that pass first
             self._end_pass(Phase.FORWARD, _END_FORWARD)
         self.phase = Phase.BACKWARD
+        self._graph_task = torch._C._current_graph_task_id()
         self._pass = _Pass(self.orders[Phase.BACKWARD])
         self._backward_seen = set()
+        self._finished = set()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
+        self._finish_earlier_units()
         self._end_pass(Phase.BACKWARD, None)
         # Check the pass end only after this backward's gradient reductions finished (the reducer's
         # end-of-backward callback, queued after this one, runs first): a rank that skipped a unit
         # launches its last reduce-scatters there, and another rank may be waiting on them.
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._verify(_END_BACKWARD))
+        seen = list(self.orders[Phase.BACKWARD])
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._verify_pass(_END_BACKWARD, seen))
 
     def _end_pass(self, phase: Phase, marker: int | None) -> None:
         current, self._pass = self._pass, None
@@ -177,12 +223,13 @@ class UnitScheduler:
             if unit.state is not UnitState.SHARDED and not self.keep_gathered:
                 self._log("release", unit)
                 unit.release()
+        seen = current.seen if current is not None else []
         if current is not None and current.seen != current.recorded:
             if current.recorded:
                 logger.debug("stage 3: %s order changed; recording the new one", phase.value)
             self.orders[phase] = current.seen
         if marker is not None:
-            self._verify(marker)
+            self._verify_pass(marker, seen)
 
     # ---- gathering ------------------------------------------------------------------------------
     def _use(self, unit: GatherUnit, forward: bool) -> None:
@@ -212,7 +259,8 @@ class UnitScheduler:
     def _issue(self, unit: GatherUnit) -> None:
         if unit.state is not UnitState.SHARDED:
             return
-        self._verify(unit.index)
+        if self._pass is None or not self._pass.recorded:  # recording an order (or outside a pass)
+            self._verify(unit.index)
         self._log("gather", unit)
         unit.start_gather()
 
@@ -232,6 +280,27 @@ class UnitScheduler:
                 "the same stage-3 units (decoder blocks, the root) in the same order in each forward and "
                 "backward; a branch that skips a unit on some ranks only must be taken on all ranks, or "
                 "the module must belong to a unit every rank runs (prepare(units=...)).")
+
+    def _verify_pass(self, marker: int, seen: list[int]) -> None:
+        """All ranks must end the pass having gathered the same units in the same order: one tiny
+        all-gather of a signature (and one host synchronization) per pass."""
+        comm = self.verify_comm
+        if comm is None or comm.world_size == 1:
+            return
+        signature = hash((marker, tuple(seen))) & (2**62 - 1)  # ints hash the same in every process
+        mine = torch.tensor([signature], dtype=torch.int64, device=self.root.full.device)
+        everyone = torch.empty(comm.world_size, dtype=torch.int64, device=mine.device)
+        comm.all_gather(everyone, mine)
+        if len(set(everyone.tolist())) == 1:
+            return
+        what = ", ".join(f"rank {r}: {[self._describe(i) for i in json.loads(payload)]}" for r, payload in
+                         enumerate(comm.all_gather_bytes(json.dumps(seen).encode())))
+        raise GatherOrderError(
+            f"hfzero stage 3: ranks gathered different units in one {'forward' if marker == _END_FORWARD else 'backward'} "
+            f"pass ({what}). "
+            "Every rank must run the same stage-3 units (decoder blocks, the root) in the same order in each "
+            "forward and backward; a branch that skips a unit on some ranks only must be taken on all ranks, "
+            "or the module must belong to a unit every rank runs (prepare(units=...)).")
 
     def _describe(self, code: int) -> str:
         if code == _END_FORWARD:

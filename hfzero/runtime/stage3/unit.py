@@ -61,8 +61,6 @@ class GatherUnit:
                 self._views.append((slot.param, view))
             start += bucket.padded
         self._handles: list[Handle] = []
-        self.filled_left = 0
-        """Buckets still waiting for gradients in the running backward (release at zero)."""
         self._free_storage()
         self._point_at_empty()
 
