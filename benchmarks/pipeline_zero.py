@@ -38,7 +38,6 @@ def _specs(args: argparse.Namespace) -> list[PipeSpec]:
 def _row(spec: PipeSpec, outs: list[dict], shapes) -> dict:
     rank0 = next(o for o in outs if o["coords"] == (0, 0))  # first stage, dp rank 0
     roles = dict(rank0["step_roles"])
-    roles.setdefault("grad_accum", roles.get("grad_bucket", 0) if spec.accumulation == "local" else 0)
     states = sum(roles.get(r, 0) for r in STATE_ROLES)
     comm = sum(rank0["comm_per_step"][-1].get(k, 0) for k in ("all_reduce", "reduce_scatter", "all_gather"))
     expected_roles = model_state_roles(shapes[0].params, 2, spec.stage, dtype=spec.dtype,

@@ -31,6 +31,7 @@ FP32_CASES = ([_spec("llama", s, a, "1F1B", g) for s, a, g in POLICIES]
               + [_spec("gpt2", s, a, "GPipe", g) for s, a, g in POLICIES])
 OTHER_CASES = [
     _spec("llama", 2, "local", "Interleaved1F1B"),
+    _spec("llama", 2, "sharded", "ZBVZeroBubble"),  # weight passes write .grad by hand: absorbed
     _spec("gpt2", 2, "sharded", "1F1B", dtype="bf16"),
     _spec("llama", 3, "local", "GPipe", dtype="bf16"),
     _spec("llama", 1, "local", "1F1B", pp=4),  # pp=4 x dp=1
@@ -77,7 +78,7 @@ def _check_parity(spec: PipeSpec, outs: list[dict], atol: float, patol: float) -
                                    msg=lambda m: f"rank {out['coords']} losses: {m}")
     merged = _merged(outs)
     assert set(ref_params) <= set(merged) and set(merged) - set(ref_params) <= {"lm_head.weight"}
-    if "lm_head.weight" not in ref_params:  # tied: the last stage's copy equals the first stage's
+    if "lm_head.weight" in set(merged) - set(ref_params):  # tied, ends on two ranks: the copies are equal
         embed = "transformer.wte.weight" if spec.model == "gpt2" else "model.embed_tokens.weight"
         torch.testing.assert_close(merged["lm_head.weight"], merged[embed], atol=0, rtol=0)
     for name, ref in ref_params.items():
@@ -85,17 +86,17 @@ def _check_parity(spec: PipeSpec, outs: list[dict], atol: float, patol: float) -
                                    msg=lambda m: f"parameter {name}: {m}")
 
 
-@pytest.mark.parametrize("spec", FP32_CASES + OTHER_CASES[3:], ids=_id)
+@pytest.mark.parametrize("spec", FP32_CASES + OTHER_CASES[4:], ids=_id)
 def test_fp32_matches_single_process_reference(spec):
     _check_parity(spec, results(4)[spec], 1e-5, 1e-5)
 
 
-@pytest.mark.parametrize("spec", OTHER_CASES[:1], ids=_id)
-def test_interleaved_matches_reference(spec):
+@pytest.mark.parametrize("spec", OTHER_CASES[:2], ids=_id)
+def test_multi_stage_schedules_match_reference(spec):
     _check_parity(spec, results(4)[spec], 1e-5, 1e-5)
 
 
-@pytest.mark.parametrize("spec", OTHER_CASES[1:3], ids=_id)
+@pytest.mark.parametrize("spec", OTHER_CASES[2:4], ids=_id)
 def test_bf16_within_tolerance(spec):
     _check_parity(spec, results(4)[spec], 5e-2, 2e-2)
 
@@ -109,7 +110,7 @@ def _shapes(spec: PipeSpec):
     return stage_shapes(tiny_causal_lm(spec.model, layers=spec.layers, hidden=spec.hidden), spec.pp)
 
 
-@pytest.mark.parametrize("spec", FP32_CASES + OTHER_CASES[1:], ids=_id)
+@pytest.mark.parametrize("spec", FP32_CASES + OTHER_CASES[2:], ids=_id)
 def test_model_state_bytes_equal_cost_model(spec):
     dp = 4 // spec.pp
     shapes = _shapes(spec)
@@ -118,14 +119,13 @@ def test_model_state_bytes_equal_cost_model(spec):
         expected = model_state_roles(shapes[pp_rank].params, dp, spec.stage, dtype=spec.dtype, optimizer="adam",
                                      accumulation=spec.accumulation, stage3_gather=spec.stage3_gather)
         measured = dict(out["step_roles"])
-        measured.setdefault("grad_accum", measured.get("grad_bucket", 0) if spec.accumulation == "local" else 0)
         # within padding, plus Adam's scalar step counter per master slice (4 bytes per bucket)
         padding = (out["num_params_padded"] - out["num_params"]) * 4 + 4 * 64
         for role, value in expected.items():
             assert abs(measured.get(role, 0) - value) <= padding, (out["coords"], role, measured, expected)
 
 
-@pytest.mark.parametrize("spec", FP32_CASES + OTHER_CASES[1:], ids=_id)
+@pytest.mark.parametrize("spec", FP32_CASES + OTHER_CASES[2:], ids=_id)
 def test_comm_elements_equal_cost_model(spec):
     dp = 4 // spec.pp
     shapes = _shapes(spec)

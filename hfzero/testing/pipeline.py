@@ -124,11 +124,10 @@ def train_pipeline(rank: int, world_size: int, spec: PipeSpec) -> dict[str, Any]
     mesh = build_mesh(spec.pp)
     model = tiny_causal_lm(spec.model, layers=spec.layers, hidden=spec.hidden)
     zero = hfzero.ZeroConfig(stage=spec.stage, dtype=spec.dtype, reduce_bucket_size=spec.bucket_size,
-                             **dict(spec.extra_config))
+                             accumulation=spec.accumulation, **dict(spec.extra_config))
     config = PipelineConfig(pp_size=spec.pp, schedule=spec.schedule, n_microbatches=spec.n_micro,
                             stage3_gather=spec.stage3_gather)
-    pipe = pipeline(model, torch.optim.AdamW(param_groups(model), lr=spec.lr), zero, config, mesh=mesh,
-                    accumulation=spec.accumulation)
+    pipe = pipeline(model, torch.optim.AdamW(param_groups(model), lr=spec.lr), zero, config, mesh=mesh)
     del model
     scheduler = _lr_schedule(pipe.optimizer)
     engine = pipe.engine

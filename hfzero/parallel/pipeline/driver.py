@@ -6,9 +6,10 @@ One call of ``forward_backward(batch)`` is one optimizer step's worth of gradien
 1. The schedule runs n_micro forwards and backwards. The loss of a micro-batch is its mean token
    loss / n_micro (``scale_grads=False``), so a replica's gradients are its batch-mean gradients and
    the engine's division by the dp size gives the global-batch mean: a PP run equals a non-PP run.
-2. Accumulation policy (the engine's): "local" runs the schedule inside ``engine.no_sync()`` so the
-   backwards accumulate full local gradients, reduced once at the stage's end-of-step action;
-   "sharded" lets every backward reduce-scatter into the shard (ZeRO-2/3 memory, n_micro reductions).
+2. Accumulation policy (``ZeroConfig.accumulation``, the engine's): the schedule runs inside
+   ``engine.no_sync()``; under "local" the backwards accumulate full local gradients, reduced once at
+   the stage's end-of-step action; under "sharded" no_sync does not defer and every backward
+   reduce-scatters into the shard (ZeRO-2/3 memory, n_micro reductions).
 3. End-of-step action (``ZeroPipelineStage.perform_reduce_grad``, after this rank's last backward):
    absorb hand-written ``.grad`` (zero-bubble weight passes), finish pending reductions, then sum the
    tied embedding's reduced gradient between the first and last stage (see [Note: tied embeddings]).
@@ -52,16 +53,6 @@ class StageChunks(nn.ModuleList):
     """The stages one rank runs under a multi-stage schedule, prepared as one engine."""
 
 
-def resolve_accumulation(config: ZeroConfig, override: str | None = None) -> str:
-    """"sharded" or "local": ``override`` or the config's policy; "auto" is sharded at stages 2-3."""
-    policy = override or getattr(config, "accumulation", "auto")
-    if policy not in ("auto", "sharded", "local"):
-        raise ConfigError(f'hfzero pipeline: accumulation={policy!r} must be "auto", "sharded" or "local"')
-    if policy == "auto":
-        return "sharded" if config.stage >= 2 else "local"
-    return policy
-
-
 class Pipeline:
     """This rank's stage(s) of a pipeline, the ZeRO engine over its dp group, and the schedule.
 
@@ -72,7 +63,7 @@ class Pipeline:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, zero_config: ZeroConfig,
-                 config: PipelineConfig, *, mesh: PipelineMesh | None = None, accumulation: str | None = None):
+                 config: PipelineConfig, *, mesh: PipelineMesh | None = None):
         import hfzero
 
         family_of(model)
@@ -85,7 +76,6 @@ class Pipeline:
         self.num_stages = self.mesh.pp_size * self.kind.stages_per_rank
         stage_ids = self.kind.stage_ids(self.mesh.pp_rank, self.mesh.pp_size)
         self.stages: list[DecoderStage] = split_model(model, stage_ids, self.num_stages, config.layers_per_stage)
-        self.accumulation = resolve_accumulation(zero_config, accumulation)
         self.module: nn.Module = self.stages[0] if len(self.stages) == 1 else StageChunks(self.stages)
         tied = self._tied_param()
         is_tied = tied_embeddings(model)
@@ -96,6 +86,7 @@ class Pipeline:
         self.module, self.optimizer = hfzero.prepare(self.module, stage_optimizer, zero_config,
                                                      process_group=self.mesh.dp_group, **prepare_kwargs)
         self.engine = hfzero.get_engine(self.module)
+        self.accumulation = self.engine.accumulation
         if zero_config.stage == 3:
             self.engine.scheduler.keep_gathered = config.stage3_gather == "step"
         # scalars (loss, norms, overflow flags) on ledgers of their own: engine.comm.stats() counts
@@ -212,7 +203,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         self._reduced_stages = 0
         self.step_roles = {}
-        with self._policy(), self._scaled():
+        with self.engine.no_sync(), self._scaled():  # defers only under the "local" policy
             schedule.step(*args, target=target, losses=losses if self.holds_last else None)
         self.engine.materialize_grads()
         self._sample_roles()
@@ -246,14 +237,6 @@ class Pipeline:
         return loss
 
     @contextlib.contextmanager
-    def _policy(self) -> Iterator[None]:
-        if self.accumulation == "local":
-            with self.engine.no_sync():
-                yield
-        else:
-            yield
-
-    @contextlib.contextmanager
     def _scaled(self) -> Iterator[None]:
         if self.engine.scaler.enabled:  # backward runs inside the schedule; the loss_fn applies the scale
             with self.engine._scaling():
@@ -269,7 +252,7 @@ class Pipeline:
         self._sample_roles()
         if self.kind.zero_bubble:
             self.engine.absorb_manual_grads()
-        self.engine.reducer.reduce_pending()
+        self.engine.reduce_pending()
         if self.tied_comm is not None:
             for bucket in self.engine.layout.group_buckets(self._tied_group):
                 self.tied_comm.all_reduce(self.engine.reducer.owned_grad(bucket))
@@ -361,7 +344,6 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroCon
     ``pipeline_config`` is given. Returns the rank's Pipeline: ``train_step(input_ids)`` or
     ``forward_backward`` + ``clip_grad_norm_`` + ``optimizer.step()``; ``evaluate(input_ids)``.
     """
-    accumulation = options.pop("accumulation", None)
     mesh = options.pop("mesh", None)
     pipeline_config = pipeline_config or PipelineConfig(**options)
-    return Pipeline(model, optimizer, config or ZeroConfig(), pipeline_config, mesh=mesh, accumulation=accumulation)
+    return Pipeline(model, optimizer, config or ZeroConfig(), pipeline_config, mesh=mesh)

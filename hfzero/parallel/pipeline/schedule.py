@@ -4,7 +4,8 @@ Depends on torch.distributed.pipelining's public classes (PipelineStage, the Sch
 ``get_schedule_class``) and on one method that is public but not documented as an extension point:
 ``PipelineStage.perform_reduce_grad``, which every schedule calls once per stage after that stage's
 last backward (GPipe and 1F1B at the end of ``_step_microbatches``, the runtime schedules as the
-REDUCE_GRAD action). Measured on torch 2.13 (pyproject pins torch>=2.13,<2.14 for this reason).
+REDUCE_GRAD action). No private torch API is used, so no version pin; tested on torch 2.13 only
+(earlier releases lack some of these schedules or the static ``input_args``/``output_args`` form).
 """
 
 from __future__ import annotations

@@ -171,8 +171,12 @@ class DecoderStage(nn.Module):
             x = block(x, **kwargs)
             x = x[0] if isinstance(x, tuple) else x
         if self.is_last:
-            x = self._head(x)
-        return x
+            return self._head(x)
+        # A tensor of its own: at stage 3 the root (this module) and the last block hook their outputs'
+        # gradients; on one shared tensor the root's hook would run second and finish (release) the
+        # block before its backward ran. Not a view (zero-bubble schedules detach outputs in place);
+        # the clone saves nothing for backward and the block's output is freed, so memory is unchanged.
+        return x.clone()
 
     # ---- family specifics -----------------------------------------------------------------------
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
