@@ -18,7 +18,7 @@ import hfzero
 from hfzero.parallel.mesh import build_mesh
 from hfzero.parallel.pipeline import PipelineConfig, pipeline
 from hfzero.testing.models import tiny_causal_lm, token_batches
-from hfzero.testing.workloads import param_groups
+from hfzero.testing.workloads import _schedule, param_groups, reference_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,26 +89,9 @@ class _Counted:
         self.meter.live -= self.nbytes
 
 
-def _lr_schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.1 * step))
-
-
 def reference(spec: PipeSpec) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process, full-batch fp32 training of ``spec``'s model: per-step losses, final parameters."""
-    model = tiny_causal_lm(spec.model, layers=spec.layers, hidden=spec.hidden)
-    optimizer = torch.optim.AdamW(param_groups(model), lr=spec.lr)
-    scheduler = _lr_schedule(optimizer)
-    losses = []
-    for batch in token_batches(spec.steps, spec.global_batch, spec.seq_len):
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        if spec.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return reference_run(tiny_causal_lm(spec.model, layers=spec.layers, hidden=spec.hidden), spec)
 
 
 def stage_params(pipe) -> dict[str, torch.Tensor]:
@@ -129,7 +112,7 @@ def train_pipeline(rank: int, world_size: int, spec: PipeSpec) -> dict[str, Any]
                             stage3_gather=spec.stage3_gather)
     pipe = pipeline(model, torch.optim.AdamW(param_groups(model), lr=spec.lr), zero, config, mesh=mesh)
     del model
-    scheduler = _lr_schedule(pipe.optimizer)
+    scheduler = _schedule(pipe.optimizer)
     engine = pipe.engine
     losses, comm_steps, times, step_roles, activation_peak = [], [], [], {}, 0
     for batch in token_batches(spec.steps, spec.global_batch, spec.seq_len):

@@ -182,24 +182,24 @@ class Pipeline:
     def holds_last(self) -> bool:
         return any(s.is_last for s in self.stages)
 
-    def _check_batch(self, input_ids: torch.Tensor) -> None:
+    def _inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None, train: bool):
+        """The schedule for this batch's micro-batch shape, the first stage's args, the last stage's target."""
         if input_ids.ndim != 2:
             raise ConfigError(f"hfzero pipeline: input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         if input_ids.shape[0] % self.config.n_microbatches:
             raise ConfigError(f"hfzero pipeline: n_microbatches={self.config.n_microbatches} does not divide this "
                               f"replica's batch of {input_ids.shape[0]} rows; use a batch that is a multiple of it")
+        labels = input_ids if labels is None else labels
+        schedule = self._schedule(input_ids.shape[0] // self.config.n_microbatches, input_ids.shape[1], train)
+        device = self.engine.device
+        args = (input_ids.to(device),) if self.holds_first else ()
+        return schedule, args, labels.to(device) if self.holds_last else None
 
     # ---- a step ---------------------------------------------------------------------------------
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
         """Run the schedule over this replica's batch (B, T) and finish its gradients; return the mean loss
         of the global batch (every rank returns it). Every rank of a pipeline passes the same batch."""
-        self._check_batch(input_ids)
-        labels = input_ids if labels is None else labels
-        rows = input_ids.shape[0] // self.config.n_microbatches
-        schedule = self._schedule(rows, input_ids.shape[1], train=True)
-        device = self.engine.device
-        args = (input_ids.to(device),) if self.holds_first else ()
-        target = labels.to(device) if self.holds_last else None
+        schedule, args, target = self._inputs(input_ids, labels, train=True)
         losses: list[torch.Tensor] = []
         self._reduced_stages = 0
         self.step_roles = {}
@@ -213,13 +213,7 @@ class Pipeline:
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
         """Forward-only mean loss of the global batch (every rank returns it)."""
-        self._check_batch(input_ids)
-        labels = input_ids if labels is None else labels
-        rows = input_ids.shape[0] // self.config.n_microbatches
-        schedule = self._schedule(rows, input_ids.shape[1], train=False)
-        device = self.engine.device
-        args = (input_ids.to(device),) if self.holds_first else ()
-        target = labels.to(device) if self.holds_last else None
+        schedule, args, target = self._inputs(input_ids, labels, train=False)
         losses: list[torch.Tensor] = []
         schedule.eval(*args, target=target, losses=losses if self.holds_last else None)
         if self.zero_config.stage == 3:
