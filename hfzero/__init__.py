@@ -33,6 +33,8 @@ _EXPORTS = {
     "init_sharded": "hfzero.runtime.stage3.init",
     "from_pretrained_sharded": "hfzero.runtime.stage3.init",
     "WeightLoadError": "hfzero.runtime.stage3.weights",
+    "pipeline": "hfzero.parallel.pipeline",
+    "PipelineConfig": "hfzero.parallel.pipeline",
     "ZeroAccelerator": "hfzero.integrations.accelerate",
     "ZeroTrainer": "hfzero.integrations.trainer",
     "ZeroTrainingArguments": "hfzero.integrations.trainer",
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from hfzero.estimate import choose_stage, max_params, model_states_bytes
     from hfzero.integrations.accelerate import ZeroAccelerator
     from hfzero.integrations.trainer import ZeroTrainer, ZeroTrainingArguments
+    from hfzero.parallel.pipeline import PipelineConfig, pipeline
     from hfzero.profiler import ZeroProfiler
     from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
     from hfzero.runtime.engine import ZeroEngine

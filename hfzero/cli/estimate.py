@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hfzero import estimate as est
+from hfzero.cli import _estimate_pipeline
 
 _GB = 1e9
 
@@ -73,12 +74,15 @@ def register(subparsers: Any) -> None:
     acts.add_argument("--checkpointing", action="store_true", help="full activation checkpointing, one per layer")
     acts.add_argument("--fused-attention", action="store_true",
                       help="flash / memory-efficient attention: no s x s score tensors are stored")
+    _estimate_pipeline.add_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the estimate; on bad input print one error line to stderr and return 2."""
+    if args.pp is not None:
+        return _estimate_pipeline.run(args)
     try:
         request = _read_request(args)
         result = _estimate(request)

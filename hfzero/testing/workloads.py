@@ -53,7 +53,12 @@ def _schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSc
 
 def train_reference(spec: TrainSpec) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process, full-batch fp32 training: per-step losses and final parameters."""
-    model = tiny_causal_lm(spec.model)
+    return reference_run(tiny_causal_lm(spec.model), spec)
+
+
+def reference_run(model: nn.Module, spec: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train ``model`` single-process on the full batches of ``spec`` (its steps, global_batch, seq_len,
+    lr, max_grad_norm): per-step losses and final parameters."""
     optimizer = torch.optim.AdamW(param_groups(model), lr=spec.lr)
     scheduler = _schedule(optimizer)
     losses = []

@@ -92,6 +92,9 @@ class UnitScheduler:
         self._graph_task = -1
         self.on_unit_done: Callable[[GatherUnit], None] | None = None
         """Called when the backward pass is done with a unit (engine: launch its buckets' reductions)."""
+        self.keep_gathered = False
+        """When True, units stay gathered after use until ``release_all()`` (called by the step's
+        ``publish_params``): gather once per step for all micro-batches (the pipeline's "step" policy)."""
         self.events: list[tuple[str, str]] | None = None
         """When a list (``trace(True)``), ("gather"|"wait"|"release"|"forward"|"forward_end"|
         "backward", unit name) events are appended in the order they happen."""
@@ -153,7 +156,7 @@ class UnitScheduler:
                     if t.requires_grad:
                         t.register_hook(self._hook_pre_backward(unit))
             self._log("forward_end", unit)
-            if unit.index not in self._in_use:
+            if unit.index not in self._in_use and not self.keep_gathered:
                 unit.release()
             if unit is self.root and self.phase is Phase.FORWARD:
                 self._end_pass(Phase.FORWARD, _END_FORWARD)
@@ -191,8 +194,9 @@ class UnitScheduler:
             unit = self.units[index]
             if self.on_unit_done is not None:
                 self.on_unit_done(unit)
-            self._log("release", unit)
-            unit.release()
+            if not self.keep_gathered:
+                self._log("release", unit)
+                unit.release()
 
     # ---- passes ---------------------------------------------------------------------------------
     def _begin_backward(self) -> None:
@@ -219,7 +223,7 @@ class UnitScheduler:
         self.phase = Phase.IDLE
         self._in_use.clear()
         for unit in self.units:
-            if unit.state is not UnitState.SHARDED:
+            if unit.state is not UnitState.SHARDED and not self.keep_gathered:
                 self._log("release", unit)
                 unit.release()
         issued = current.issued if current is not None else []

@@ -1,0 +1,66 @@
+"""One 2-D DeviceMesh (pp x dp) from sizes, and which process group is which.
+
+Rank layout (torchtitan's): ``rank = pp_rank * dp_size + dp_rank``, so the ranks of one pipeline
+stage (a data-parallel group) are neighbours and the ranks of one pipeline (one data-parallel
+replica) are ``dp_size`` apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hfzero.comm import _default_device
+from hfzero.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineMesh:
+    """The calling rank's place in a pp x dp mesh.
+
+    Attributes:
+        mesh: the DeviceMesh with dimensions ("pp", "dp").
+        pp_size: pipeline stages (ranks per pipeline).
+        dp_size: data-parallel replicas (ranks per stage).
+        pp_rank: this rank's stage (its coordinate along "pp").
+        dp_rank: this rank's replica (its coordinate along "dp").
+        pp_group: the ranks of this rank's pipeline (same dp_rank): activations and the loss travel here.
+        dp_group: the ranks of this rank's stage (same pp_rank): ZeRO runs here.
+    """
+
+    mesh: DeviceMesh
+    pp_size: int
+    dp_size: int
+    pp_rank: int
+    dp_rank: int
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+
+    def global_rank(self, pp_rank: int, dp_rank: int) -> int:
+        """The world rank at mesh coordinates (pp_rank, dp_rank)."""
+        return int(self.mesh.mesh[pp_rank, dp_rank])
+
+
+def check_sizes(world_size: int, pp_size: int) -> int:
+    """The dp size for ``pp_size`` stages over ``world_size`` ranks; a clear error when it does not divide."""
+    if not isinstance(pp_size, int) or isinstance(pp_size, bool) or pp_size < 1:
+        raise ConfigError(f"hfzero pipeline: pp_size={pp_size!r} must be a positive integer")
+    if world_size % pp_size:
+        raise ConfigError(f"hfzero pipeline: pp_size={pp_size} does not divide the world size {world_size}; "
+                          f"use a divisor of {world_size} (the data-parallel size is world / pp_size)")
+    return world_size // pp_size
+
+
+def build_mesh(pp_size: int) -> PipelineMesh:
+    """The pp x dp mesh over the whole world (collective: every rank calls it, in the same order)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("hfzero pipeline: torch.distributed is not initialized; launch with `hfzero run` or "
+                           "torchrun and call torch.distributed.init_process_group first")
+    world = dist.get_world_size()
+    dp_size = check_sizes(world, pp_size)
+    device_type = _default_device(str(dist.get_backend())).type
+    mesh = init_device_mesh(device_type, (pp_size, dp_size), mesh_dim_names=("pp", "dp"))
+    coords = mesh.get_coordinate()
+    return PipelineMesh(mesh, pp_size, dp_size, coords[0], coords[1], mesh.get_group("pp"), mesh.get_group("dp"))

@@ -1,0 +1,49 @@
+"""PipelineConfig: the pipeline options (the ZeRO options stay in ZeroConfig)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from hfzero.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """Options of ``hfzero.pipeline``; the Trainer and launcher expose field ``x`` as ``--zero_pp_x``
+    (``pp_size`` as ``--zero_pp_size``)."""
+
+    pp_size: int = 2
+    """Pipeline stages; the data-parallel size is world / pp_size (ZeRO runs inside each stage's dp group)."""
+
+    schedule: str = "1F1B"
+    """torch.distributed.pipelining schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS (two stages per
+    rank), InterleavedZeroBubble, ZBVZeroBubble, DualPipeV (zero-bubble: two stages per rank)."""
+
+    n_microbatches: int = 4
+    """Micro-batches per step (per data-parallel replica); 0 in the Trainer means its
+    gradient_accumulation_steps."""
+
+    layers_per_stage: tuple[int, ...] | None = None
+    """Decoder blocks per stage (all stages, in order); None balances stages by parameter count."""
+
+    stage3_gather: Literal["step", "micro"] = "step"
+    """ZeRO-3 only: "step" gathers each unit once per step and keeps it for all micro-batches
+    (torchtitan's choice: P_os+g parameter memory inside the step, one gather per step); "micro"
+    gathers per micro-batch forward and backward (true P_os+g+p, 2 x n_microbatches gathers)."""
+
+    def __post_init__(self) -> None:
+        from hfzero.parallel.pipeline.schedule import resolve_schedule
+
+        if not isinstance(self.pp_size, int) or self.pp_size < 1:
+            raise ConfigError(f"PipelineConfig.pp_size={self.pp_size!r} must be a positive integer")
+        if not isinstance(self.n_microbatches, int) or self.n_microbatches < 1:
+            raise ConfigError(f"PipelineConfig.n_microbatches={self.n_microbatches!r} must be a positive integer")
+        resolve_schedule(self.schedule)
+        if self.stage3_gather not in ("step", "micro"):
+            raise ConfigError(f'PipelineConfig.stage3_gather={self.stage3_gather!r} must be "step" or "micro"')
+        if self.layers_per_stage is not None:
+            object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

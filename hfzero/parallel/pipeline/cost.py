@@ -1,0 +1,152 @@
+"""The pipeline x ZeRO cost model: per-rank model states by role, communication per step, activations
+in flight, the bubble, and when per-micro-batch collectives hide behind compute on a GPU cluster.
+
+[Note: pipeline x ZeRO costs]
+Ψ_s = trainable parameters of pipeline stage s (the tied embedding counted on the first and the last
+stage), N = dp size, M = micro-batches per step, p/g = parameter/gradient bytes, K = optimizer bytes
+(fp32 master + states). Per rank of stage s:
+- model states: stage 0 (p+g+K)Ψ_s; 1: (p+g)Ψ_s + KΨ_s/N; 2: pΨ_s + (g+K)Ψ_s/N;
+  3: (p+g+K)Ψ_s/N. Policies add memory held across micro-batches (GRAD_ACCUM, a model state):
+  "local" at stages 2-3 keeps a full local gradient gΨ_s for the step; stage-3 "step" gathering
+  keeps the gathered parameters pΨ_s for the step (PARAM_GATHERED).
+- communication elements (comm.py's convention: all-reduce of n = 2n, reduce-scatter of n = n,
+  all-gather into n = n), with R = 1 reduction per step ("local") or M ("sharded"):
+  stage 0: 2Ψ_s R; stages 1-2: Ψ_s R + Ψ_s (the step's all-gather); stage 3: Ψ_s R + gathers
+  (Ψ_s once per step with "step" gathering, 2Ψ_s M with "micro"). The tied embedding (T elements) adds
+  an all-reduce of its owned slice between the first and last stage: 2T/N (2T at stage 0).
+  A dp size of 1 moves nothing within the stage.
+- activations: a stage keeps the activations of the micro-batches it has run forward and not yet
+  backward: M under GPipe, min(P - s, M) under 1F1B (stage 0 the most).
+- bubble fraction: (P - 1) / M for GPipe and 1F1B, (P - 1) / (v M) with v stages per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hfzero.estimate import precision_bytes
+
+ROLE_NAMES = ("param_full", "param_shard", "param_gathered", "grad_full", "grad_shard", "grad_accum",
+              "master_shard", "optim_state")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageShape:
+    """Attributes: params (Ψ_s, trainable, tied copy included), tied (elements of the tied embedding
+    this stage holds, 0 if none or if both copies are on one rank), blocks (decoder blocks)."""
+
+    params: int
+    tied: int
+    blocks: int
+
+
+def stage_shapes(model: Any, pp: int, layers_per_stage: Any = None, stages_per_rank: int = 1) -> list[StageShape]:
+    """Per-stage shapes of a HF model (a meta model is enough): the split hfzero.pipeline makes."""
+    from hfzero.parallel.pipeline.split import plan_stages, split_model, tied_embeddings
+
+    stages = pp * stages_per_rank
+    plan = plan_stages(model, stages, layers_per_stage)
+    tied = tied_embeddings(model) and pp > 1
+    shapes = []
+    for stage in split_model(model, range(stages), stages, layers_per_stage):
+        params = sum(p.numel() for p in stage.parameters() if p.requires_grad)
+        held = stage.get_parameter(stage.tied_name).numel() if tied and stage.tied_name else 0
+        shapes.append(StageShape(params, held, len(plan[stage.stage_index])))
+    return shapes
+
+
+def model_state_roles(params: float, dp: int, stage: int, *, dtype: str = "bf16", optimizer: str = "adam",
+                      accumulation: str = "local", stage3_gather: str = "step") -> dict[str, float]:
+    """Bytes per role held by one rank of a stage with ``params`` parameters; see [Note: pipeline x ZeRO costs]."""
+    p, g, k = precision_bytes(dtype, optimizer)
+    master = 4 if p < 4 else 0
+    shard_os = params / dp if stage >= 1 else params
+    roles = {name: 0.0 for name in ROLE_NAMES}
+    if stage == 3:
+        roles["param_shard"] = p * params / dp
+        roles["param_gathered"] = p * params if stage3_gather == "step" else 0.0
+    else:
+        roles["param_full"] = p * params
+    if stage >= 2:
+        roles["grad_shard"] = g * params / dp
+        roles["grad_accum"] = g * params if accumulation == "local" else 0.0
+    else:
+        roles["grad_full"] = g * params
+    roles["master_shard"] = master * shard_os
+    roles["optim_state"] = (k - master) * shard_os
+    return roles
+
+
+def comm_elements(params: float, dp: int, stage: int, n_micro: int, *, accumulation: str = "local",
+                  stage3_gather: str = "step", tied: float = 0) -> dict[str, float]:
+    """Elements per step per rank by collective kind; see [Note: pipeline x ZeRO costs]."""
+    reductions = 1 if accumulation == "local" else n_micro
+    out = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
+    if dp > 1:
+        if stage == 0:
+            out["all_reduce"] += 2 * params * reductions
+        else:
+            out["reduce_scatter"] += params * reductions
+            if stage < 3:
+                out["all_gather"] += params
+            else:
+                out["all_gather"] += params if stage3_gather == "step" else 2 * params * n_micro
+    if tied:
+        out["all_reduce"] += 2 * tied / (1 if stage == 0 else dp)
+    return out
+
+
+def activation_in_flight(schedule: str, pp: int, stage_index: int, n_micro: int) -> int:
+    """Micro-batches whose activations a stage holds at its peak."""
+    name = schedule.lower()
+    if name == "gpipe":
+        return n_micro
+    if name == "1f1b":
+        return min(pp - stage_index, n_micro)
+    return n_micro  # multi-stage schedules: bounded by M (their warm-up depth depends on the schedule)
+
+
+def bubble_fraction(pp: int, n_micro: int, stages_per_rank: int = 1) -> float:
+    """Idle fraction of the ideal step: (P - 1) / (v M)."""
+    return (pp - 1) / (stages_per_rank * n_micro)
+
+
+def overlap_min_tokens(hidden: int, seq_len: int, dp: int, link_bytes_per_s: float, flops: float,
+                       grad_bytes: int = 2) -> float:
+    """Tokens per micro-batch above which a stage's per-micro-batch reduce-scatter of its gradients
+    (ring: g Ψ (N-1)/N bytes per rank) takes no longer than the micro-batch's backward compute.
+
+    Per layer: 12h² parameters; backward FLOPs per token 2/3 of the fwd+bwd total
+    72h² + 12 s h (Narayanan et al. 2021, without recomputation), i.e. 48h² + 8sh. So the ratio
+    comm/compute = g 12h² (N-1)/N / B  /  (t (48h² + 8sh) / F), and it is <= 1 when
+    t >= g 12h² (N-1)/N F / (B (48h² + 8sh)). The same bound holds for a per-micro-batch
+    all-gather of the parameters (p = g bytes) against the forward (half the backward: twice the tokens).
+    """
+    per_param = grad_bytes * 12 * hidden**2 * (dp - 1) / dp
+    return per_param * flops / (link_bytes_per_s * (48 * hidden**2 + 8 * seq_len * hidden))
+
+
+def estimate_pipeline(shapes: list[StageShape], *, pp: int, dp: int, stage: int, n_micro: int,
+                      schedule: str = "1F1B", dtype: str = "bf16", optimizer: str = "adam",
+                      accumulation: str = "auto", stage3_gather: str = "step",
+                      stages_per_rank: int = 1) -> dict[str, Any]:
+    """Per-rank figures for every pp rank (its stages summed), as ``hfzero estimate --pp`` prints them."""
+    policy = accumulation if accumulation != "auto" else ("sharded" if stage >= 2 else "local")
+    ranks = []
+    for pp_rank in range(pp):
+        mine = [shapes[pp_rank + k * pp] for k in range(stages_per_rank)]
+        params = sum(s.params for s in mine)
+        tied = sum(s.tied for s in mine)
+        roles = model_state_roles(params, dp, stage, dtype=dtype, optimizer=optimizer, accumulation=policy,
+                                  stage3_gather=stage3_gather)
+        ranks.append({
+            "pp_rank": pp_rank, "params": params, "blocks": sum(s.blocks for s in mine),
+            "model_states_by_role": roles, "model_states_bytes": sum(roles.values()),
+            "comm_elements_per_step": comm_elements(params, dp, stage, n_micro, accumulation=policy,
+                                                    stage3_gather=stage3_gather, tied=tied),
+            "microbatches_in_flight": activation_in_flight(schedule, pp, pp_rank, n_micro),
+        })
+    return {"pp": pp, "dp": dp, "stage": stage, "n_micro": n_micro, "schedule": schedule, "dtype": dtype,
+            "optimizer": optimizer, "accumulation": policy, "stage3_gather": stage3_gather,
+            "bubble_fraction": bubble_fraction(pp, n_micro, stages_per_rank), "ranks": ranks}

@@ -1,0 +1,343 @@
+"""The pipeline driver: split a HF decoder over a pp x dp mesh, run ZeRO inside each stage's dp group,
+drive a torch.distributed.pipelining schedule, and finish each step across pp x dp.
+
+[Note: pipeline x ZeRO step]
+One call of ``forward_backward(batch)`` is one optimizer step's worth of gradients:
+1. The schedule runs n_micro forwards and backwards. The loss of a micro-batch is its mean token
+   loss / n_micro (``scale_grads=False``), so a replica's gradients are its batch-mean gradients and
+   the engine's division by the dp size gives the global-batch mean: a PP run equals a non-PP run.
+2. Accumulation policy (``ZeroConfig.accumulation``, the engine's): the schedule runs inside
+   ``engine.no_sync()``; under "local" the backwards accumulate full local gradients, reduced once at
+   the stage's end-of-step action; under "sharded" no_sync does not defer and every backward
+   reduce-scatters into the shard (ZeRO-2/3 memory, n_micro reductions).
+3. End-of-step action (``ZeroPipelineStage.perform_reduce_grad``, after this rank's last backward):
+   absorb hand-written ``.grad`` (zero-bubble weight passes), finish pending reductions, then sum the
+   tied embedding's reduced gradient between the first and last stage (see [Note: tied embeddings]).
+4. After the schedule: materialize the fp32 gradients, vote fp16 overflow over pp (the engine voted
+   over dp), average the loss over dp and broadcast it over pp. Clipping sums squared norms over
+   dp and pp, counting the tied embedding once.
+
+[Note: tied embeddings]
+The first and the last stage each hold the tied embedding. The driver gives it an optimizer param
+group of its own (same hyper-parameters), so on both stages it is alone in its bucket(s), padded
+alike: dp rank r owns the same elements of it in both stages. After the dp reduction each owner
+all-reduces its owned slice with its peer (same dp rank, other end of the pipeline): both stages
+then hold the full sum and take identical optimizer steps, so the two copies stay equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hfzero.comm import Communicator
+from hfzero.config import ConfigError, ZeroConfig
+from hfzero.logging import get_logger
+from hfzero.parallel.mesh import PipelineMesh, build_mesh
+from hfzero.parallel.pipeline.config import PipelineConfig
+from hfzero.parallel.pipeline.schedule import ZeroPipelineStage, resolve_schedule
+from hfzero.parallel.pipeline.split import DecoderStage, family_of, split_model, tied_embeddings
+from hfzero.runtime.optimizer import _rebuild
+
+logger = get_logger(__name__)
+
+
+class StageChunks(nn.ModuleList):
+    """The stages one rank runs under a multi-stage schedule, prepared as one engine."""
+
+
+class Pipeline:
+    """This rank's stage(s) of a pipeline, the ZeRO engine over its dp group, and the schedule.
+
+    Attributes: ``mesh`` (PipelineMesh), ``module`` (the prepared stage module, or StageChunks),
+    ``stages`` (DecoderStage list), ``optimizer`` (the ZeroOptimizer of this rank's parameters),
+    ``engine``, ``accumulation`` ("sharded"/"local"), ``config`` (PipelineConfig).
+    See [Note: pipeline x ZeRO step].
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, zero_config: ZeroConfig,
+                 config: PipelineConfig, *, mesh: PipelineMesh | None = None):
+        import hfzero
+
+        family_of(model)
+        self.config = config
+        self.zero_config = zero_config
+        self.kind = resolve_schedule(config.schedule)
+        self.mesh = mesh or build_mesh(config.pp_size)
+        if self.kind.stages_per_rank > 1 and self.mesh.pp_size == 1:
+            raise ConfigError(f"hfzero pipeline: schedule {self.kind.name} needs pp_size >= 2")
+        self.num_stages = self.mesh.pp_size * self.kind.stages_per_rank
+        stage_ids = self.kind.stage_ids(self.mesh.pp_rank, self.mesh.pp_size)
+        self.stages: list[DecoderStage] = split_model(model, stage_ids, self.num_stages, config.layers_per_stage)
+        self.module: nn.Module = self.stages[0] if len(self.stages) == 1 else StageChunks(self.stages)
+        tied = self._tied_param()
+        is_tied = tied_embeddings(model)
+        stage_optimizer, self._tied_group = _stage_optimizer(optimizer, self.module, tied)
+        prepare_kwargs: dict[str, Any] = {}
+        if zero_config.stage == 3:
+            prepare_kwargs["units"] = self._stage3_units()
+        self.module, self.optimizer = hfzero.prepare(self.module, stage_optimizer, zero_config,
+                                                     process_group=self.mesh.dp_group, **prepare_kwargs)
+        self.engine = hfzero.get_engine(self.module)
+        self.accumulation = self.engine.accumulation
+        if zero_config.stage == 3:
+            self.engine.scheduler.keep_gathered = config.stage3_gather == "step"
+        # scalars (loss, norms, overflow flags) on ledgers of their own: engine.comm.stats() counts
+        # the gradient and parameter traffic the estimator models (the tied-embedding sum included)
+        self.pp_comm = self.engine.comm.on_group(self.mesh.pp_group, share_stats=False)
+        self.dp_scalars = self.engine.comm.on_group(self.mesh.dp_group, share_stats=False)
+        self.tied_comm = self._tied_pair_comm(is_tied, tied is not None)
+        self._schedules: dict[tuple, Any] = {}
+        self._reduced_stages = 0
+        self.step_roles: dict[Any, int] = {}
+        """Peak bytes by MemoryRole over the last forward_backward, sampled after the last backward
+        (before the deferred reduction frees local accumulators) and at its end."""
+
+    # ---- construction ---------------------------------------------------------------------------
+    def _tied_param(self) -> nn.Parameter | None:
+        names = [s.tied_name for s in self.stages if s.tied_name is not None]
+        if not names:
+            return None
+        holder = next(s for s in self.stages if s.tied_name is not None)
+        return holder.get_parameter(holder.tied_name)
+
+    def _stage3_units(self) -> list[str]:
+        if len(self.stages) == 1:
+            return self.stages[0].block_names
+        return [str(i) for i in range(len(self.stages))]  # chunk units: their forward is what runs
+
+    def _holder_ranks(self, stage_index: int) -> int:
+        """The pp rank holding global stage ``stage_index``."""
+        for pp_rank in range(self.mesh.pp_size):
+            if stage_index in self.kind.stage_ids(pp_rank, self.mesh.pp_size):
+                return pp_rank
+        raise AssertionError(stage_index)
+
+    def _tied_pair_comm(self, is_tied: bool, holds_tied: bool) -> Communicator | None:
+        """A communicator over (first-stage rank, last-stage rank) of this dp index; see [Note: tied embeddings].
+
+        Collective: every rank creates every pair's group, in dp order.
+        """
+        first, last = self._holder_ranks(0), self._holder_ranks(self.num_stages - 1)
+        if first == last or not is_tied:
+            return None
+        mine = None
+        for dp_rank in range(self.mesh.dp_size):
+            ranks = [self.mesh.global_rank(first, dp_rank), self.mesh.global_rank(last, dp_rank)]
+            group = dist.new_group(ranks)
+            if dp_rank == self.mesh.dp_rank and holds_tied:
+                mine = self.engine.comm.on_group(group)
+        return mine
+
+    def hf_name(self, name: str) -> str:
+        """The HF model's name of a parameter or buffer named ``name`` in ``self.module``."""
+        return name.split(".", 1)[1] if isinstance(self.module, StageChunks) else name
+
+    # ---- schedule -------------------------------------------------------------------------------
+    def _schedule(self, rows: int, seq: int, train: bool):
+        """The schedule for micro-batches of (rows, seq) tokens (stages use static shapes; one per shape)."""
+        key = (rows, seq, train)
+        if key not in self._schedules:
+            device = self.engine.device
+            dtype = self.zero_config.torch_dtype
+            hidden = self.stages[0].config.hidden_size if hasattr(self.stages[0].config, "hidden_size") \
+                else self.stages[0].config.n_embd
+            vocab = self.stages[0].config.vocab_size
+            chunks = self.module if isinstance(self.module, StageChunks) else [self.module]
+            pipeline_stages = []
+            for stage in chunks:
+                # static shapes: no metadata-inference forward (it would run the engine's hooks)
+                inputs = (torch.zeros(rows, seq, dtype=torch.long, device=device) if stage.is_first
+                          else torch.empty(rows, seq, hidden, dtype=dtype, device=device).requires_grad_(train))
+                outputs = torch.empty(rows, seq, vocab if stage.is_last else hidden, dtype=dtype, device=device)
+                outputs.requires_grad_(train)
+                pipeline_stages.append(ZeroPipelineStage(
+                    stage, stage.stage_index, self.num_stages, device, input_args=inputs, output_args=outputs,
+                    group=self.mesh.pp_group, on_reduce_grad=self._on_reduce_grad))
+            target = pipeline_stages[0] if len(pipeline_stages) == 1 else pipeline_stages
+            self._schedules[key] = self.kind.cls(target, n_microbatches=self.config.n_microbatches,
+                                                 loss_fn=self._loss_fn, scale_grads=False)
+        return self._schedules[key]
+
+    def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean token loss of a micro-batch / n_micro (times the fp16 loss scale); see [Note: pipeline x ZeRO step]."""
+        vocab = logits.shape[-1]
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), labels[:, 1:].reshape(-1),
+                               ignore_index=-100)  # (B * (T - 1), V) against (B * (T - 1),)
+        scale = self.engine.scaler.scale if self.engine.scaler.enabled else 1.0
+        return loss * (scale / self.config.n_microbatches)
+
+    @property
+    def holds_first(self) -> bool:
+        return any(s.is_first for s in self.stages)
+
+    @property
+    def holds_last(self) -> bool:
+        return any(s.is_last for s in self.stages)
+
+    def _inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None, train: bool):
+        """The schedule for this batch's micro-batch shape, the first stage's args, the last stage's target."""
+        if input_ids.ndim != 2:
+            raise ConfigError(f"hfzero pipeline: input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        if input_ids.shape[0] % self.config.n_microbatches:
+            raise ConfigError(f"hfzero pipeline: n_microbatches={self.config.n_microbatches} does not divide this "
+                              f"replica's batch of {input_ids.shape[0]} rows; use a batch that is a multiple of it")
+        labels = input_ids if labels is None else labels
+        schedule = self._schedule(input_ids.shape[0] // self.config.n_microbatches, input_ids.shape[1], train)
+        device = self.engine.device
+        args = (input_ids.to(device),) if self.holds_first else ()
+        return schedule, args, labels.to(device) if self.holds_last else None
+
+    # ---- a step ---------------------------------------------------------------------------------
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
+        """Run the schedule over this replica's batch (B, T) and finish its gradients; return the mean loss
+        of the global batch (every rank returns it). Every rank of a pipeline passes the same batch."""
+        schedule, args, target = self._inputs(input_ids, labels, train=True)
+        losses: list[torch.Tensor] = []
+        self._reduced_stages = 0
+        self.step_roles = {}
+        with self.engine.no_sync(), self._scaled():  # defers only under the "local" policy
+            schedule.step(*args, target=target, losses=losses if self.holds_last else None)
+        self.engine.materialize_grads()
+        self._sample_roles()
+        self._vote_overflow()
+        return self._global_loss(losses)
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
+        """Forward-only mean loss of the global batch (every rank returns it)."""
+        schedule, args, target = self._inputs(input_ids, labels, train=False)
+        losses: list[torch.Tensor] = []
+        schedule.eval(*args, target=target, losses=losses if self.holds_last else None)
+        if self.zero_config.stage == 3:
+            self.engine.scheduler.release_all()
+        return self._global_loss(losses)
+
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                   max_grad_norm: float | None = None) -> float:
+        """forward_backward, optional clipping, optimizer step, zero_grad; returns the global mean loss."""
+        loss = self.forward_backward(input_ids, labels)
+        if max_grad_norm is not None:
+            self.clip_grad_norm_(max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return loss
+
+    @contextlib.contextmanager
+    def _scaled(self) -> Iterator[None]:
+        if self.engine.scaler.enabled:  # backward runs inside the schedule; the loss_fn applies the scale
+            with self.engine._scaling():
+                yield
+        else:
+            yield
+
+    def _on_reduce_grad(self) -> None:
+        """End-of-step action of one of this rank's stages; the last one finishes the reduction."""
+        self._reduced_stages += 1
+        if self._reduced_stages < len(self.stages):
+            return
+        self._sample_roles()
+        if self.kind.zero_bubble:
+            self.engine.absorb_manual_grads()
+        self.engine.reduce_pending()
+        if self.tied_comm is not None:
+            for bucket in self.engine.layout.group_buckets(self._tied_group):
+                self.tied_comm.all_reduce(self.engine.reducer.owned_grad(bucket))
+
+    def _sample_roles(self) -> None:
+        for role, size in self.engine.memory_by_role().items():
+            self.step_roles[role] = max(size, self.step_roles.get(role, 0))
+
+    def _vote_overflow(self) -> None:
+        if not self.engine.scaler.enabled or self.mesh.pp_size == 1:
+            return
+        flag = torch.tensor([1.0 if self.engine.overflow else 0.0], device=self.pp_comm.device)
+        self.pp_comm.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.engine.overflow = bool(flag.item() > 0)
+
+    def _global_loss(self, losses: list[torch.Tensor]) -> float:
+        """Mean over the dp replicas of the sum of micro-batch losses, from the last stage to every rank."""
+        total = torch.zeros(1, dtype=torch.float32, device=self.pp_comm.device)
+        if self.holds_last:
+            scale = self.engine.scaler.scale if self.engine.scaler.enabled else 1.0
+            total += sum(float(l.detach()) for l in losses) / scale
+            self.dp_scalars.all_reduce(total)
+            total /= self.mesh.dp_size
+        last = self._holder_ranks(self.num_stages - 1)
+        self.pp_comm.broadcast(total, src_rank=last)
+        return float(total.item())
+
+    # ---- clipping -------------------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradient norm of the whole model (all stages, all shards; the tied embedding once)
+        to ``max_norm``; return the norm before clipping (equal on every rank)."""
+        engine = self.engine
+        engine.materialize_grads()
+        skip = set()
+        if self.tied_comm is not None and not self.holds_first:  # the first stage counts the tied embedding
+            skip = {b.index for b in engine.layout.group_buckets(self._tied_group)}
+        grads = [m.grad for b, m in zip(engine.layout.buckets, engine.master_views) if b.index not in skip]
+        norm_type = float(norm_type)
+        device = engine.comm_device
+        if norm_type == math.inf:
+            local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
+            total = torch.tensor([local], dtype=torch.float32, device=device)
+            if engine.layout.shard_world > 1:
+                self.dp_scalars.all_reduce(total, op=dist.ReduceOp.MAX)
+            self.pp_comm.all_reduce(total, op=dist.ReduceOp.MAX)
+            norm = total[0]
+        else:
+            local = sum((torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type for g in grads),
+                        torch.zeros((), dtype=torch.float32))
+            total = local.to(device).reshape(1)
+            if engine.layout.shard_world > 1:
+                self.dp_scalars.all_reduce(total)
+            self.pp_comm.all_reduce(total)
+            norm = total[0].pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for m in engine.master_views:
+            if m.grad is not None:
+                m.grad.mul_(coef.to(m.grad.device, m.grad.dtype))
+        return norm
+
+
+def _stage_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module,
+                     tied: nn.Parameter | None) -> tuple[torch.optim.Optimizer, int | None]:
+    """The user's optimizer rebuilt over this rank's parameters (same class, hyper-parameters, groups);
+    the tied embedding, if held here, in a group of its own (see [Note: tied embeddings])."""
+    mine = set(module.parameters())
+    groups, tied_group = [], None
+    for group in optimizer.param_groups:
+        options = {k: v for k, v in group.items() if k != "params"}
+        params = [p for p in group["params"] if p in mine and p is not tied]
+        groups.append({**options, "params": params})
+        if tied is not None and any(p is tied for p in group["params"]):
+            tied_group = len(optimizer.param_groups)
+            tied_options = options
+    if tied is not None:
+        if tied_group is None:
+            raise ConfigError("hfzero pipeline: the tied embedding is not in the optimizer; build the optimizer "
+                              "from model.parameters()")
+        groups.append({**tied_options, "params": [tied]})
+    return _rebuild(type(optimizer), groups, optimizer.defaults), tied_group
+
+
+def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
+             pipeline_config: PipelineConfig | None = None, **options: Any) -> Pipeline:
+    """Split ``model`` over a pp x dp mesh of the whole world and apply ZeRO inside each stage.
+
+    Collective: every rank calls it with the same model (same weights), optimizer and configs.
+    ``options`` are PipelineConfig fields (``pp_size=2, schedule="1F1B", n_microbatches=4``) when no
+    ``pipeline_config`` is given. Returns the rank's Pipeline: ``train_step(input_ids)`` or
+    ``forward_backward`` + ``clip_grad_norm_`` + ``optimizer.step()``; ``evaluate(input_ids)``.
+    """
+    mesh = options.pop("mesh", None)
+    pipeline_config = pipeline_config or PipelineConfig(**options)
+    return Pipeline(model, optimizer, config or ZeroConfig(), pipeline_config, mesh=mesh)

@@ -1,0 +1,81 @@
+"""torch.distributed.pipelining schedules by name, and the PipelineStage that ends a step with ZeRO's reduction.
+
+Depends on torch.distributed.pipelining's public classes (PipelineStage, the Schedule* classes,
+``get_schedule_class``) and on one method that is public but not documented as an extension point:
+``PipelineStage.perform_reduce_grad``, which every schedule calls once per stage after that stage's
+last backward (GPipe and 1F1B at the end of ``_step_microbatches``, the runtime schedules as the
+REDUCE_GRAD action). No private torch API is used, so no version pin; tested on torch 2.13 only
+(earlier releases lack some of these schedules or the static ``input_args``/``output_args`` form).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as _schedules
+
+from hfzero.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleKind:
+    """Attributes:
+    name: the canonical name (torch's).
+    cls: the torch schedule class.
+    stages_per_rank: 1 for single-stage schedules, 2 for the multi-stage ones used here.
+    v_shape: stages placed in a V (rank r holds stages r and 2P-1-r) instead of round-robin (r, r+P).
+    zero_bubble: the backward is split into input and weight passes; the weight pass writes ``.grad``
+        by hand, so post-accumulate-grad hooks do not see those gradients.
+    """
+
+    name: str
+    cls: type
+    stages_per_rank: int = 1
+    v_shape: bool = False
+    zero_bubble: bool = False
+
+    def stage_ids(self, pp_rank: int, pp_size: int) -> list[int]:
+        """The global stage indices this pp rank runs."""
+        if self.stages_per_rank == 1:
+            return [pp_rank]
+        if self.v_shape:
+            return [pp_rank, 2 * pp_size - 1 - pp_rank]
+        return [pp_rank + k * pp_size for k in range(self.stages_per_rank)]
+
+
+SCHEDULES: dict[str, ScheduleKind] = {k.name.lower(): k for k in (
+    ScheduleKind("GPipe", _schedules.ScheduleGPipe),
+    ScheduleKind("1F1B", _schedules.Schedule1F1B),
+    ScheduleKind("Interleaved1F1B", _schedules.ScheduleInterleaved1F1B, 2),
+    ScheduleKind("LoopedBFS", _schedules.ScheduleLoopedBFS, 2),
+    ScheduleKind("InterleavedZeroBubble", _schedules.ScheduleInterleavedZeroBubble, 2, zero_bubble=True),
+    ScheduleKind("ZBVZeroBubble", _schedules.ScheduleZBVZeroBubble, 2, v_shape=True, zero_bubble=True),
+    ScheduleKind("DualPipeV", _schedules.ScheduleDualPipeV, 2, v_shape=True, zero_bubble=True),
+)}
+
+
+def resolve_schedule(name: str) -> ScheduleKind:
+    """The schedule called ``name`` (case-insensitive); a clear error listing the valid names otherwise."""
+    kind = SCHEDULES.get(str(name).lower())
+    if kind is None:
+        raise ConfigError(f"hfzero pipeline: unknown schedule {name!r}; valid schedules: "
+                          f"{', '.join(k.name for k in SCHEDULES.values())}")
+    return kind
+
+
+class ZeroPipelineStage(PipelineStage):
+    """A PipelineStage whose end-of-step action (REDUCE_GRAD) calls ``on_reduce_grad()``.
+
+    The driver uses it to run ZeRO's deferred reduction once the stage's last backward is done.
+    """
+
+    def __init__(self, *args, on_reduce_grad: Callable[[], None], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._on_reduce_grad = on_reduce_grad
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        super().perform_reduce_grad(grad_scale_factor)  # scale_grads=False: a factor of 1, nothing to scale
+        if self.has_backward:
+            self._on_reduce_grad()
