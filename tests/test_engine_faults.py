@@ -5,6 +5,9 @@
   accumulation 1 and 2);
 - an unused parameter in the first bucket: the staging peak stays at ``max_inflight_buckets + 1``
   buckets instead of every later bucket;
+- a rank that skips a batch after an exception in its forward while the other trains on it (stages
+  0-2): both ranks raise StepMismatchError at that step, before anything is applied (no silent
+  mixing of two steps' gradients, no hang);
 - stage 3 with a parameter of a decoder block used on rank 0 only: every rank issues the same
   sequence of collectives (gathers and reductions interleaved identically; two NCCL communicators
   would deadlock otherwise) and the result equals DDP's.
@@ -192,6 +195,35 @@ def _collective_order(rank: int, world: int) -> dict:
         Communicator._account = account
 
 
+def _skip_on_one_rank(rank: int, world: int, stage: int) -> dict:
+    """Rank 1's forward raises at step 2 and it skips that batch; rank 0 trains on."""
+    from hfzero.runtime.agreement import StepMismatchError
+
+    model = tiny_causal_lm("gpt2")
+    fault = Fault(model, "forward")
+    model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                      hfzero.ZeroConfig(stage=stage, reduce_bucket_size=2048))
+    for step, batch in enumerate(token_batches(5, 8, 16)):
+        (ids,) = micro_batches(batch, rank, world, 1)
+        fault.armed = rank == 1 and step == 2
+        try:
+            loss = model(input_ids=ids, labels=ids).loss
+        except Boom:
+            optimizer.zero_grad()
+            continue
+        finally:
+            fault.armed = False
+        loss.backward()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        try:
+            optimizer.step()
+        except StepMismatchError as error:
+            unchanged = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+            return {"step": step, "message": str(error), "unchanged": unchanged}
+        optimizer.zero_grad()
+    return {"step": None}
+
+
 FAULT_CASES = [(s, a, "backward") for s in (0, 1, 2, 3) for a in (1, 2)] + [(3, 1, "forward")]
 
 
@@ -204,6 +236,7 @@ def run_all(rank: int, world: int) -> dict:
     out["staging"] = _staging_peak(rank, world, lookup=True)
     out["staging_without_lookup"] = _staging_peak(rank, world, lookup=False)
     out["order"] = _collective_order(rank, world)
+    out["mismatch"] = {stage: _skip_on_one_rank(rank, world, stage) for stage in (0, 1, 2)}
     dist.barrier()
     return out
 
@@ -242,3 +275,12 @@ def test_stage3_collective_sequence_is_rank_independent_and_matches_ddp():
         torch.testing.assert_close(torch.tensor(order["losses"]), torch.tensor(order["ddp_losses"]), atol=1e-5, rtol=0)
         for name, value in order["ddp_params"].items():
             torch.testing.assert_close(order["params"][name], value, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_rank_skipping_a_batch_alone_is_stopped_on_every_rank(stage):
+    rank0, rank1 = (out["mismatch"][stage] for out in _results())
+    assert rank0["step"] == 2 and rank1["step"] == 3  # each at the step where the counts disagree
+    for got in (rank0, rank1):
+        assert "ranks are at different training steps" in got["message"], got["message"]
+        assert got["unchanged"]  # the mismatched step applied nothing

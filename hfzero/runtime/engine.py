@@ -25,6 +25,7 @@ from hfzero.comm import Communicator
 from hfzero.config import ZeroConfig
 from hfzero.logging import get_logger
 from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
+from hfzero.runtime.agreement import StepAgreement
 from hfzero.runtime.layout import FlatLayout
 from hfzero.runtime.precision import LossScaler, PrecisionPolicy
 from hfzero.runtime.reducer import GradientReducer
@@ -79,6 +80,10 @@ class ZeroEngine:
         self.reducer.before_first_grad = self._before_backward
         self.reducer.always_find_unused = config.find_unused_parameters
         self._forward_hook = model.register_forward_hook(lambda m, a, out: self.reducer.record_graph_roots(out))
+        self.agreement: StepAgreement | None = None
+        if self.stage < 3 and self.world_size > 1:  # See [Note: step agreement] in agreement.py
+            self.agreement = StepAgreement(model, comm.on_group(comm.group, share_stats=False))
+            self.reducer.on_step_begin = self.agreement.launch
         logger.info("stage %d over %d rank(s): %d trainable parameters in %d bucket(s), %d padded, dtype %s, "
                     "accumulation %s", self.stage, self.world_size, self.num_params, len(self.layout.buckets),
                     self.num_params_padded, config.dtype, self.accumulation)
@@ -210,6 +215,8 @@ class ZeroEngine:
         if self._materialized:
             return
         self.reducer.reduce_pending()
+        if self.agreement is not None:
+            self.agreement.check()
         factor = 1.0 / (self.world_size * self.scaler.scale)
         if self.policy.separate_master:
             self.master_grad_flat = torch.empty_like(self.master_flat)
@@ -322,6 +329,8 @@ class ZeroEngine:
         self.master_grad_flat = None
         self.unused_ranges = []
         self._materialized = False
+        if self.agreement is not None:
+            self.agreement.forget()
         self.reducer.zero()
 
     # ---- introspection --------------------------------------------------------------------------

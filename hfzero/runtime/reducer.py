@@ -128,6 +128,8 @@ class GradientReducer:
         self.peak_staging_bytes = 0
         """Largest GRAD_BUCKET footprint seen (pool + open staging + late buffers) since construction."""
         self.before_first_grad: Callable[[], None] | None = None
+        self.on_step_begin: Callable[[], None] | None = None
+        """Called at the first backward after the gradients were zeroed, before any reduction."""
         # keyed by RemovableHandle id (an OrderedDict: the handle keeps a weak reference to it)
         self.backward_end_hooks: collections.OrderedDict[int, Callable[[], None]] = collections.OrderedDict()
         for slot in layout.slots.values():
@@ -218,6 +220,8 @@ class GradientReducer:
             self.before_first_grad()
         if self.state is GradState.REDUCED and self.stage == 0 and self.comm.rank != 0:
             self.grad_full.zero_()  # only rank 0 keeps the sum S: See [Note: gradient sums]
+        if self.state is GradState.EMPTY and self.on_step_begin is not None:
+            self.on_step_begin()  # before any bucket of the step: See [Note: step agreement]
         self._in_backward = True
         self._graph_task = torch._C._current_graph_task_id()
         self._pending = [len(b.slots) for b in self.layout.buckets]

@@ -1,0 +1,70 @@
+"""Step agreement at stages 0-2: ranks that are at different training steps raise instead of mixing.
+
+[Note: step agreement]
+A rank that catches an exception in its forward and skips the batch (while the other ranks train on
+theirs) would pair its next step's gradient reductions with the other ranks' current step: same
+bucket sizes, so nothing fails, the gradients of two different steps are summed, and the run hangs
+at its end, when that rank has one step fewer. To catch this, every rank counts its training forward
+passes (forwards of the prepared model with gradients enabled) and, at the first backward of each
+step, launches one asynchronous 2-element all-reduce (MAX of [count, -count]) on the data-parallel
+group, ordered before that step's bucket reductions. The step waits for it where it already waits for
+those reductions, and every rank whose count differs from another's raises StepMismatchError before
+the optimizer applies anything. No host synchronization is added on the hot path. Stage 3 is left out:
+its gathers run on a second group and their per-pass order check already stops ranks that diverge.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hfzero.comm import Communicator, Handle
+
+
+class StepMismatchError(RuntimeError):
+    """Ranks reached the same collective at different training steps (see [Note: step agreement])."""
+
+
+class StepAgreement:
+    """Counts training forwards of ``model`` and checks, once per step, that every rank has the same count."""
+
+    def __init__(self, model: nn.Module, comm: Communicator):
+        self.comm = comm
+        self.forwards = 0
+        """Forward passes of the prepared model run with gradients enabled on this rank."""
+        self._pending: tuple[torch.Tensor, Handle, int] | None = None
+        self._hook = model.register_forward_pre_hook(self._count)
+
+    def _count(self, module: nn.Module, args: object) -> None:
+        if torch.is_grad_enabled():
+            self.forwards += 1
+
+    def launch(self) -> None:
+        """At the first backward of a step: start the agreement all-reduce (asynchronous)."""
+        if self.comm.world_size == 1 or self._pending is not None:
+            return
+        counts = torch.tensor([self.forwards, -self.forwards], dtype=torch.int64, device=self.comm.device)
+        self._pending = (counts, self.comm.all_reduce(counts, op=dist.ReduceOp.MAX, async_op=True), self.forwards)
+
+    def check(self) -> None:
+        """Before the step applies anything: raise on every rank whose step differs from another's."""
+        if self._pending is None:
+            return
+        counts, handle, mine = self._pending
+        self._pending = None
+        handle.wait()
+        most, least = counts.tolist()[0], -counts.tolist()[1]
+        if most != least:
+            raise StepMismatchError(
+                f"hfzero: ranks are at different training steps: this rank had run {mine} training forward "
+                f"pass(es) when this step's backward began, others between {least} and {most}. A rank probably "
+                "skipped a batch after an exception while the others trained on theirs, so their gradient "
+                "reductions paired different steps. Skip a failed batch on every rank (catch the exception, "
+                "agree, e.g. with an all_reduce of a flag, then call optimizer.zero_grad() everywhere).")
+
+    def forget(self) -> None:
+        """Drop an agreement of a step that was abandoned (zero_grad after a failure)."""
+        if self._pending is not None:
+            self._pending[1].wait()
+            self._pending = None
