@@ -50,6 +50,7 @@ from torch import nn
 
 from hfzero.comm import Communicator, Handle
 from hfzero.logging import get_logger
+from hfzero.runtime.tensors import iter_tensors
 from hfzero.runtime.layout import Bucket, FlatLayout, ParamSlot
 
 logger = get_logger(__name__)
@@ -159,7 +160,7 @@ class GradientReducer:
         about to be back-propagated), to find unused parameters when the backward pass starts."""
         if not self.find_unused or not torch.is_grad_enabled():
             return
-        roots = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        roots = [t.grad_fn for t in iter_tensors(output) if t.grad_fn is not None]
         if replace:
             self._graph_roots, self._roots_complete = roots, True
         elif len(self._graph_roots) + len(roots) > _MAX_GRAPH_ROOTS:
@@ -467,17 +468,6 @@ class GradientReducer:
     def accumulator_bytes(self) -> int:
         """Bytes of the full local accumulator held across micro-batches (GRAD_ACCUM), if any."""
         return 0 if self.accumulator is None else self.accumulator.numel() * self.accumulator.element_size()
-
-
-def _tensors(value: object) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
 
 
 def _reachable_params(roots: list[torch.autograd.graph.Node]) -> set[torch.Tensor]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from torch import nn
 
 from hfzero.comm import Communicator
 from hfzero.logging import get_logger
+from hfzero.runtime.tensors import iter_tensors
 from hfzero.runtime.reducer import FAILED_PASS_MESSAGE
 from hfzero.runtime.stage3.unit import GatherUnit, UnitState
 
@@ -51,17 +52,6 @@ class Phase(enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
     BACKWARD = "backward"
-
-
-def _tensors(value: Any) -> Iterable[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
 
 
 class _Pass:
@@ -152,7 +142,7 @@ class UnitScheduler:
             if self.phase is Phase.BACKWARD:
                 return  # activation-checkpoint recomputation: the backward pass owns the unit
             if torch.is_grad_enabled():
-                for t in _tensors(output):
+                for t in iter_tensors(output):
                     if t.requires_grad:
                         t.register_hook(self._hook_pre_backward(unit))
             self._log("forward_end", unit)
