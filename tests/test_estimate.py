@@ -3,6 +3,7 @@ the activation estimate against the paper's GPT-2 example, and the ``hfzero esti
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -342,3 +343,24 @@ def test_cli_corrupt_config_is_one_line_and_exit_2(capsys, tmp_path) -> None:
     assert main(["estimate", "--config", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "as JSON" in err
+
+
+def test_accumulation_policy_in_the_memory_model_and_communication():
+    """"local" accumulation at stages 2-3 holds a full gradient buffer (g bytes per parameter) across the
+    micro-batches; "sharded" keeps the stage's formula but reduces every micro-batch."""
+    psi, n = 1e9, 8
+    for stage in (0, 1):
+        assert est.model_states_bytes(psi, n, stage, accumulation_steps=4, accumulation="local") == \
+            est.model_states_bytes(psi, n, stage)
+    for stage in (2, 3):
+        base = est.model_states_bytes(psi, n, stage)
+        assert est.model_states_bytes(psi, n, stage, accumulation_steps=4) == base  # auto = sharded
+        assert est.model_states_bytes(psi, n, stage, accumulation_steps=4, accumulation="local") == base + 2 * psi
+        assert est.model_states_bytes(psi, n, stage, accumulation_steps=1, accumulation="local") == base
+    comm = functools.partial(est.comm_elements_per_step, psi, n, accumulation_steps=4)
+    assert comm(0) == 2 * psi and comm(0, accumulation="sharded") == 8 * psi
+    assert comm(1) == 2 * psi and comm(2) == 5 * psi and comm(2, accumulation="local") == 2 * psi
+    assert comm(3) == 12 * psi and comm(3, accumulation="local") == 9 * psi
+    assert est.comm_elements_per_step(psi, 1, 2, accumulation_steps=4) == 0  # one rank moves nothing
+    with pytest.raises(est.EstimateError, match="accumulation"):
+        est.model_states_bytes(psi, n, 2, accumulation="bogus")
