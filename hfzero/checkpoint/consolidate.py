@@ -158,7 +158,9 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str
     ``model.safetensors.index.json``; a tied weight is written once, under the name the model does
     not re-tie on load. ``dtype`` (e.g. "bfloat16") casts floating-point parameters; by default each
     is written in the dtype it trained in (fp32 masters are cast back to it). ``verify`` checks all
-    checksums first. The directory appears atomically (written next to it, then renamed).
+    checksums first. The directory appears atomically (written next to it, then renamed). An
+    ``out_dir`` that is, holds or lies inside the checkpoint is refused (the input is never replaced);
+    every failure is a CheckpointError and leaves no partial output.
     Resident memory: two to three times the largest tensor (see module docstring), whatever the model size.
     """
     out_dir = Path(out_dir).absolute()
