@@ -134,8 +134,7 @@ def load(path: Path | str) -> LoadedRun:
     except ProfileFormatError as err:
         logger.warning("cannot read run %s: %s", path, err)
         return LoadedRun(path=path, run=None, summary=None, error=str(err))
-    except (OSError, KeyError, TypeError, ValueError) as err:
-        # A header of the right version with a wrong-typed field (a foreign writer): name it.
+    except Exception as err:  # noqa: BLE001 - whatever one run's files hold, the other runs keep working
         logger.warning("cannot read run %s: %r", path, err)
         return LoadedRun(path=path, run=None, summary=None,
                          error=f"{path}: not a readable hfzero profile ({type(err).__name__}: {err})")

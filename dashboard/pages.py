@@ -243,6 +243,15 @@ def _sidebar(paths: list[str]) -> tuple[str, list[Path], dict[str, int], int | N
     return view, run_dirs, {"max_points": int(max_points)}, every
 
 
+def _guarded(what: str, show: Callable[[], None]) -> None:
+    """Run one view; a failure becomes one error line for it, never a traceback over the whole app."""
+    try:
+        show()
+    except Exception as err:  # noqa: BLE001 - one malformed run must not take the other views down
+        logger.warning("view of %s failed: %r", what, err)
+        st.error(f"Cannot show {what}: {type(err).__name__}: {err}")
+
+
 def main() -> None:
     """The whole app: sidebar (views, runs, refresh) and the chosen view."""
     st.set_page_config(page_title="hfzero dashboard", layout="wide")
@@ -258,13 +267,13 @@ def main() -> None:
         elif not runs:
             st.info("No run directory given. Start with `hfzero dashboard RUN_DIR`, or add one in the sidebar.")
         elif view == "Compare runs":
-            view_compare(runs, settings)
+            _guarded("the comparison", lambda: view_compare(runs, settings))
         else:
             labels = [r.label for r in runs]
             index = st.selectbox("Run", range(len(runs)), format_func=lambda i: labels[i], key="run_index")
             loaded = runs[index]
             st.caption(str(loaded.path))
             if _show_run_notes(loaded):
-                RUN_VIEWS[view](loaded, settings)
+                _guarded(str(loaded.path), lambda: RUN_VIEWS[view](loaded, settings))
 
     body()

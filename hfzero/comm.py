@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from hfzero import gloo_exit
 from hfzero.logging import get_logger
 
 logger = get_logger(__name__)
@@ -88,6 +89,8 @@ class Communicator:
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.backend = str(dist.get_backend(group)) if self.distributed else "none"
+        if "gloo" in self.backend:
+            gloo_exit.install()  # See [Note: gloo teardown abort]
         if reduce_scatter_impl == "auto":
             via_ar = _REDUCE_SCATTER_VIA_ALL_REDUCE.get(self.backend.split(":")[0], False)
         else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any, Literal
 
 import torch
@@ -100,14 +101,13 @@ class ZeroConfig:
     """fp16 dynamic scaling: the scale never drops below this."""
 
     def __post_init__(self) -> None:
-        _check(self.stage in (0, 1, 2, 3), "stage", self.stage, "must be 0, 1, 2 or 3")
+        _check(_is_int(self.stage) and self.stage in (0, 1, 2, 3), "stage", self.stage, "must be 0, 1, 2 or 3")
         _check(self.dtype in _DTYPES, "dtype", self.dtype, 'must be "fp32", "bf16" or "fp16"')
         for name in ("reduce_bucket_size", "allgather_bucket_size", "max_inflight_buckets", "loss_scale_window",
                      "loss_scale_hysteresis"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value,
-                   "must be a positive integer")
-        _check(isinstance(self.param_persistence_threshold, int) and self.param_persistence_threshold >= 0,
+            _check(_is_int(value) and value > 0, name, value, "must be a positive integer")
+        _check(_is_int(self.param_persistence_threshold) and self.param_persistence_threshold >= 0,
                "param_persistence_threshold", self.param_persistence_threshold, "must be an integer >= 0")
         _check(self.accumulation in ("auto", "sharded", "local"), "accumulation", self.accumulation,
                'must be "auto", "sharded" or "local"')
@@ -115,6 +115,10 @@ class ZeroConfig:
                self.reduce_scatter_impl, 'must be "auto", "native" or "all_reduce"')
         for name in ("overlap_comm", "offload_optimizer", "find_unused_parameters"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be true or false")
+        for name in ("loss_scale", "initial_loss_scale", "min_loss_scale"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), name,
+                   value, "must be a finite number")
         _check(self.loss_scale >= 0, "loss_scale", self.loss_scale, "must be >= 0 (0 = dynamic)")
         _check(self.initial_loss_scale > 0, "initial_loss_scale", self.initial_loss_scale, "must be > 0")
         _check(self.min_loss_scale > 0, "min_loss_scale", self.min_loss_scale, "must be > 0")
@@ -183,12 +187,21 @@ def _convert(name: str, raw: str, kind: type) -> Any:
                 return False
             raise ValueError(raw)
         if kind is int:
-            return int(float(raw)) if "e" in raw.lower() else int(raw)
+            if "e" not in raw.lower():
+                return int(raw)
+            value = float(raw)  # 25e6: an integer written in exponent form, nothing else
+            if not value.is_integer():
+                raise ValueError(raw)
+            return int(value)
         if kind is float:
             return float(raw)
         return raw
-    except ValueError:
+    except (ValueError, OverflowError):
         raise ConfigError(f"ZeroConfig.{name}: cannot read {raw!r} as {kind.__name__}") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, value: Any, rule: str) -> None:

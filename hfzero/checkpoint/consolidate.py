@@ -135,7 +135,12 @@ def _tensors(directory: Path, manifest: dict[str, Any], shard: list[_Source]) ->
 
 
 def _write_config(src: Path, dst: Path, dtype: torch.dtype | None, sources: list[_Source]) -> None:
-    config = json.loads(src.read_text())
+    try:
+        config = json.loads(src.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{src} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{src} is not a JSON object (a model config)")
     floats = [s.entry.dtype for s in sources if s.entry.dtype.is_floating_point]
     chosen = dtype or (max(set(floats), key=floats.count) if floats else None)
     if chosen is not None:
@@ -153,25 +158,74 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str
     ``model.safetensors.index.json``; a tied weight is written once, under the name the model does
     not re-tie on load. ``dtype`` (e.g. "bfloat16") casts floating-point parameters; by default each
     is written in the dtype it trained in (fp32 masters are cast back to it). ``verify`` checks all
-    checksums first. The directory appears atomically (written next to it, then renamed).
+    checksums first. The directory appears atomically (written next to it, then renamed). An
+    ``out_dir`` that is, holds or lies inside the checkpoint is refused (the input is never replaced);
+    every failure is a CheckpointError and leaves no partial output.
     Resident memory: two to three times the largest tensor (see module docstring), whatever the model size.
     """
-    source_dir, warning = fmt.resolve(Path(ckpt_dir).absolute())
-    if warning:
-        logger.warning(warning)
-    manifest = fmt.read_manifest(source_dir)
-    fmt.check_files(source_dir, manifest)
-    if verify:
-        for name in sorted(manifest["files"]):
-            fmt.check_checksum(source_dir, manifest, name)
     out_dir = Path(out_dir).absolute()
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
-        raise CheckpointError(f"{out_dir} exists and is not empty; choose a new directory or pass overwrite=True "
-                              "(--overwrite)")
+    try:
+        source_dir, manifest = _read_checkpoint(Path(ckpt_dir).absolute(), out_dir, verify)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {ckpt_dir}: {exc.strerror or exc} ({type(exc).__name__})") \
+            from None
     target = None if dtype is None else (dtype if isinstance(dtype, torch.dtype) else dtype_from_name(str(dtype)))
     sources = _plan(manifest, target)
     shards = _shards(sources, parse_size(max_shard_size))
     tmp = fmt.partial_dir(out_dir)
+    try:
+        if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+            raise CheckpointError(f"{out_dir} exists and is not empty; choose a new directory or pass "
+                                  "overwrite=True (--overwrite)")
+        names, total, has_config = _write(tmp, source_dir, manifest, sources, shards, target)
+        swap_into_place(tmp, out_dir)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {out_dir}: {exc.strerror or exc} ({type(exc).__name__}); choose a "
+                              "directory you can write to") from None
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("wrote %s: %d tensors, %d bytes in %d file(s)", out_dir, len(sources), total, len(names))
+    return ConsolidateResult(out_dir, names, total, len(sources), has_config)
+
+
+def _read_checkpoint(ckpt_dir: Path, out_dir: Path, verify: bool) -> tuple[Path, dict[str, Any]]:
+    """Resolve and validate the checkpoint (manifest, sizes, headers, checksums); refuse an overlapping output."""
+    source_dir, warning = fmt.resolve(ckpt_dir)
+    if warning:
+        logger.warning(warning)
+    _refuse_overlap(ckpt_dir, source_dir, out_dir)
+    manifest = fmt.read_manifest(source_dir)
+    fmt.check_files(source_dir, manifest)
+    for name in sorted(manifest["files"]):
+        if verify:
+            fmt.check_checksum(source_dir, manifest, name)
+        fmt.check_header(source_dir, manifest, name)
+    return source_dir, manifest
+
+
+def _refuse_overlap(given: Path, source: Path, out_dir: Path) -> None:
+    """Refuse an output that is, holds, or lies inside the checkpoint: replacing it would delete the input.
+
+    Paths are compared resolved (symlinks followed); the directories an export renames through
+    (``.OUT.partial``, ``.OUT.previous``) count as the output too.
+    """
+    outs = [os.path.realpath(p) for p in (out_dir, fmt.partial_dir(out_dir), fmt.previous_dir(out_dir))]
+    for src in {os.path.realpath(given), os.path.realpath(source)}:
+        for out in outs:
+            if out == src or _inside(out, src) or _inside(src, out):
+                raise CheckpointError(f"the output {out_dir} overlaps the checkpoint {source} (one is, holds or "
+                                      "lies inside the other); writing it would delete the checkpoint. Choose an "
+                                      "output directory outside the checkpoint")
+
+
+def _inside(path: str, parent: str) -> bool:
+    return os.path.commonpath([path, parent]) == parent and path != parent
+
+
+def _write(tmp: Path, source_dir: Path, manifest: dict[str, Any], sources: list[_Source],
+           shards: list[list[_Source]], target: torch.dtype | None) -> tuple[list[str], int, bool]:
+    """Write the whole export into ``tmp``; return (weight files, tensor bytes, whether config.json was written)."""
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -193,6 +247,4 @@ def consolidate(ckpt_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str
     if fmt.GENERATION_CONFIG_FILE in manifest["files"]:
         shutil.copyfile(source_dir / fmt.GENERATION_CONFIG_FILE, tmp / fmt.GENERATION_CONFIG_FILE)
     fsync_dir(tmp)
-    swap_into_place(tmp, out_dir)
-    logger.info("wrote %s: %d tensors, %d bytes in %d file(s)", out_dir, len(sources), total, len(names))
-    return ConsolidateResult(out_dir, names, total, len(sources), has_config)
+    return names, total, has_config

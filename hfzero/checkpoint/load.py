@@ -20,6 +20,7 @@ Order of work (nothing touches the model until every rank has validated everythi
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ class _Plan:
     inventory: Inventory
     ranges: list[ParamRange]
     scalars: list[dict[str, Any]]  # per bucket: decoded scalar optimizer state
+    hyper: list[dict[str, Any]]  # per param group: decoded hyper-parameters the optimizer has
     rng_tensors: dict[str, torch.Tensor] | None
 
 
@@ -72,6 +74,8 @@ def load_checkpoint(directory: str | os.PathLike[str], model: nn.Module, optimiz
         plan = _validate(directory, model, optimizer, engine, verify)
     except CheckpointError as exc:
         error = str(exc)
+    except OSError as exc:  # e.g. a file this rank may not read
+        error = f"cannot read {directory}: {exc} ({type(exc).__name__})"
     agree(engine.comm, error, f"load_checkpoint({directory})")
     assert plan is not None
     error = None
@@ -111,11 +115,14 @@ def _validate(directory: Path, model: nn.Module, optimizer: ZeroOptimizer, engin
     fmt.check_files(resolved, manifest)
     inv = inventory(model, engine)
     _match_model(resolved, manifest, inv, optimizer, engine)
-    if verify:
-        for i, name in enumerate(sorted(manifest["files"])):
-            if i % engine.world_size == engine.rank:
+    for i, name in enumerate(sorted(manifest["files"])):
+        if i % engine.world_size == engine.rank:
+            if verify:
                 fmt.check_checksum(resolved, manifest, name)
+            fmt.check_header(resolved, manifest, name)
     scalars = _bucket_scalars(resolved, manifest, engine)
+    hyper = _hyper(resolved, manifest, optimizer)
+    _check_scaler(resolved, manifest, engine)
     rng_tensors = None
     if manifest["world_size"] == engine.world_size:
         path = resolved / manifest["ranks"][engine.rank]["file"]
@@ -126,7 +133,8 @@ def _validate(directory: Path, model: nn.Module, optimizer: ZeroOptimizer, engin
                 rng_tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng/")}
         except Exception as exc:  # noqa: BLE001 - safetensors' own error types
             raise CheckpointError(f"{path}: cannot read its RNG states ({exc})") from exc
-    return _Plan(resolved, manifest, inv, held_ranges(engine.layout, engine.rank), scalars, rng_tensors)
+        rng.check(rng_tensors, manifest["ranks"][engine.rank]["rng"], engine.device)
+    return _Plan(resolved, manifest, inv, held_ranges(engine.layout, engine.rank), scalars, hyper, rng_tensors)
 
 
 def _match_model(directory: Path, manifest: dict[str, Any], inv: Inventory, optimizer: ZeroOptimizer,
@@ -182,8 +190,53 @@ def _bucket_scalars(directory: Path, manifest: dict[str, Any], engine: ZeroEngin
                     f"{directory / fmt.MANIFEST}: parameters {source!r} and {slot.name!r} have different scalar "
                     f"optimizer state ({chosen} vs {scalars}) but share one slice in this layout; load with the "
                     "bucket size used when saving")
-        out.append({k: fmt.decode_value(v) for k, v in (chosen or {}).items()})
+        decoded = {k: fmt.decode_value(v) for k, v in (chosen or {}).items()}
+        now = engine.optimizer.state.get(engine.master_views[bucket.index], {})
+        wrong = [f"{k}={v!r}" for k, v in decoded.items() if k in now and not _compatible(v, now[k])]
+        if wrong:
+            raise CheckpointError(f"{directory / fmt.MANIFEST}: scalar optimizer state of {source!r} has the wrong "
+                                  f"kind: {_listing(wrong)}; the manifest was edited or corrupted")
+        out.append(decoded)
     return out
+
+
+def _compatible(saved: Any, now: Any) -> bool:
+    """Whether a saved optimizer value can stand where the optimizer now holds ``now`` (same kind of value)."""
+    if now is None or saved is None:
+        return True
+    if isinstance(now, bool) or isinstance(saved, bool):
+        return isinstance(now, bool) and isinstance(saved, bool)
+    if isinstance(now, (int, float)):
+        return isinstance(saved, (int, float)) and math.isfinite(saved)
+    if isinstance(now, torch.Tensor):
+        return isinstance(saved, torch.Tensor) and saved.numel() == now.numel()
+    if isinstance(now, (tuple, list)):
+        return (isinstance(saved, (tuple, list)) and len(saved) == len(now)
+                and all(_compatible(a, b) for a, b in zip(saved, now)))
+    return type(saved) is type(now)
+
+
+def _hyper(directory: Path, manifest: dict[str, Any], optimizer: ZeroOptimizer) -> list[dict[str, Any]]:
+    """Per param group, the saved hyper-parameters the optimizer has, decoded and checked against its own."""
+    out = []
+    for index, (ours, saved) in enumerate(zip(optimizer.param_groups, manifest["optimizer"]["param_groups"])):
+        hyper = {k: fmt.decode_value(v) for k, v in saved["hyper"].items() if k in ours and k != "params"}
+        wrong = [f"{k}={v!r} (the optimizer has {ours[k]!r})" for k, v in hyper.items() if not _compatible(v, ours[k])]
+        if wrong:
+            raise CheckpointError(f"{directory / fmt.MANIFEST}: param group {index} has hyper-parameters of the wrong "
+                                  f"kind: {_listing(wrong)}; the manifest was edited or corrupted")
+        out.append(hyper)
+    return out
+
+
+def _check_scaler(directory: Path, manifest: dict[str, Any], engine: ZeroEngine) -> None:
+    """The saved loss-scaler state has the keys the engine's scaler reads, with integers where it keeps integers."""
+    saved, now = manifest["loss_scaler"], engine.scaler.state_dict()
+    if set(saved) != set(now) or any(isinstance(now[k], int) and not isinstance(saved[k], int) for k in now):
+        raise CheckpointError(f"{directory / fmt.MANIFEST}: loss_scaler {saved} does not have the form "
+                              f"{sorted(now)} (numbers); the manifest was edited or corrupted")
+    if saved.get("scale", 1) <= 0:
+        raise CheckpointError(f"{directory / fmt.MANIFEST}: loss_scaler scale {saved['scale']} must be > 0")
 
 
 # ---- applying -------------------------------------------------------------------------------------
@@ -227,8 +280,7 @@ def _fill(plan: _Plan, optimizer: ZeroOptimizer, engine: ZeroEngine) -> None:
             tensor.copy_(read_tensor(directory / manifest["frozen"][name]["file"], name))
     index = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
     groups = inner.state_dict()["param_groups"]
-    for ours, inner_group, saved in zip(optimizer.param_groups, groups, manifest["optimizer"]["param_groups"]):
-        hyper = {k: fmt.decode_value(v) for k, v in saved["hyper"].items() if k in ours}
+    for ours, inner_group, hyper in zip(optimizer.param_groups, groups, plan.hyper):
         ours.update(hyper)
         inner_group.update({k: v for k, v in hyper.items() if k in inner_group})
     inner.load_state_dict({"state": {index[id(v)]: s for v, s in zip(engine.master_views, states) if s},

@@ -66,5 +66,14 @@ def restore(tensors: dict[str, torch.Tensor], meta: dict[str, Any], device: torc
             module.set_rng_state(tensors["rng/device"], device)
         elif meta.get("device"):
             logger.info("checkpoint has a %s RNG state but this rank runs on %s; not restored", meta["device"], device)
-    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, OverflowError, IndexError) as exc:
         raise CheckpointError(f"the saved RNG state is malformed ({exc})") from exc
+
+
+def check(tensors: dict[str, torch.Tensor], meta: dict[str, Any], device: torch.device) -> None:
+    """Raise CheckpointError if ``restore`` would fail on these states; this process's RNGs are left as they were."""
+    current = capture(device)
+    try:
+        restore(tensors, meta, device)
+    finally:
+        restore(*current, device)

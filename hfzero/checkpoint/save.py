@@ -161,7 +161,10 @@ def _write_rank_file(tmp: Path, engine: ZeroEngine) -> dict[str, Any]:
     name = fmt.rank_file(engine.rank, engine.world_size)
     # views of the live tensors: nothing is copied until write_safetensors streams each one out
     tensors = (src.reshape(-1)[a:b].reshape(e.shape) for (src, a, b), e in zip(sources, entries))
-    digest = write_safetensors(tmp / name, entries, tensors, metadata={"format": "pt", "hfzero": fmt.FORMAT_NAME})
+    written = {r.name for r in ranges}
+    shapes = {s.name: list(s.shape) for b in engine.layout.buckets for s in b.slots if s.name in written}
+    metadata = {"format": "pt", "hfzero": fmt.FORMAT_NAME, fmt.SHAPES_METADATA: json.dumps(shapes)}
+    digest = write_safetensors(tmp / name, entries, tensors, metadata=metadata)
     return {
         "file": name, "sha256": digest.sha256, "bytes": digest.bytes, "state_keys": keys, "rng": rng_meta,
         "pieces": [[r.name, r.start, r.end] for r in ranges],
@@ -243,7 +246,7 @@ def swap_into_place(tmp: Path, directory: Path, pause=None) -> None:
     """Rename the finished ``tmp`` to ``directory``, replacing a previous one. See [Note: atomic checkpoint]."""
     prev = fmt.previous_dir(directory)
     if prev.exists() and directory.exists():
-        shutil.rmtree(prev)  # left by an earlier save killed after its swap, before its cleanup
+        _remove(prev)  # left by an earlier save killed after its swap, before its cleanup
     if directory.exists():
         os.rename(directory, prev)
         if pause is not None:
@@ -251,4 +254,12 @@ def swap_into_place(tmp: Path, directory: Path, pause=None) -> None:
     os.rename(tmp, directory)
     fsync_dir(directory.parent)
     if prev.exists():
-        shutil.rmtree(prev)
+        _remove(prev)
+
+
+def _remove(path: Path) -> None:
+    """Delete a replaced directory (or the file an export with overwrite replaced)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()

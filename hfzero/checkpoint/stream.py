@@ -10,12 +10,13 @@ standard safetensors: ``safetensors.safe_open`` reads them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -144,6 +145,18 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+@contextlib.contextmanager
+def _reading(path: Path, key: str) -> Iterator[None]:
+    """Report any failure to read ``key`` from ``path`` (safetensors' own error types, OSError) as CheckpointError."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, ...: name the file, not the library
+        raise CheckpointError(f"{path}: cannot read tensor {key!r} ({type(exc).__name__}: {exc}); the file is "
+                              "corrupt or unreadable") from None
+
+
 def read_range(path: Path, key: str, start: int, end: int) -> torch.Tensor:
     """Elements ``[start, end)`` of the 1-D tensor ``key`` in ``path`` (only those bytes are read).
 
@@ -152,20 +165,22 @@ def read_range(path: Path, key: str, start: int, end: int) -> torch.Tensor:
     """
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        return f.get_slice(key)[start:end]
+    with _reading(path, key):
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_slice(key)[start:end]
 
 
 def read_tensor(path: Path, key: str) -> torch.Tensor:
     """The whole tensor ``key`` of ``path`` (the file is opened for this read only)."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        return f.get_tensor(key)
+    with _reading(path, key):
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(key)
 
 
-def describe(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every tensor of a safetensors file: name -> (safetensors dtype code, shape); header only."""
+def read_header(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str, str]]:
+    """A safetensors file's tensors (name -> (dtype code, shape)) and its metadata; header only."""
     from safetensors import safe_open
 
     try:
@@ -174,8 +189,7 @@ def describe(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             for key in f.keys():
                 sl = f.get_slice(key)
                 out[key] = (sl.get_dtype(), tuple(sl.get_shape()))
-            return out
-    except Exception as exc:  # safetensors raises its own error types for bad headers
+            return out, dict(f.metadata() or {})
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for bad headers
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc}); the file is corrupt or was "
-                              "written by something else") from exc
-
+                              "written by something else") from None

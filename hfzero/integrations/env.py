@@ -14,7 +14,12 @@ from hfzero.config import ConfigError, ZeroConfig
 
 ENV_PREFIX = "HFZERO_"
 PROFILE_DIR_ENV = "HFZERO_PROFILE_DIR"
-_NOT_CONFIG = {PROFILE_DIR_ENV}
+NOT_CONFIG = frozenset({
+    PROFILE_DIR_ENV,
+    "HFZERO_DASHBOARD_RUNS",  # the dashboard's run directories (dashboard/pages.py)
+    "HFZERO_CHECKPOINT_PAUSE_AT", "HFZERO_CHECKPOINT_PAUSE_SIGNAL",  # a test hook of hfzero/checkpoint/save.py
+})
+"""``HFZERO_*`` variables hfzero reads that are not ZeroConfig fields: never taken for a typo."""
 
 
 def env_name(field: str) -> str:
@@ -32,13 +37,13 @@ def config_strings_from_env(environ: Mapping[str, str] | None = None) -> dict[st
     fields = set(ZeroConfig.field_names())
     values: dict[str, str] = {}
     for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX) or key in _NOT_CONFIG:
+        if not key.startswith(ENV_PREFIX) or key in NOT_CONFIG:
             continue
         field = key[len(ENV_PREFIX):].lower()
         if field not in fields:
             valid = ", ".join(sorted(env_name(f) for f in fields))
             raise ConfigError(f"environment variable {key} names no ZeroConfig option; valid ones are {valid} "
-                              f"and {PROFILE_DIR_ENV}")
+                              f"(and, not options, {', '.join(sorted(NOT_CONFIG))}). Unset or rename it")
         values[field] = raw
     return values
 

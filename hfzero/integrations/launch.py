@@ -18,10 +18,10 @@ import dataclasses
 import os
 import runpy
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from hfzero.config import ConfigError, ZeroConfig
-from hfzero.integrations.env import ENV_PREFIX, PROFILE_DIR_ENV, config_strings_from_env, config_to_env
+from hfzero.integrations.env import PROFILE_DIR_ENV, config_strings_from_env, config_to_env, env_name
 from hfzero.logging import get_logger
 
 logger = get_logger(__name__)
@@ -29,6 +29,7 @@ logger = get_logger(__name__)
 _PREFIX = "--zero_"
 _MODULE_FLAG = "--hfzero-module"
 _CONFLICTS = ("--deepspeed", "--fsdp")
+_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,16 +93,56 @@ def _check_conflicts(script_args: Sequence[str]) -> None:
                               f"DeepSpeed and FSDP. Drop {flag} or the --zero_* options")
 
 
-def plan(argv: Sequence[str]) -> LaunchPlan:
-    """Parse and validate an ``hfzero run`` command line; raises ConfigError (or SystemExit from argparse)."""
+def _check_nproc(value: str) -> None:
+    """torchrun asserts on ``--nproc_per_node 0``; say what it takes instead."""
+    if value in _NPROC_WORDS:
+        return
+    try:
+        ok = int(value) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"--nproc_per_node {value!r} is invalid: give a positive number of processes per node, "
+                          f"or one of {', '.join(_NPROC_WORDS)}")
+
+
+def options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``HFZERO_*`` settings already in the environment, as ``{field: text}`` (``profile_dir`` included).
+
+    Each is validated on its own, so an error names the variable.
+    """
+    environ = os.environ if environ is None else environ
+    options = config_strings_from_env(environ)
+    for field, raw in options.items():
+        try:
+            ZeroConfig.from_strings({field: raw})
+        except ConfigError as error:
+            raise ConfigError(f"environment variable {env_name(field)}={raw!r}: {error} Fix or unset it") from None
+    if environ.get(PROFILE_DIR_ENV):
+        options["profile_dir"] = environ[PROFILE_DIR_ENV]
+    return options
+
+
+def plan(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> LaunchPlan:
+    """Parse and validate an ``hfzero run`` command line; raises ConfigError (or SystemExit from argparse).
+
+    ``HFZERO_*`` variables already in ``environ`` (default ``os.environ``) count as options; a
+    ``--zero_*`` flag for the same field wins.
+    """
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
     parser.prog = "hfzero run"
     args = parser.parse_args(list(argv))
-    script_args, options = split_zero_options(args.training_script_args)
+    _check_nproc(str(args.nproc_per_node))
+    script_args, flags = split_zero_options(args.training_script_args)
+    from_env = options_from_env(environ)
+    options = {**from_env, **flags}
     if not options:
         return LaunchPlan(torchrun_args=args, env={}, zero_options={})
+    overridden = sorted(k for k in from_env if k in flags and from_env[k] != flags[k])
+    if overridden:
+        logger.info("hfzero run: --zero_* flags override the environment for %s", ", ".join(overridden))
     _check_conflicts(script_args)
     profile_dir = options.pop("profile_dir", None)
     env = config_to_env(options)  # validates: raises ConfigError naming the field and the rule
@@ -127,10 +168,7 @@ def launch(argv: Sequence[str]) -> int:
     from torch.distributed.run import run
 
     launch_plan = plan(argv)
-    stale = [k for k in os.environ if k.startswith(ENV_PREFIX)]
-    for key in stale:  # the workers must see this command's options only
-        del os.environ[key]
-    os.environ.update(launch_plan.env)
+    os.environ.update(launch_plan.env)  # the environment's HFZERO_* with the flags applied over them
     if not torch.accelerator.is_available():
         # transformers/accelerate treat a torchrun worker on a host without an accelerator as a
         # single process unless told it is a CPU run: each rank would train alone on all the data.

@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from hfzero.checkpoint import load_checkpoint, save_checkpoint
+from hfzero.checkpoint.format import MANIFEST, previous_dir
 from hfzero.config import ConfigError
 from hfzero.logging import get_logger
 from hfzero.runtime.optimizer import ZeroOptimizer
@@ -46,6 +47,13 @@ def _require_zero(optimizer: Any, what: str) -> ZeroOptimizer:
     if zero is None:
         raise ConfigError(f"{what}: the optimizer was not prepared by hfzero (got {type(optimizer).__name__})")
     return zero
+
+
+def has_shards(directory: str | os.PathLike[str]) -> bool:
+    """Whether ``directory`` holds ZeRO training state ``load_optimizer_shards`` can load: the directory
+    itself, or the complete previous copy a save interrupted between its renames left beside it."""
+    directory = Path(directory)
+    return directory.is_dir() or (previous_dir(directory) / MANIFEST).is_file()
 
 
 def save_optimizer_shards(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any) -> Path:

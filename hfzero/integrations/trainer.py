@@ -38,16 +38,17 @@ import torch.distributed as dist
 import transformers.trainer as _trainer_module
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from hfzero.checkpoint.format import TRAINER_SHARD_DIR as SHARD_DIR
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.accelerate import ZeroAccelerator, apply_mixed_precision
 from hfzero.integrations.env import config_strings_from_env, profile_dir_from_env
-from hfzero.integrations.state import is_partitioned, load_optimizer_shards, save_optimizer_shards, unwrap_optimizer
+from hfzero.integrations.state import (has_shards, is_partitioned, load_optimizer_shards, save_optimizer_shards,
+                                      unwrap_optimizer)
 from hfzero.logging import get_logger
 from hfzero.runtime.stage3 import full_state_dict
 
 logger = get_logger(__name__)
 
-SHARD_DIR = "zero_optimizer"
 SCHEDULER_NAME = "scheduler.pt"
 _PROFILE_HELP = ("Directory for hfzero's profiler (ZeroProfiler): per-rank memory by role, communication and "
                  "phase times of every step. Unset: no profiling.")
@@ -238,7 +239,7 @@ class ZeroTrainer(Trainer):
         if unwrap_optimizer(self.optimizer) is None:
             return super()._load_best_model()
         best = Path(self.state.best_model_checkpoint)
-        if (best / SHARD_DIR).is_dir():
+        if has_shards(best / SHARD_DIR):
             logger.info("ZeroTrainer: loading the best model from %s (score %s)", best / SHARD_DIR,
                         self.state.best_metric)
             load_optimizer_shards(best / SHARD_DIR, self.model, self.optimizer)
@@ -264,7 +265,7 @@ class ZeroTrainer(Trainer):
         if unwrap_optimizer(self.optimizer) is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         shards = Path(checkpoint) / SHARD_DIR
-        if not shards.is_dir():
+        if not has_shards(shards):
             raise ConfigError(f"{checkpoint} holds no hfzero optimizer shards ({SHARD_DIR}/ is missing): it was not "
                               "saved by a ZeroTrainer. Resume it without ZeRO, or start from its weights with "
                               "--model_name_or_path and a fresh optimizer")

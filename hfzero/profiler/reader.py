@@ -129,11 +129,34 @@ def load_run(run_dir: Path | str) -> Run:
         ranks[log.rank] = log
         if warning:
             warnings.append(warning)
-    expected = int(header.get("global_world_size", header["world_size"]))
-    missing = [r for r in range(expected) if r not in ranks]
-    if missing:
-        warnings.append(f"{path}: no rank file for rank(s) {missing} of {expected}")
+    expected = header.get("global_world_size", header["world_size"])
+    warning = _missing_ranks(path, expected, ranks)
+    if warning:
+        warnings.append(warning)
     return Run(path=path, header=header, ranks=dict(sorted(ranks.items())), warnings=warnings)
+
+
+_PREDICTION_INPUTS = ("num_params", "dp", "stage", "param_bytes", "grad_bytes", "optimizer_k", "persistent_params")
+"""The estimator inputs of a header's prediction that readers compute with (numbers)."""
+
+_LISTED_MISSING = 8
+"""Missing ranks named in a warning; the rest are counted."""
+
+
+def _missing_ranks(path: Path, expected: int, ranks: dict[int, RankLog]) -> str | None:
+    """A warning naming the ranks below ``expected`` without a file, or None.
+
+    Work is bounded by the files on disk, not by ``expected`` (a header may claim any world size):
+    the first few missing ranks are found among the first ``len(ranks) + _LISTED_MISSING`` ranks,
+    and the rest are counted.
+    """
+    present = sum(1 for r in ranks if r < expected)
+    if present == expected:
+        return None
+    listed = [r for r in range(min(expected, len(ranks) + _LISTED_MISSING)) if r not in ranks][:_LISTED_MISSING]
+    count = expected - present
+    more = f" and {count - len(listed)} more" if count > len(listed) else ""
+    return f"{path}: no rank file for rank(s) {listed}{more} of {expected}"
 
 
 def _read_header(path: Path) -> dict[str, Any]:
@@ -149,7 +172,48 @@ def _read_header(path: Path) -> dict[str, Any]:
     for key in ("run_id", "world_size", "stage"):
         if key not in header:
             raise ProfileFormatError(path, f"the header lacks required key {key!r}")
+    problem = _header_problem(header)
+    if problem:
+        raise ProfileFormatError(path, f"the header's {problem}")
     return header
+
+
+def _header_problem(header: dict[str, Any]) -> str | None:
+    """What is wrong with the types of the header's keys the readers use, or None."""
+    if not isinstance(header["run_id"], str):
+        return f"run_id is {header['run_id']!r}, not a string"
+    for key in ("world_size", "global_world_size"):
+        if key in header and not (_is_int(header[key]) and header[key] >= 1):
+            return f"{key} is {_short(header[key])}, not an integer >= 1"
+    if not (_is_int(header["stage"]) and 0 <= header["stage"] <= 3):
+        return f"stage is {_short(header['stage'])}, not 0, 1, 2 or 3"
+    model = header.get("model")
+    if model is not None:
+        if not isinstance(model, dict):
+            return f"model is {_short(model)}, not an object"
+        if model.get("class") is not None and not isinstance(model["class"], str):
+            return f"model.class is {_short(model['class'])}, not a string"
+        if model.get("num_params") is not None and not _is_int(model["num_params"]):
+            return f"model.num_params is {_short(model['num_params'])}, not an integer"
+    prediction = header.get("prediction")
+    if prediction is not None:
+        if not isinstance(prediction, dict):
+            return f"prediction is {_short(prediction)}, not an object"
+        for key in ("model_state_bytes", "device_model_state_bytes"):
+            if prediction.get(key) is not None and not _is_number(prediction[key]):
+                return f"prediction.{key} is {_short(prediction[key])}, not a number"
+        if prediction.get("formula") is not None and not isinstance(prediction["formula"], str):
+            return f"prediction.formula is {_short(prediction['formula'])}, not a string"
+        inputs = prediction.get("inputs")
+        if inputs is not None and not (isinstance(inputs, dict) and all(
+                _is_number(inputs[k]) for k in _PREDICTION_INPUTS if inputs.get(k) is not None)):
+            return f"prediction.inputs is {_short(inputs)}, not an object of numbers"
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_version(path: Path, obj: dict[str, Any], line: int | None) -> None:
@@ -189,9 +253,32 @@ def _parse_record(path: Path, number: int, raw: bytes) -> Record:
         raise ProfileFormatError(path, "a record is not a JSON object", number)
     if record.get("kind") not in KINDS:
         raise ProfileFormatError(path, f"record kind {record.get('kind')!r} is not one of {list(KINDS)}", number)
-    if not isinstance(record.get("step"), int) or not isinstance(record.get("t"), (int, float)):
+    if not _is_int(record.get("step")) or not _is_number(record.get("t")):
         raise ProfileFormatError(path, "a record lacks an integer 'step' or a numeric 't'", number)
+    problem = _record_problem(record)
+    if problem:
+        raise ProfileFormatError(path, f"a record's {problem}", number)
     return record
+
+
+def _record_problem(record: Record) -> str | None:
+    """What is wrong with the types of the record's keys the readers use, or None (unknown keys pass)."""
+    for key in ("roles", "allocator", "allocator_max", "comm", "phase_seconds"):
+        if record.get(key) is not None and not isinstance(record[key], dict):
+            return f"{key} is {_short(record[key])}, not an object"
+    for key, value in (record.get("roles") or {}).items():
+        if not _is_number(value):
+            return f"roles.{key} is {_short(value)}, not a number"
+    for kind, stats in (record.get("comm") or {}).items():
+        if not isinstance(stats, dict) or not all(_is_number(stats.get(f, 0)) for f in COMM_FIELDS):
+            return f"comm.{kind} is {_short(stats)}, not an object of numbers {list(COMM_FIELDS)}"
+    for key in ("model_state_bytes", "seconds"):
+        if record.get(key) is not None and not _is_number(record[key]):
+            return f"{key} is {_short(record[key])}, not a number"
+    for key in ("phase", "edge", "event"):
+        if record.get(key) is not None and not isinstance(record[key], str):
+            return f"{key} is {_short(record[key])}, not a string"
+    return None
 
 
 def _check_start(path: Path, rank: int, start: Record, header: dict[str, Any]) -> None:
@@ -277,6 +364,10 @@ def _comm_per_step(steps: list[Record]) -> dict[str, dict[str, float]]:
             for field in COMM_FIELDS:
                 entry[field] += stats.get(field, 0)
     return {kind: {f: v / len(steps) for f, v in entry.items()} for kind, entry in sorted(totals.items())}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:
