@@ -81,6 +81,12 @@ class ZeroConfig:
     their optimizer states untouched by the step (otherwise weight decay and momentum still move them).
     Adam's per-slice step counter still advances for them."""
 
+    host_mmap_threshold: int = 1 << 20
+    """CPU engines: bytes from which glibc malloc maps blocks of their own (``mallopt(M_MMAP_THRESHOLD)``,
+    set once per process by ``prepare``), which keeps the per-rank peak flat over a long run; 0 leaves
+    glibc's dynamic threshold alone, as does ``MALLOC_MMAP_THRESHOLD_`` in the environment. See
+    [Note: host allocator] in runtime/hostmem.py."""
+
     offload_optimizer: bool = False
     """Keep fp32 master weights and optimizer states on the CPU (the parameters stay on their device)."""
 
@@ -109,6 +115,8 @@ class ZeroConfig:
                    "must be a positive integer")
         _check(isinstance(self.param_persistence_threshold, int) and self.param_persistence_threshold >= 0,
                "param_persistence_threshold", self.param_persistence_threshold, "must be an integer >= 0")
+        _check(isinstance(self.host_mmap_threshold, int) and 0 <= self.host_mmap_threshold <= 2**31 - 1,
+               "host_mmap_threshold", self.host_mmap_threshold, "must be an integer in [0, 2**31 - 1] (0 = glibc default)")
         _check(self.accumulation in ("auto", "sharded", "local"), "accumulation", self.accumulation,
                'must be "auto", "sharded" or "local"')
         _check(self.reduce_scatter_impl in ("auto", "native", "all_reduce"), "reduce_scatter_impl",
