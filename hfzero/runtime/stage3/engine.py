@@ -7,7 +7,7 @@ Memory held per rank (bf16 + Adam, Ψ trainable parameters of which P are persis
   optimizer states are sharded like the others'; after a step they are all-gathered.
 - full buffers of the units gathered right now (PARAM_GATHERED, transient): the unit running
   forward or backward, the root (the whole forward and the whole backward), and prefetched units
-  (at most ``allgather_bucket_size`` elements); see unit.py and scheduler.py. They are borrowed
+  (at most ``prefetch_numel`` elements); see unit.py and scheduler.py. They are borrowed
   from ``gather_pool``, whose idle buffers (COMM_BUFFER, transient) are kept for the next gathers:
   see [Note: stage-3 gather buffers] in buffers.py.
 - gradients, master weights, optimizer states: as at stage 2 (GRAD_SHARD 2Ψ/N, MASTER_SHARD 4Ψ/N,
@@ -82,9 +82,10 @@ class Stage3Engine(ZeroEngine):
         super().__init__(model, param_groups, config, comm, device)
         self.gather_pool = GatherBufferPool(self.policy.param_dtype, device)
         self.units = [self._make_unit(spec) for spec in self.unit_specs]
+        self.prefetch_numel = config.prefetch_numel(self.num_params, self.world_size)
+        """Stage-3 prefetch budget in elements (``ZeroConfig.prefetch_numel``: sized to the model unless set)."""
         self.gather_pool.limit_bytes = self._gather_pool_limit()
-        self.scheduler = UnitScheduler(self.units, verify_comm if verify_gather_order else None,
-                                       config.allgather_bucket_size)
+        self.scheduler = UnitScheduler(self.units, verify_comm if verify_gather_order else None, self.prefetch_numel)
         # See [Note: collective order across ranks] in reducer.py
         self.reducer.launch_on_fill = False
         self.reducer.agree_comm = comm.on_group(comm.group, share_stats=False)
@@ -182,7 +183,7 @@ class Stage3Engine(ZeroEngine):
         """Bytes the gather pool may hold: the root, the largest other unit and the prefetch budget
         (the most gathered at once), never more than every unit at once. See [Note: stage-3 gather buffers]."""
         numels = [u.numel for u in self.units]
-        bound = numels[0] + max(numels[1:], default=0) + self.config.allgather_bucket_size
+        bound = numels[0] + max(numels[1:], default=0) + self.prefetch_numel
         return min(bound, sum(numels)) * self.param_shard.element_size()
 
     def _owned_param(self, bucket: Bucket) -> torch.Tensor:
