@@ -43,7 +43,7 @@ def _build(name: str, args: argparse.Namespace):
     if name.startswith("deepspeed"):
         return _build_deepspeed(model, int(name.removeprefix("deepspeed")), args)
     stage = int(name.removeprefix("zero")[0])
-    config = hfzero.ZeroConfig(stage=stage, reduce_bucket_size=args.bucket)
+    config = hfzero.ZeroConfig(stage=stage, reduce_bucket_size=args.bucket or 0)  # None/0: sized to the model
     extra = {"verify_gather_order": False} if name.endswith("-noverify") else {}
     try:
         model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config, **extra)
@@ -58,10 +58,10 @@ def _build_deepspeed(model, stage: int, args: argparse.Namespace):
         import deepspeed
     except ImportError:
         return None
+    buckets = {} if args.bucket is None else {"reduce_bucket_size": args.bucket, "allgather_bucket_size": args.bucket}
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
               "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": args.bucket,
-                                    "allgather_bucket_size": args.bucket, "overlap_comm": True}}
+              "zero_optimization": {"stage": stage, "overlap_comm": True, **buckets}}  # None: DeepSpeed's defaults
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
                                                    config=config)
     return engine, optimizer, "deepspeed"

@@ -17,6 +17,7 @@ import pandas as pd
 
 from hfzero.logging import get_logger
 from hfzero.profiler.format import HEADER_FILE, PHASES, RANK_FILE_PATTERN
+from hfzero.profiler.decompose import PARTS
 from hfzero.profiler.reader import ProfileFormatError, Run, load_run, summarize
 from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
 
@@ -29,7 +30,7 @@ TRANSIENT_KEYS: tuple[str, ...] = tuple(r.value for r in MemoryRole if r not in 
 """Transient role values (buffers, gathered units, checkpoints), in the enum's order."""
 
 ALLOCATOR_KEYS: tuple[str, ...] = (
-    "allocated", "reserved", "rss", "active", "inactive_split", "reserved_unallocated", "fragmentation",
+    "allocated", "reserved", "rss", "rss_peak", "active", "inactive_split", "reserved_unallocated", "fragmentation",
     "heap_arena", "heap_in_use", "heap_free", "heap_mmapped", "total_free", "largest_free_block",
     "num_alloc_retries", "num_ooms",
 )
@@ -207,6 +208,21 @@ def step_frame(run: Run) -> pd.DataFrame:
             row.update({f"max:{k}": _number((record.get("allocator_max") or {}).get(k)) for k in ALLOCATOR_KEYS})
             rows.append(row)
     return _frame(rows, ["rank", "step", "t", "seconds"])
+
+
+def peak_frame(run: Run) -> pd.DataFrame:
+    """One row per step record with a ``peak`` (see [Note: peak decomposition]): rank, step, total,
+    the parts of ``PARTS``, peak_total (lifetime peak) and where the sampled peak was (phase, edge)."""
+    rows = []
+    for rank, log in run.ranks.items():
+        for record in log.of_kind("step"):
+            peak = record.get("peak")
+            if isinstance(peak, dict):
+                rows.append({"rank": rank, "step": record["step"], "total": _number(peak.get("total")),
+                             **{part: _number(peak.get(part)) for part in PARTS},
+                             "peak_total": _number(peak.get("peak_total")),
+                             "at": f"{peak.get('phase')} {peak.get('edge')}"})
+    return _frame(rows, ["rank", "step", "total", *PARTS, "peak_total", "at"])
 
 
 def comm_frame(run: Run) -> pd.DataFrame:

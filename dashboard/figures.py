@@ -120,6 +120,28 @@ def memory_by_role_figure(loaded: LoadedRun) -> go.Figure:
 # --------------------------------------------------------------------------------------------------
 
 
+_PART_LABELS = {"model_states": "model states", "transient": "transient buffers",
+                "activations": "activations and other live tensors", "remainder": "free but held, libraries"}
+
+
+def peak_decomposition_figure(frame: pd.DataFrame, rank: int) -> go.Figure:
+    """Stacked bars per step: the rank's sampled peak split into model states, transient buffers,
+    activations and the remainder, with the lifetime peak as a line (it grows when the run does)."""
+    frame = frame[frame["rank"] == rank] if not frame.empty else frame
+    if frame.empty:
+        return _empty("No peak decomposition in this run (profiles written before issue 14 lack it).")
+    fig = go.Figure()
+    for part, label in _PART_LABELS.items():
+        fig.add_trace(go.Bar(x=frame["step"], y=frame[part], name=label))
+    if frame["peak_total"].notna().any():
+        fig.add_trace(go.Scatter(x=frame["step"], y=frame["peak_total"], name="lifetime peak (VmHWM / peak reserved)",
+                                 mode="lines+markers", line={"color": "black"}))
+    fig.update_layout(barmode="stack", height=380, title=f"Rank {rank}: why the peak (sampled at phase boundaries)",
+                      xaxis_title="step")
+    fig.update_yaxes(**_BYTES_AXIS)
+    return fig
+
+
 def _hover(frame: pd.DataFrame) -> tuple[np.ndarray, str]:
     custom = np.stack([frame["rank"].astype(str), frame["step"].astype(str), frame["phase"].astype(str),
                        frame["edge"].astype(str), frame["t"].map(lambda t: f"{t:.4f}")], axis=-1)
@@ -165,6 +187,8 @@ def fragmentation_figure(timeline: pd.DataFrame, steps: pd.DataFrame, *, factor:
     """
     panels: list[tuple[str, pd.DataFrame, list[tuple[str, str, str, str | None]]]] = []
     notes: list[str] = []
+    if not steps.empty and "phase" not in steps.columns:  # step records sit at their step's end
+        steps = steps.assign(phase="step", edge="end", x=steps["step"] + 1.0)
     ratio_source = timeline if _has_data(timeline, "fragmentation") else steps
     if _has_data(ratio_source, "fragmentation"):
         panels.append(("fragmentation ratio (free but held / held)", ratio_source,
@@ -183,6 +207,9 @@ def fragmentation_figure(timeline: pd.DataFrame, steps: pd.DataFrame, *, factor:
                        [("allocated", "in use", "bytes", None), ("free", "free but held", "bytes", "dot")]))
     else:
         notes.append("free vs in use: the allocator samples have no allocated/reserved figures")
+    if _has_data(steps, "rss_peak"):
+        panels.append(("process peak RSS (VmHWM) at each step's end: grows when the heap fragments", steps,
+                       [("rss_peak", "peak RSS", "bytes", None)]))
     retries = [c for c in ("num_alloc_retries", "num_ooms") if _has_data(timeline, c)]
     if retries:
         panels.append(("allocator retries and OOMs (cumulative, CUDA)", timeline,

@@ -81,6 +81,14 @@ def view_memory(loaded: LoadedRun, settings: dict[str, int]) -> None:
     st.dataframe(rows, hide_index=True)
     st.caption("The formula counts the unpadded trainable Ψ; the measurement includes bucket padding "
                "(at most N_d - 1 elements per bucket) and frozen parameters.")
+    assert loaded.run is not None
+    peaks = data.peak_frame(loaded.run)
+    if not peaks.empty:
+        rank = st.selectbox("Peak decomposition of rank", sorted(peaks["rank"].unique()), key="peak_rank")
+        st.plotly_chart(figures.peak_decomposition_figure(peaks, rank), width="stretch")
+        st.caption("Total = RSS (CPU) or reserved (CUDA) at the step's largest sampled phase boundary; "
+                   "activations = allocated minus what the engine holds; remainder = total minus allocated "
+                   "(free but held by the allocator, and libraries). See docs/profile-format.md.")
 
 
 def _pick_ranks(loaded: LoadedRun, key: str) -> list[int]:

@@ -39,14 +39,18 @@ class ZeroConfig:
     optimizer steps fp32 master weights of the rank's shard (the paper's 2 + 2 + 12 bytes per
     parameter with Adam); "fp16" adds dynamic loss scaling."""
 
-    reduce_bucket_size: int = 25_000_000
-    """Elements per gradient bucket. Buckets are the unit of reduction and of sharding: each bucket
-    is padded to a multiple of the world size and every rank owns an equal slice of it. Stage 2
-    holds at most ``max_inflight_buckets`` of them in flight, whatever the model size (ZeRO-R CB)."""
+    reduce_bucket_size: int = 0
+    """Elements per gradient bucket; 0 (default): sized to the model (``bucket_numel``: Ψ / (8N) within
+    [2^18, 25M], Ψ trainable parameters, N ranks). Buckets are the unit of reduction and of sharding:
+    each bucket is padded to a multiple of the world size and every rank owns an equal slice of it.
+    Stage 2 holds at most ``max_inflight_buckets`` + 1 of them as staging, whatever the model size
+    (ZeRO-R CB); bounding them by the model's size per rank keeps that staging a small fraction of the
+    gradients stage 2 saves, for small models too."""
 
-    allgather_bucket_size: int = 25_000_000
-    """Stage 3: elements of prefetched (gathered ahead of use) parameters allowed in flight.
-    Stages 1-2 gather updated parameters one reduce bucket per collective."""
+    allgather_bucket_size: int = 0
+    """Stage 3: elements of prefetched (gathered ahead of use) parameters allowed in flight; 0 (default):
+    sized to the model (``prefetch_numel``: Ψ / (2N) within [2^18, 25M]). Stages 1-2 gather updated
+    parameters one reduce bucket per collective."""
 
     overlap_comm: bool = True
     """Launch each bucket's reduction asynchronously as soon as it is full, overlapping backward."""
@@ -82,6 +86,12 @@ class ZeroConfig:
     their optimizer states untouched by the step (otherwise weight decay and momentum still move them).
     Adam's per-slice step counter still advances for them."""
 
+    host_mmap_threshold: int = 1 << 20
+    """CPU engines: bytes from which glibc malloc maps blocks of their own (``mallopt(M_MMAP_THRESHOLD)``,
+    set once per process by ``prepare``), which keeps the per-rank peak flat over a long run; 0 leaves
+    glibc's dynamic threshold alone, as does ``MALLOC_MMAP_THRESHOLD_`` in the environment. See
+    [Note: host allocator] in runtime/hostmem.py."""
+
     offload_optimizer: bool = False
     """Keep fp32 master weights and optimizer states on the CPU (the parameters stay on their device)."""
 
@@ -103,12 +113,18 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         _check(_is_int(self.stage) and self.stage in (0, 1, 2, 3), "stage", self.stage, "must be 0, 1, 2 or 3")
         _check(self.dtype in _DTYPES, "dtype", self.dtype, 'must be "fp32", "bf16" or "fp16"')
-        for name in ("reduce_bucket_size", "allgather_bucket_size", "max_inflight_buckets", "loss_scale_window",
+        for name in ("reduce_bucket_size", "allgather_bucket_size"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name, value,
+                   "must be a positive integer, or 0 to size it to the model")
+        for name in ("max_inflight_buckets", "loss_scale_window",
                      "loss_scale_hysteresis"):
             value = getattr(self, name)
             _check(_is_int(value) and value > 0, name, value, "must be a positive integer")
         _check(_is_int(self.param_persistence_threshold) and self.param_persistence_threshold >= 0,
                "param_persistence_threshold", self.param_persistence_threshold, "must be an integer >= 0")
+        _check(isinstance(self.host_mmap_threshold, int) and 0 <= self.host_mmap_threshold <= 2**31 - 1,
+               "host_mmap_threshold", self.host_mmap_threshold, "must be an integer in [0, 2**31 - 1] (0 = glibc default)")
         _check(self.accumulation in ("auto", "sharded", "local"), "accumulation", self.accumulation,
                'must be "auto", "sharded" or "local"')
         _check(self.reduce_scatter_impl in ("auto", "native", "all_reduce"), "reduce_scatter_impl",
@@ -136,6 +152,20 @@ class ZeroConfig:
         if self.accumulation != "auto":
             return self.accumulation  # type: ignore[return-value]
         return "sharded" if self.stage >= 2 else "local"
+
+    def bucket_numel(self, num_params: int, world_size: int) -> int:
+        """Elements per gradient bucket: ``reduce_bucket_size``, or with 0 the model-sized default
+        Ψ / (8N), within [2^18, 25M] (large models keep constant-size buckets, ZeRO-R CB)."""
+        if self.reduce_bucket_size:
+            return self.reduce_bucket_size
+        return _bounded(num_params, 8 * world_size)
+
+    def prefetch_numel(self, num_params: int, world_size: int) -> int:
+        """Stage-3 prefetch budget in elements: ``allgather_bucket_size``, or with 0 the model-sized
+        default Ψ / (2N), within [2^18, 25M] (at least one decoder block for usual models)."""
+        if self.allgather_bucket_size:
+            return self.allgather_bucket_size
+        return _bounded(num_params, 2 * world_size)
 
     @property
     def mixed_precision(self) -> bool:
@@ -175,6 +205,15 @@ class ZeroConfig:
                 raise ConfigError(f"unknown ZeroConfig option {key!r}; valid options are {cls.field_names()}")
             converted[key] = _convert(key, raw, type(getattr(defaults, key)))
         return cls.from_dict(converted)
+
+
+_BUDGET_MIN = 2**18
+_BUDGET_MAX = 25_000_000
+"""Bounds of the model-sized transient buffers (``bucket_numel``, ``prefetch_numel``), in elements."""
+
+
+def _bounded(num_params: int, divisor: int) -> int:
+    return min(_BUDGET_MAX, max(_BUDGET_MIN, -(-num_params // divisor)))
 
 
 def _convert(name: str, raw: str, kind: type) -> Any:

@@ -11,7 +11,7 @@ from hfzero.testing.models import tiny_causal_lm
 
 
 @pytest.mark.parametrize("field,value", [
-    ("stage", 5), ("dtype", "fp8"), ("reduce_bucket_size", 0), ("reduce_bucket_size", 1.5),
+    ("stage", 5), ("dtype", "fp8"), ("reduce_bucket_size", -1), ("allgather_bucket_size", -1), ("reduce_bucket_size", 1.5),
     ("overlap_comm", "yes"), ("loss_scale", -1.0), ("reduce_scatter_impl", "magic"),
     ("param_persistence_threshold", -1), ("max_inflight_buckets", 0),
 ])

@@ -135,7 +135,7 @@ def test_cpu_probe_sample_reads_without_side_effects(monkeypatch: pytest.MonkeyP
     probe = AllocatorProbe(torch.device("cpu"))
     sample = probe.sample()
     assert sample["device"] == "cpu" and sample["rss"] > 0
-    assert set(sample) == {"device", "rss", "allocated", "reserved", "heap_arena", "heap_in_use", "heap_free",
+    assert set(sample) == {"device", "rss", "rss_peak", "allocated", "reserved", "heap_arena", "heap_in_use", "heap_free",
                            "heap_keepcost", "heap_mmapped", "fragmentation"}
     assert probe.snapshot() is None
     probe.close()
@@ -162,3 +162,19 @@ def test_cuda_probe_reads_stats_and_snapshot_for_its_device(monkeypatch: pytest.
     assert sample["device"] == "cuda:1" and sample["allocated"] == 5 and sample["reserved_unallocated"] == 4
     snapshot = probe.snapshot()
     assert snapshot is not None and snapshot["reserved"] == 2 * MiB and snapshot["fragmentation"] == 0.0
+
+
+def test_peak_decomposition_parts_add_up() -> None:
+    """[Note: peak decomposition]: CPU record -> model states, transient, activations, remainder."""
+    from hfzero.profiler.decompose import PARTS, decompose
+
+    roles = {"param_full": 40 * MiB, "grad_full": 40 * MiB, "grad_bucket": 5 * MiB}
+    cpu = cpu_fields(rss=300 * MiB, info=MallInfo(arena=100 * MiB, hblkhd=150 * MiB, uordblks=60 * MiB,
+                                                   fordblks=40 * MiB, keepcost=0), rss_peak=320 * MiB)
+    split = decompose(roles, cpu, {"param_full", "grad_full"})
+    assert split == {"total": 300 * MiB, "model_states": 80 * MiB, "transient": 5 * MiB,
+                     "activations": 125 * MiB, "remainder": 90 * MiB}
+    assert sum(split[p] for p in PARTS) == split["total"]
+    cuda = {"reserved": 100, "allocated": 70, "reserved_unallocated": 30}
+    assert decompose({"param_full": 50}, cuda, {"param_full"})["remainder"] == 30
+    assert decompose({}, cpu_fields(rss=None, info=None), set()) is None

@@ -63,7 +63,7 @@ def heap_fragmentation(arena: int, fordblks: int) -> float | None:
     return fordblks / arena if arena > 0 else None
 
 
-def cpu_fields(rss: int | None, info: MallInfo | None) -> AllocatorSample:
+def cpu_fields(rss: int | None, info: MallInfo | None, rss_peak: int | None = None) -> AllocatorSample:
     """The allocator record of a CPU rank from its RSS and mallinfo2 figures (None where unavailable).
 
     ``allocated`` is heap in use plus mmapped chunks, ``reserved`` the heap arena plus mmapped chunks.
@@ -83,7 +83,7 @@ def cpu_fields(rss: int | None, info: MallInfo | None) -> AllocatorSample:
             "heap_mmapped": info.hblkhd,
             "fragmentation": heap_fragmentation(info.arena, info.fordblks),
         }
-    return {"rss": rss, **heap}
+    return {"rss": rss, "rss_peak": rss_peak, **heap}
 
 
 def cuda_fields(stats: Mapping[str, Any], rss: int | None) -> AllocatorSample:
@@ -161,13 +161,17 @@ class AllocatorProbe:
             self._statm: int | None = os.open("/proc/self/statm", os.O_RDONLY)
         except OSError:
             self._statm = None
+        try:  # VmHWM: the process's lifetime peak RSS (read only, never reset)
+            self._status: int | None = None if self._is_cuda else os.open("/proc/self/status", os.O_RDONLY)
+        except OSError:
+            self._status = None
 
     def sample(self) -> AllocatorSample:
         """Cheap counters of the allocator now (see the module docstring for what each costs)."""
         if self._is_cuda:
             fields = cuda_fields(torch.cuda.memory_stats_as_nested_dict(self.device), self._rss())
         else:
-            fields = cpu_fields(self._rss(), self._read_mallinfo())
+            fields = cpu_fields(self._rss(), self._read_mallinfo(), self._rss_peak())
         return {"device": str(self.device), **fields}
 
     def close(self) -> None:
@@ -175,6 +179,9 @@ class AllocatorProbe:
         if self._statm is not None:
             os.close(self._statm)
             self._statm = None
+        if self._status is not None:
+            os.close(self._status)
+            self._status = None
 
     def snapshot(self) -> dict[str, Any] | None:
         """Fragmentation from a full CUDA allocator snapshot (expensive); None on other devices."""
@@ -198,6 +205,16 @@ class AllocatorProbe:
         except ImportError:
             return None
         return int(psutil.Process().memory_info().rss)
+
+    def _rss_peak(self) -> int | None:
+        if self._status is None:
+            return None
+        try:
+            text = os.pread(self._status, 4096, 0).decode("ascii", "replace")
+            line = next(line for line in text.splitlines() if line.startswith("VmHWM:"))
+            return int(line.split()[1]) * 1024
+        except (OSError, StopIteration, ValueError, IndexError):
+            return None
 
     def _read_mallinfo(self) -> MallInfo | None:
         if self._mallinfo2 is None:

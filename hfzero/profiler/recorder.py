@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from hfzero.logging import get_logger
 from hfzero.profiler.allocator import AllocatorProbe
+from hfzero.profiler.decompose import decompose
 from hfzero.profiler.format import EVENT_CUDA_SNAPSHOT, EVENT_START, EVENT_STOP, FORMAT_VERSION, rank_file_name
 from hfzero.profiler.header import build_header
 from hfzero.profiler.writer import RankWriter, remove_stale_rank_files, write_header
@@ -245,6 +246,7 @@ class ZeroProfiler:
         self._roles_max: dict[str, int] = {}
         self._model_state_max = 0
         self._allocator_max: dict[str, float] = {}
+        self._peak: dict[str, Any] | None = None
 
     def _phase_edge(self, phase: str, edge: str, **extra: Any) -> dict[str, Any]:
         """Record one phase boundary and fold it into the step's peaks; returns the record."""
@@ -259,6 +261,9 @@ class ZeroProfiler:
         for role, nbytes in record["roles"].items():
             self._roles_max[role] = max(self._roles_max.get(role, 0), nbytes)
         self._model_state_max = max(self._model_state_max, record["model_state_bytes"])
+        split = decompose(record["roles"], record["allocator"], _MODEL_STATE_KEYS)  # See [Note: peak decomposition]
+        if split is not None and (self._peak is None or split["total"] > self._peak["total"]):
+            self._peak = {**split, "phase": phase, "edge": edge}
         for key, value in record["allocator"].items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self._allocator_max[key] = max(self._allocator_max.get(key, value), value)
@@ -282,8 +287,16 @@ class ZeroProfiler:
             "model_state_bytes": self._model_state_max,
             "allocator": allocator,
             "allocator_max": dict(self._allocator_max),
+            "peak": self._peak_record(allocator),
             "comm": _comm_delta(self._comm_last, self._step_comm),
         }
+
+    def _peak_record(self, allocator: dict[str, Any]) -> dict[str, Any] | None:
+        """The step's sampled peak split by [Note: peak decomposition], with the lifetime peak."""
+        if self._peak is None:
+            return None
+        lifetime = allocator.get("peak_reserved") if self.device.type == "cuda" else allocator.get("rss_peak")
+        return {**self._peak, "peak_total": lifetime}
 
     def _record(self, kind: str, *, phase: str | None = None, **extra: Any) -> dict[str, Any]:
         """A record of the engine's state now: roles, model-state bytes, allocator, comm since the last record."""

@@ -84,9 +84,9 @@ class ZeroEngine:
         if self.stage < 3 and self.world_size > 1:  # See [Note: step agreement] in agreement.py
             self.agreement = StepAgreement(model, comm.on_group(comm.group, share_stats=False))
             self.reducer.on_step_begin = self.agreement.launch
-        logger.info("stage %d over %d rank(s): %d trainable parameters in %d bucket(s), %d padded, dtype %s, "
-                    "accumulation %s", self.stage, self.world_size, self.num_params, len(self.layout.buckets),
-                    self.num_params_padded, config.dtype, self.accumulation)
+        logger.info("stage %d over %d rank(s): %d trainable parameters in %d bucket(s) of <= %d elements, %d padded, "
+                    "dtype %s, accumulation %s", self.stage, self.world_size, self.num_params, len(self.layout.buckets),
+                    self.bucket_numel, self.num_params_padded, config.dtype, self.accumulation)
 
     # ---- construction steps (overridden by the stage-3 engine) ----------------------------------
     def _backward_positions(self) -> dict[nn.Parameter, int]:
@@ -103,7 +103,10 @@ class ZeroEngine:
         groups = [sorted(((order[p], names[p], p) for p in group if p.requires_grad), key=lambda t: t[0])
                   for group in param_groups]
         shard_world = 1 if self.stage == 0 else self.world_size
-        return FlatLayout(groups, self.config.reduce_bucket_size, shard_world, self.rank,
+        num_params = sum(p.numel() for group in groups for _, _, p in group)
+        self.bucket_numel = self.config.bucket_numel(num_params, self.world_size)
+        """Elements per gradient bucket (``ZeroConfig.bucket_numel``: sized to the model unless set)."""
+        return FlatLayout(groups, self.bucket_numel, shard_world, self.rank,
                           unit_of=self._bucket_unit_of())
 
     def _bucket_unit_of(self) -> Callable[[nn.Parameter], Hashable] | None:

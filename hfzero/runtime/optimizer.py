@@ -130,7 +130,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _layout_meta(self) -> dict[str, Any]:
         e = self.engine
         return {"format": STATE_FORMAT, "stage": e.stage, "world_size": e.world_size, "rank": e.rank,
-                "dtype": e.config.dtype, "reduce_bucket_size": e.config.reduce_bucket_size,
+                "dtype": e.config.dtype, "reduce_bucket_size": e.bucket_numel,
                 "num_params": e.num_params, "optimizer": type(self.inner).__name__}
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]

@@ -16,6 +16,7 @@ from hfzero.comm import Communicator
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.logging import get_logger
 from hfzero.runtime.engine import ZeroEngine
+from hfzero.runtime.hostmem import configure_host_allocator
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.stage3 import Stage3Engine
 from hfzero.runtime.stage3.weights import WeightSource, materialize_meta_params
@@ -64,6 +65,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         model.to(config.torch_dtype)
     if weights is not None:
         materialize_meta_params([p for group in groups for p in group], device)
+    if device.type == "cpu":
+        configure_host_allocator(config.host_mmap_threshold)  # See [Note: host allocator]
     comm = Communicator(process_group, config.reduce_scatter_impl, device=device)
     _check_ranks_agree(comm, config, model, optimizer, groups)
     if config.stage == 3:

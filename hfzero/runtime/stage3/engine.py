@@ -7,7 +7,9 @@ Memory held per rank (bf16 + Adam, Ψ trainable parameters of which P are persis
   optimizer states are sharded like the others'; after a step they are all-gathered.
 - full buffers of the units gathered right now (PARAM_GATHERED, transient): the unit running
   forward or backward, the root (the whole forward and the whole backward), and prefetched units
-  (at most ``allgather_bucket_size`` elements); see unit.py and scheduler.py.
+  (at most ``prefetch_numel`` elements); see unit.py and scheduler.py. They are borrowed
+  from ``gather_pool``, whose idle buffers (COMM_BUFFER, transient) are kept for the next gathers:
+  see [Note: stage-3 gather buffers] in buffers.py.
 - gradients, master weights, optimizer states: as at stage 2 (GRAD_SHARD 2Ψ/N, MASTER_SHARD 4Ψ/N,
   OPTIM_STATE 8Ψ/N, GRAD_BUCKET staging), the same code (engine.py, reducer.py, optimizer.py).
 """
@@ -26,6 +28,7 @@ from hfzero.logging import get_logger
 from hfzero.roles import MemoryRole
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.layout import Bucket
+from hfzero.runtime.stage3.buffers import GatherBufferPool
 from hfzero.runtime.stage3.scheduler import Phase, UnitScheduler
 from hfzero.runtime.stage3.unit import GatherUnit
 from hfzero.runtime.stage3.units import UnitSpec, resolve_units
@@ -77,9 +80,12 @@ class Stage3Engine(ZeroEngine):
         self.gather_comm, verify_comm = _gather_group_comms(comm)
         self._verify_gather_order = verify_gather_order
         super().__init__(model, param_groups, config, comm, device)
+        self.gather_pool = GatherBufferPool(self.policy.param_dtype, device)
         self.units = [self._make_unit(spec) for spec in self.unit_specs]
-        self.scheduler = UnitScheduler(self.units, verify_comm if verify_gather_order else None,
-                                       config.allgather_bucket_size)
+        self.prefetch_numel = config.prefetch_numel(self.num_params, self.world_size)
+        """Stage-3 prefetch budget in elements (``ZeroConfig.prefetch_numel``: sized to the model unless set)."""
+        self.gather_pool.limit_bytes = self._gather_pool_limit()
+        self.scheduler = UnitScheduler(self.units, verify_comm if verify_gather_order else None, self.prefetch_numel)
         # See [Note: collective order across ranks] in reducer.py
         self.reducer.launch_on_fill = False
         self.reducer.agree_comm = comm.on_group(comm.group, share_stats=False)
@@ -171,7 +177,14 @@ class Stage3Engine(ZeroEngine):
     def _make_unit(self, spec: UnitSpec) -> GatherUnit:
         buckets = [b for b in self.layout.buckets if self._unit_of[b.slots[0].param] == spec.index]
         return GatherUnit(spec.index, spec.name, spec.module, buckets, self.layout, self._shard_views,
-                          self.gather_comm, self.policy.param_dtype, self.device)
+                          self.gather_comm, self.policy.param_dtype, self.device, self.gather_pool)
+
+    def _gather_pool_limit(self) -> int:
+        """Bytes the gather pool may hold: the root, the largest other unit and the prefetch budget
+        (the most gathered at once), never more than every unit at once. See [Note: stage-3 gather buffers]."""
+        numels = [u.numel for u in self.units]
+        bound = numels[0] + max(numels[1:], default=0) + self.prefetch_numel
+        return min(bound, sum(numels)) * self.param_shard.element_size()
 
     def _owned_param(self, bucket: Bucket) -> torch.Tensor:
         return self._shard_views[bucket.index]
@@ -206,6 +219,7 @@ class Stage3Engine(ZeroEngine):
             MemoryRole.PARAM_SHARD: self.param_shard.numel() * element,
             MemoryRole.PARAM_FULL: roles.get(MemoryRole.PARAM_FULL, 0) + self.persistent_flat.numel() * element,
             MemoryRole.PARAM_GATHERED: sum(u.resident_bytes() for u in self.units),
+            MemoryRole.COMM_BUFFER: roles.get(MemoryRole.COMM_BUFFER, 0) + self.gather_pool.idle_bytes(),
         }
         roles.update(extra)
         return {role: size for role, size in roles.items() if size}

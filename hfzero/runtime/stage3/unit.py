@@ -6,7 +6,9 @@ bytes when the unit is released and back to full size before each gather (as FSD
 may have saved views of a parameter (``weight.t()`` in a linear layer) during forward: those views
 share the storage, so resizing it frees their memory too, and the backward gather refills the same
 storage before any of them is read. Between uses the parameters point at a 0-element tensor of
-their dtype, so nothing can read stale or freed memory through them.
+their dtype, so nothing can read stale or freed memory through them. With a buffer pool the
+storage's memory is borrowed for each gather instead of allocated; see [Note: stage-3 gather
+buffers] in buffers.py, which keeps this guarantee.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 
 from hfzero.comm import Communicator, Handle
 from hfzero.runtime.layout import Bucket, FlatLayout
+from hfzero.runtime.stage3.buffers import GatherBufferPool
 
 
 class UnitState(enum.Enum):
@@ -40,13 +43,15 @@ class GatherUnit:
 
     def __init__(self, index: int, name: str, module: nn.Module, buckets: list[Bucket], layout: FlatLayout,
                  shard_views: dict[int, torch.Tensor], comm: Communicator, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, pool: GatherBufferPool | None = None):
         self.index = index
         self.name = name
         self.module = module
         self.buckets = buckets
         self.comm = comm
         self.state = UnitState.SHARDED
+        self.pool = pool
+        self._borrowed: torch.UntypedStorage | None = None  # the pool buffer whose memory the unit holds
         self.numel = sum(b.padded for b in buckets)
         self.full = torch.empty(self.numel, dtype=dtype, device=device)
         self._nbytes = self.numel * self.full.element_size()
@@ -73,10 +78,15 @@ class GatherUnit:
         return 0 if self.state is UnitState.SHARDED else self._nbytes
 
     def start_gather(self) -> None:
-        """Allocate the full buffer and launch its all-gathers (asynchronously); no-op unless SHARDED."""
+        """Give the full buffer memory (a pool buffer, else a fresh allocation) and launch its
+        all-gathers (asynchronously); no-op unless SHARDED."""
         if self.state is not UnitState.SHARDED:
             return
-        self.full.untyped_storage().resize_(self._nbytes)
+        if self.pool is None:
+            self.full.untyped_storage().resize_(self._nbytes)
+        else:  # See [Note: stage-3 gather buffers]
+            self._borrowed = self.pool.borrow(self._nbytes)
+            self.full.untyped_storage()._swap_data_ptr_(self._borrowed)
         self._handles = [self.comm.all_gather(full, shard, async_op=True) for full, shard in self._targets]
         self.state = UnitState.GATHERING
 
@@ -105,4 +115,10 @@ class GatherUnit:
             param.data = self._empty
 
     def _free_storage(self) -> None:
-        self.full.untyped_storage().resize_(0)
+        """The full buffer's storage to 0 bytes: its memory goes back to the pool (or is freed)."""
+        if self._borrowed is None:
+            self.full.untyped_storage().resize_(0)
+            return
+        borrowed, self._borrowed = self._borrowed, None
+        self.full.untyped_storage()._swap_data_ptr_(borrowed)  # the unit's storage is empty again
+        self.pool.give_back(borrowed)

@@ -1,0 +1,211 @@
+"""Per-rank peak memory and step time versus model size and versus steps: torch DDP, FSDP2,
+DeepSpeed ZeRO 1-3 (when installed: `DS_BUILD_OPS=0 pip install deepspeed`; skipped otherwise) and
+hfzero stages 0-3, each with its defaults, as a new user would run them (issue 14).
+
+Every (system, size) pair runs in processes of its own (so one system's heap never inflates
+another's peak): `world` gloo ranks, GPT-2 (vocab 8192, 128 positions), fp32 AdamW, 2 x 64 tokens
+per rank. Per-rank peak = VmHWM (RSS high-water mark, reset with /proc/self/clear_refs once the
+system is set up, so it includes the libraries and the states already resident) after each step;
+CUDA ranks report peak reserved / allocated instead. The largest-model table fits peak = a + b Ψ per
+system over the sizes run and solves world x peak = the host's memory (`--memory-gib`).
+`--check-largest F` then builds hfzero stage 3 with `init_sharded` at F x its predicted limit and
+runs one step (it uses nearly all of the host's memory: run it on a machine of your own).
+
+    python benchmarks/scale.py [--sizes 35M 91M] [--world 4] [--steps 8] [--systems ...] [--json OUT]
+    python benchmarks/scale.py --sizes 5M --world 2        # the small-model point
+    python benchmarks/scale.py --sizes 200M --systems zero3 fsdp2 deepspeed3
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+import hfzero
+from hfzero.estimate import model_states_bytes
+from hfzero.testing import run_distributed
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zero_vs_ddp import _build, _step  # noqa: E402 - the peers' setup lives in one place
+
+SIZES = {  # name -> (hidden, layers); vocab 8192, 128 positions
+    "5M": (256, 4), "35M": (512, 10), "91M": (768, 12), "200M": (1024, 15),
+}
+SYSTEMS = ["ddp", "fsdp2", "deepspeed1", "deepspeed2", "deepspeed3", "zero0", "zero1", "zero2", "zero3"]
+VOCAB, SEQ, BATCH = 8192, 64, 2
+STAGE = {"ddp": 0, "fsdp2": 3, "deepspeed1": 1, "deepspeed2": 2, "deepspeed3": 3,
+         "zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _peak(device: torch.device) -> dict[str, int]:
+    if device.type == "cuda":
+        return {"reserved": torch.cuda.max_memory_reserved(device), "allocated": torch.cuda.max_memory_allocated(device)}
+    return {"rss": _status("VmHWM")}
+
+
+def _reset_peak(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
+
+
+def _run(rank: int, world: int, system: str, size: str, steps: int) -> dict[str, Any] | None:
+    hidden, layers = SIZES[size]
+    args = argparse.Namespace(hidden=hidden, layers=layers, vocab=VOCAB, seq=SEQ, batch=BATCH, bucket=None)
+    built = _build(system, args)
+    if built is None:
+        return None
+    model, optimizer, engine = built
+    device = next(model.parameters()).device
+    if system.startswith("zero"):
+        num_params = hfzero.get_engine(model).num_params
+    else:  # DeepSpeed stage 3 keeps the full size in ds_numel; FSDP2's DTensors report the global size
+        num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    _reset_peak(device)
+    g = torch.Generator().manual_seed(rank)
+    peaks, times = [], []
+    for _ in range(steps):
+        batch = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device)  # (B, T)
+        start = time.perf_counter()
+        _step(model, optimizer, engine, batch)
+        times.append(time.perf_counter() - start)
+        peaks.append(_peak(device))
+    return {"num_params": num_params, "peaks": peaks, "times": times, "device": device.type}
+
+
+def _measure(system: str, size: str, world: int, steps: int) -> dict[str, Any] | None:
+    per_rank = run_distributed(_run, world, system, size, steps, timeout=1800)
+    if per_rank[0] is None:
+        return None
+    key = "rss" if per_rank[0]["device"] == "cpu" else "reserved"
+    by_step = [max(r["peaks"][i][key] for r in per_rank) for i in range(steps)]  # worst rank
+    return {"system": system, "size": size, "num_params": per_rank[0]["num_params"], "metric": key,
+            "peak_by_step": by_step, "median_step_s": statistics.median(per_rank[0]["times"][1:] or per_rank[0]["times"])}
+
+
+def _formula_saving(num_params: int, world: int, stage: int) -> float:
+    """Model-state bytes the paper's formula saves against DDP (fp32 AdamW: p = g = 4, K = 8)."""
+    kw = {"param_bytes": 4, "grad_bytes": 4, "optimizer_k": 8}
+    return model_states_bytes(num_params, world, 0, **kw) - model_states_bytes(num_params, world, stage, **kw)
+
+
+def _largest(rows: list[dict], world: int, memory: float) -> dict[str, float]:
+    """Per system: peak = a + b Ψ fitted over the sizes run; the Ψ at which world ranks fill ``memory``."""
+    out = {}
+    for system in dict.fromkeys(r["system"] for r in rows):
+        points = [(r["num_params"], r["peak_by_step"][-1]) for r in rows if r["system"] == system]
+        if len(points) < 2:
+            continue
+        (x0, y0), (x1, y1) = points[0], points[-1]
+        b = (y1 - y0) / (x1 - x0)
+        a = y0 - b * x0
+        out[system] = {"bytes_per_param": b, "fixed_bytes": a, "largest_params": (memory / world - a) / b}
+    return out
+
+
+def _check(rank: int, world: int, num_params: float) -> dict[str, Any]:
+    """hfzero stage 3 built with init_sharded (no rank materializes the model), one step."""
+    from transformers import GPT2Config
+
+    from hfzero.runtime.stage3.init import init_sharded
+
+    hidden = 2048
+    layers = max(1, round((num_params - VOCAB * hidden) / (12 * hidden * hidden)))
+    config = GPT2Config(vocab_size=VOCAB, n_positions=128, n_embd=hidden, n_layer=layers, n_head=16,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    model, opt = init_sharded(config, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
+                              hfzero.ZeroConfig(stage=3))
+    _reset_peak(torch.device("cpu"))
+    start = time.perf_counter()
+    batch = torch.randint(0, VOCAB, (BATCH, SEQ))
+    model(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    return {"num_params": hfzero.get_engine(model).num_params, "peak_rss": _status("VmHWM"),
+            "step_s": time.perf_counter() - start}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=["35M", "91M"], choices=list(SIZES))
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    parser.add_argument("--memory-gib", type=float, default=24.0, help="host memory for the largest-model table")
+    parser.add_argument("--check-largest", type=float, default=0.0,
+                        help="run hfzero stage 3 at this fraction of its predicted largest model (0: skip)")
+    parser.add_argument("--json", help="also write the figures to this JSON file")
+    args = parser.parse_args()
+    rows = []
+    for size in args.sizes:
+        for system in args.systems:
+            row = _measure(system, size, args.world, args.steps)
+            if row is None:
+                print(f"{system}: not installed, skipped", flush=True)
+                continue
+            rows.append(row)
+            print(f"{size} {system}: peak MB by step {[round(p / 1e6) for p in row['peak_by_step']]}, "
+                  f"median step {row['median_step_s']:.3f}s", flush=True)
+    _report(rows, args)
+
+
+def _report(rows: list[dict], args: argparse.Namespace) -> None:
+    print(f"\nworld {args.world}, gloo, GPT-2 vocab {VOCAB}, {BATCH} x {SEQ} tokens per rank, fp32 AdamW, "
+          f"defaults of each system; per-rank peak (worst rank) in MB")
+    marks = sorted({1, min(3, args.steps), args.steps})
+    print(f"{'size':>5} {'system':<11} " + " ".join(f"{'@' + str(m):>7}" for m in marks)
+          + f" {'step s':>7} {'saved vs DDP':>13} {'formula':>8} {'share':>6}")
+    for size in args.sizes:
+        ddp = next((r for r in rows if r["size"] == size and r["system"] == "ddp"), None)
+        for r in (r for r in rows if r["size"] == size):
+            line = f"{size:>5} {r['system']:<11} " + " ".join(f"{r['peak_by_step'][m - 1] / 1e6:>7.0f}" for m in marks)
+            line += f" {r['median_step_s']:>7.3f}"
+            stage = STAGE[r["system"]]
+            if ddp is not None and stage > 0:
+                saved = ddp["peak_by_step"][-1] - r["peak_by_step"][-1]
+                formula = _formula_saving(r["num_params"], args.world, stage)
+                r.update(saved_vs_ddp=saved, formula_saving=formula)
+                line += f" {saved / 1e6:>13.0f} {formula / 1e6:>8.0f} {saved / formula:>6.2f}"
+            print(line)
+    memory = args.memory_gib * 2**30
+    largest = _largest(rows, args.world, memory)
+    if largest:
+        print(f"\nlargest model on {args.memory_gib:g} GiB with {args.world} ranks (peak = a + b Psi fitted over "
+              f"{', '.join(args.sizes)}; activations as above)")
+        ddp = largest.get("ddp", {}).get("largest_params")
+        for system, fit in largest.items():
+            ratio = f"{fit['largest_params'] / ddp:5.2f}x DDP" if ddp else ""
+            print(f"  {system:<11} {fit['bytes_per_param']:6.2f} B/param + {fit['fixed_bytes'] / 1e6:6.0f} MB "
+                  f"-> {fit['largest_params'] / 1e6:8.0f}M parameters {ratio}")
+    check = None
+    if args.check_largest and "zero3" in largest:
+        target = args.check_largest * largest["zero3"]["largest_params"]
+        check = run_distributed(_check, args.world, target, timeout=3600)
+        worst = max(c["peak_rss"] for c in check)
+        print(f"\ncheck: hfzero stage 3 (init_sharded) at {check[0]['num_params'] / 1e6:.0f}M parameters: "
+              f"peak {worst / 1e6:.0f} MB per rank ({args.world} ranks: {args.world * worst / 2**30:.1f} GiB), "
+              f"step {check[0]['step_s']:.1f}s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows, "largest": largest, "check": check}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""How the host allocator is configured for CPU ranks: a fixed glibc mmap threshold.
+
+[Note: host allocator]
+A CPU rank's tensors come from glibc malloc. glibc raises its mmap threshold to the size of every
+mmapped block freed (up to 32 MiB), after which allocations below that size come from the heap,
+which fragments and never shrinks. A training step frees many blocks of a few MiB (activations,
+optimizer temporaries, staging), so the threshold climbs in the first steps and the process's peak
+RSS then grows step after step (measured: GPT-2 5.3M parameters, world 2, stage 3, peak +12 to +23%
+from step 2 to step 12 with glibc's default; flat with a fixed threshold). Pooling hfzero's own
+buffers (stage-3 gather buffers, stage-2 staging) removes the largest churn but not torch's own
+(activations, optimizer temporaries).
+
+So on a CPU engine ``prepare`` sets ``M_MMAP_THRESHOLD`` to ``ZeroConfig.host_mmap_threshold``
+(default 1 MiB) through ``mallopt``, which also turns the dynamic raise off: blocks of 1 MiB and more
+are mapped and unmapped with their tensor (RSS follows live memory), smaller ones use the heap.
+Measured at 5.3M parameters: 131072 and 1 MiB are both flat, 1 MiB the faster; 8 MiB still grows
+(+3 to +6%). It is process-wide, done once per process, logged, and skipped when the user decided
+already (``MALLOC_MMAP_THRESHOLD_`` in the environment), when ``host_mmap_threshold`` is 0, on CUDA
+engines (the caching allocator has its own pools) and where ``mallopt`` is missing (not glibc).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+from hfzero.logging import get_logger
+
+logger = get_logger(__name__)
+
+_M_MMAP_THRESHOLD = -3
+_applied: int | None = None
+
+
+def configure_host_allocator(threshold: int) -> bool:
+    """Fix glibc's mmap threshold at ``threshold`` bytes (see [Note: host allocator]); True if set now
+    or earlier in this process."""
+    global _applied
+    if threshold <= 0 or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    if _applied == threshold:
+        return True
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        logger.debug("mallopt is not available (not glibc); host allocator left as it is")
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    if mallopt(_M_MMAP_THRESHOLD, int(threshold)) != 1:
+        logger.warning("mallopt(M_MMAP_THRESHOLD, %d) failed; host allocator left as it is", threshold)
+        return False
+    _applied = threshold
+    logger.info("host allocator: glibc mmap threshold fixed at %d bytes (ZeroConfig.host_mmap_threshold; "
+                "see [Note: host allocator])", threshold)
+    return True
