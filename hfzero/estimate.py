@@ -279,6 +279,8 @@ def max_params(
     optimizer_k: int = 12,
     persistent_params: float = 0,
     offload_optimizer: bool = False,
+    accumulation_steps: int = 1,
+    accumulation: str = "auto",
 ) -> float:
     """The largest total parameter count (across the ``mp`` model-parallel ranks) whose model states
     fit in ``device_memory_bytes`` per device: the inverse of ``model_states_bytes``.
@@ -289,7 +291,7 @@ def max_params(
     _check_count("device_memory_bytes", device_memory_bytes)
     kwargs: dict[str, Any] = dict(
         mp=mp, param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_k=optimizer_k,
-        offload_optimizer=offload_optimizer,
+        offload_optimizer=offload_optimizer, accumulation_steps=accumulation_steps, accumulation=accumulation,
     )
     # The fixed cost: the persistent parameters' bytes beyond their share of an even shard.
     fixed = model_states_bytes(persistent_params, dp, stage, persistent_params=persistent_params, **kwargs)

@@ -19,8 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stage", metavar="S", type=int, choices=(0, 1, 2, 3),
                        help="ZeRO stage (default: all four)")
     group.add_argument("--schedule", default="1F1B", help="GPipe | 1F1B | Interleaved1F1B | ... (default 1F1B)")
-    group.add_argument("--accumulation", default="auto", choices=("auto", "sharded", "local"),
-                       help="auto (sharded at stages 2-3) | sharded (reduce every micro-batch) | local (once per step)")
+    # --accumulation (auto | sharded | local) is the estimator's own option, shared with --pp
     group.add_argument("--gather", default="step", choices=("step", "micro"),
                        help="stage 3: gather once per step (default) or per micro-batch")
 
@@ -32,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.pp < 1 or args.micro < 1 or int(args.dp) < 1:
             raise est.EstimateError("--pp, --micro and --dp must be positive integers")
+        if args.accumulation not in ("auto", "sharded", "local"):
+            raise est.EstimateError(f"--accumulation {args.accumulation!r}: use auto, sharded or local")
         kind = resolve_schedule(args.schedule)
         if args.config:
             model = est._meta_model(est.load_hf_config(args.config))
