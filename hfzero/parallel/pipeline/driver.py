@@ -79,7 +79,13 @@ class Pipeline:
         self.module: nn.Module = self.stages[0] if len(self.stages) == 1 else StageChunks(self.stages)
         tied = self._tied_param()
         is_tied = tied_embeddings(model)
-        stage_optimizer, self._tied_group = _stage_optimizer(optimizer, self.module, tied)
+        stage_optimizer, self._tied_group, self.tied_user_group = _stage_optimizer(optimizer, self.module, tied)
+        self.generation_config = getattr(model, "generation_config", None)
+        self.tied_names: tuple[str, str] | None = None
+        """(canonical, copy): the tied embedding's names on the first and the last stage when they sit on
+        different ranks (a checkpoint writes the canonical one; see [Note: pipeline checkpoints])."""
+        if is_tied and self._holder_ranks(0) != self._holder_ranks(self.num_stages - 1):
+            self.tied_names = (self.stages[0].family.first[0] + ".weight", "lm_head.weight")
         prepare_kwargs: dict[str, Any] = {}
         if zero_config.stage == 3:
             prepare_kwargs["units"] = self._stage3_units()
@@ -309,24 +315,25 @@ class Pipeline:
 
 
 def _stage_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module,
-                     tied: nn.Parameter | None) -> tuple[torch.optim.Optimizer, int | None]:
+                     tied: nn.Parameter | None) -> tuple[torch.optim.Optimizer, int | None, int | None]:
     """The user's optimizer rebuilt over this rank's parameters (same class, hyper-parameters, groups);
-    the tied embedding, if held here, in a group of its own (see [Note: tied embeddings])."""
+    the tied embedding, if held here, in a group of its own (see [Note: tied embeddings]). Returns the
+    optimizer, the tied group's index in it and the index of the user's group the tied embedding came from."""
     mine = set(module.parameters())
-    groups, tied_group = [], None
-    for group in optimizer.param_groups:
+    groups, tied_group, source = [], None, None
+    for index, group in enumerate(optimizer.param_groups):
         options = {k: v for k, v in group.items() if k != "params"}
         params = [p for p in group["params"] if p in mine and p is not tied]
         groups.append({**options, "params": params})
         if tied is not None and any(p is tied for p in group["params"]):
-            tied_group = len(optimizer.param_groups)
+            tied_group, source = len(optimizer.param_groups), index
             tied_options = options
     if tied is not None:
         if tied_group is None:
             raise ConfigError("hfzero pipeline: the tied embedding is not in the optimizer; build the optimizer "
                               "from model.parameters()")
         groups.append({**tied_options, "params": [tied]})
-    return _rebuild(type(optimizer), groups, optimizer.defaults), tied_group
+    return _rebuild(type(optimizer), groups, optimizer.defaults), tied_group, source
 
 
 def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
