@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_integration_common import STEPS, assert_losses_match, clm_args, hfzero_run, losses, torchrun
+from test_integration_common import STEPS, assert_losses_match, clm_args, hfzero_run, losses, run_variants
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +27,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("pp_trainer")
-    outs = {"ddp": root / "ddp", **{name: root / name for name in VARIANTS}}
-    torchrun(2, clm_args(outs["ddp"]))
-    for name, options in VARIANTS.items():
-        (root / f"{name}.log").write_text(hfzero_run(4, [*clm_args(outs[name]), *options, "--zero_pp_size", "2"]))
-    return outs
+    return run_variants(tmp_path_factory.mktemp("pp_trainer"), VARIANTS, 4, ["--zero_pp_size", "2"])
 
 
 def _weights(directory: Path) -> dict[str, torch.Tensor]:

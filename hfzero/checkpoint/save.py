@@ -232,7 +232,8 @@ def _write_configs(tmp: Path, model: Any) -> dict[str, Any]:
 
 def _manifest(engine: ZeroEngine, optimizer: ZeroOptimizer, scope: Scope, reports: list[dict[str, Any]],
               extra: dict[str, Any] | None) -> dict[str, Any]:
-    """The manifest from every rank's report (rank order: pipeline stages in order, see [Note: pipeline checkpoints])."""
+    """The manifest from every rank's report (in rank order: pipeline stages in order; see
+    [Note: pipeline checkpoints])."""
     keys = {tuple(r["state_keys"]) for r in reports}
     if len(keys) > 1:
         raise CheckpointError(f"ranks hold different optimizer state keys {sorted(keys)}; cannot save consistently")

@@ -77,5 +77,6 @@ class PipelineConfig:
                 else:
                     converted[field] = str(raw)
             except ValueError:
-                raise ConfigError(f"--zero_{option}: cannot read {raw!r} (an integer{', or a comma list of them' if field == 'layers_per_stage' else ''})") from None
+                what = "a comma list of integers" if field == "layers_per_stage" else "an integer"
+                raise ConfigError(f"--zero_{option}: cannot read {raw!r} as {what}") from None
         return cls(**converted)

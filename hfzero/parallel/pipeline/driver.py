@@ -152,7 +152,7 @@ class Pipeline:
 
     # ---- schedule -------------------------------------------------------------------------------
     def _schedule(self, rows: int, seq: int, train: bool, n_micro: int):
-        """The schedule for ``n_micro`` micro-batches of (rows, seq) tokens (stages use static shapes; one per shape)."""
+        """The schedule for ``n_micro`` micro-batches of (rows, seq) tokens (static shapes: one per shape)."""
         key = (rows, seq, train, n_micro)
         if key not in self._schedules:
             device = self.engine.device
