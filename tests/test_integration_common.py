@@ -57,6 +57,16 @@ def hfzero_run(nproc: int, args: list[str]) -> str:
     return launch([sys.executable, "-m", "hfzero", "run", *_torchrun_options(nproc), *args])
 
 
+def run_variants(root: Path, variants: dict[str, list[str]], nproc: int = 2, extra: list[str] = ()) -> dict[str, Path]:
+    """train_clm.py under plain torchrun DDP on 2 ranks ("ddp") and each variant's options (plus ``extra``)
+    under `hfzero run` on ``nproc`` ranks; output directories by name, each launch's log in ``root/<name>.log``."""
+    outs = {"ddp": root / "ddp", **{name: root / name for name in variants}}
+    torchrun(2, clm_args(outs["ddp"]))
+    for name, options in variants.items():
+        (root / f"{name}.log").write_text(hfzero_run(nproc, [*clm_args(outs[name]), *options, *extra]))
+    return outs
+
+
 def log_history(out: Path) -> list[dict]:
     return json.loads((out / "trainer_state.json").read_text())["log_history"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_integration_common import (STEPS, assert_losses_match, clm_args, hfzero_run, log_history, losses,
-                                     torchrun)
+                                     run_variants)
 
 pytestmark = pytest.mark.slow
 
@@ -36,12 +36,7 @@ STAGE = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3, "zero3_bf16": 3}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("trainer")
-    outs = {"ddp": root / "ddp", **{name: root / name for name in VARIANTS}}
-    torchrun(2, clm_args(outs["ddp"]))
-    for name, options in VARIANTS.items():
-        (root / f"{name}.log").write_text(hfzero_run(2, [*clm_args(outs[name]), *options]))
-    return outs
+    return run_variants(tmp_path_factory.mktemp("trainer"), VARIANTS)
 
 
 def _weights(directory: Path) -> dict[str, torch.Tensor]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,7 +19,7 @@ from hfzero.runtime.prepare import get_engine
 
 def engine_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> ZeroEngine:
     """The engine of a prepared model, checking that ``optimizer`` is the one prepare returned with it."""
-    engine = get_engine(model)
+    engine = get_engine(model.module if _is_pipeline(model) else model)
     if getattr(optimizer, "engine", None) is not engine:
         raise CheckpointError("the optimizer is not the ZeroOptimizer that hfzero.prepare returned with this model; "
                               "pass the (model, optimizer) pair prepare returned")
@@ -95,3 +97,104 @@ def agree(comm: Communicator, error: str | None, what: str) -> None:
 def gather_json(comm: Communicator, obj: Any) -> list[Any]:
     """Every rank's JSON-able ``obj``, in rank order (small metadata only)."""
     return [json.loads(b) for b in comm.all_gather_bytes(json.dumps(obj).encode())]
+
+
+# ---- scope: which ranks a checkpoint spans and how names map ----------------------------------------
+# [Note: pipeline checkpoints]
+# Under ``hfzero.pipeline`` each rank's engine holds one stage's parameters, sharded over the stage's dp
+# group. A checkpoint of a Pipeline is still one checkpoint of the whole model, in the same format:
+# - every rank of the pp x dp world writes ``rank<global>-of-<world>``: the ranges its engine writes
+#   within its dp group (owned slices; at ZeRO-0 the dp ranks split each bucket), under the whole
+#   model's HF names (the stage modules keep them; multi-stage chunks drop their "<chunk>." prefix);
+# - the tied embedding is written once, by the first stage; the last stage's copy (``lm_head.weight``)
+#   is an alias of it, as in the whole model's own manifest, and reads the canonical tensor on load;
+# - param groups are the user's optimizer's: the tied embedding's group of its own (see [Note: tied
+#   embeddings] in the pipeline driver) maps back to the group it came from; each stage reports its
+#   part of every group and rank 0 merges them in pp order (so ``order`` is the whole model's);
+# - frozen tensors: dp rank 0 of each stage writes its stage's into ``frozen-pp<p>.safetensors``;
+# - the manifest records ``pipeline`` (pp and dp sizes, schedule, the stages of each rank) for reading only:
+#   loading never needs it, so a pipeline checkpoint loads at pp=1 (any dp, any stage) and a pp=1
+#   checkpoint loads into any pipeline. On load each stage checks that its names are in the
+#   checkpoint and, with the other stages (an all-gather of names), that together they hold it all.
+def _is_pipeline(model: Any) -> bool:
+    from hfzero.parallel.pipeline import Pipeline
+
+    return isinstance(model, Pipeline)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scope:
+    """Where this rank's engine sits in a checkpoint. See [Note: pipeline checkpoints].
+
+    Attributes:
+        module: the prepared module whose tensors this rank saves or loads.
+        comm: every rank of the checkpoint (the engine's group, or the whole pp x dp world).
+        rank: this rank's file index among ``world_size``.
+        world_size: rank files of the checkpoint.
+        name: engine/module name -> checkpoint name (the whole model's HF name).
+        groups: engine param group index -> checkpoint param group index (the user's optimizer's).
+        num_groups: param groups of the checkpoint.
+        skip: checkpoint names this rank neither writes nor lists (a tied copy another stage writes).
+        aliases: tied checkpoint names -> their canonical name, added to the inventory's.
+        tied_targets: names the whole model re-ties on load (None: the module's own).
+        writes_frozen: whether this rank writes its module's frozen tensors (one rank per stage).
+        frozen_file: the file they go to.
+        configs: an object with the HF ``config`` / ``generation_config`` rank 0 writes.
+        pipeline: this rank's pipeline coordinates for the manifest (None without a pipeline): pp and dp
+            sizes, schedule, ``stages`` (the stage indices it runs).
+    """
+
+    module: nn.Module
+    comm: Communicator
+    rank: int
+    world_size: int
+    name: Callable[[str], str]
+    groups: list[int]
+    num_groups: int
+    skip: frozenset[str] = frozenset()
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    tied_targets: list[str] | None = None
+    writes_frozen: bool = True
+    frozen_file: str = "frozen.safetensors"
+    configs: Any = None
+    pipeline: dict[str, Any] | None = None
+
+    @property
+    def spans_stages(self) -> bool:
+        """True when the checkpoint's ranks hold different parts of the model (pipeline stages)."""
+        return self.pipeline is not None
+
+
+def scope_of(model: Any, optimizer: torch.optim.Optimizer) -> tuple[ZeroEngine, Scope]:
+    """The engine and the checkpoint scope of ``model``: a prepared model or a ``hfzero.pipeline`` Pipeline."""
+    engine = engine_of(model, optimizer)
+    groups = list(range(len(engine.optimizer.param_groups)))
+    if not _is_pipeline(model):
+        return engine, Scope(model, engine.comm, engine.rank, engine.world_size, lambda n: n, groups, len(groups),
+                             writes_frozen=engine.rank == 0, configs=model)
+    return engine, _pipeline_scope(model, engine, groups)
+
+
+def _pipeline_scope(pipe: Any, engine: ZeroEngine, groups: list[int]) -> Scope:
+    """See [Note: pipeline checkpoints]."""
+    import torch.distributed as dist
+
+    mesh = pipe.mesh
+    world = engine.comm.on_group(dist.group.WORLD, share_stats=False)
+    num_groups = len(groups) - (1 if pipe.tied_user_group is not None else 0)
+    if pipe.tied_user_group is not None:  # the tied embedding's own group is the user's group it came from
+        groups[-1] = pipe.tied_user_group
+    skip, aliases, targets = frozenset(), {}, None
+    if pipe.tied_names is not None:
+        canonical, copy = pipe.tied_names
+        aliases, targets = {copy: canonical}, [copy]
+        if not pipe.holds_first:
+            skip = frozenset({copy})
+    stage_ids = [s.stage_index for s in pipe.stages]
+    return Scope(pipe.module, world, dist.get_rank(), dist.get_world_size(), pipe.hf_name, groups, num_groups,
+                 skip=skip, aliases=aliases, tied_targets=targets, writes_frozen=mesh.dp_rank == 0,
+                 frozen_file=f"frozen-pp{mesh.pp_rank:05d}.safetensors",
+                 configs=types.SimpleNamespace(config=pipe.stages[0].config,
+                                               generation_config=pipe.generation_config),
+                 pipeline={"pp_size": mesh.pp_size, "dp_size": mesh.dp_size, "schedule": pipe.kind.name,
+                           "stages": stage_ids})

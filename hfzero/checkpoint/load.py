@@ -26,11 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from hfzero.checkpoint import format as fmt
 from hfzero.checkpoint import rng
-from hfzero.checkpoint.common import Inventory, agree, engine_of, inventory
+from hfzero.checkpoint.common import Inventory, Scope, agree, gather_json, inventory, scope_of
 from hfzero.checkpoint.errors import CheckpointError
 from hfzero.checkpoint.ranges import ParamRange, held_ranges
 from hfzero.checkpoint.stream import read_range, read_tensor
@@ -56,47 +55,54 @@ class _Plan:
     rng_tensors: dict[str, torch.Tensor] | None
 
 
-def load_checkpoint(directory: str | os.PathLike[str], model: nn.Module, optimizer: ZeroOptimizer, *,
+def load_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: ZeroOptimizer, *,
                     verify: bool = True) -> dict[str, Any] | None:
     """Load a checkpoint saved by ``save_checkpoint`` at any world size and stage; return its ``extra``.
 
-    A collective: every rank calls it. ``verify`` checks every file's SHA-256 (each file hashed by
+    A collective: every rank calls it. ``model`` is a prepared model or a ``hfzero.pipeline`` Pipeline;
+    checkpoints saved with or without a pipeline load into either (any pp and dp sizes; see
+    [Note: pipeline checkpoints]). ``verify`` checks every file's SHA-256 (each file hashed by
     one rank, in 1 MiB chunks). Resident memory beyond training: one saved piece being copied, plus
     fresh optimizer-state tensors where the optimizer had none yet. RNG states are restored when
     the world size is the one saved (rank r gets rank r's), and left alone otherwise.
     Raises CheckpointError, on every rank and before touching the model, for a missing, incomplete,
     corrupt or newer-format checkpoint or one of another model.
     """
-    engine = engine_of(model, optimizer)
+    engine, scope = scope_of(model, optimizer)
     directory = Path(directory).absolute()
+    inv = inventory(scope.module, engine)
+    mine = _model_names(scope, inv)
+    held = mine
+    if scope.spans_stages:  # the stages together must hold what was saved
+        held = {k: sorted({n for g in gather_json(scope.comm, mine) for n in g[k]}) for k in mine}
     plan, error = None, None
     try:
-        plan = _validate(directory, model, optimizer, engine, verify)
+        plan = _validate(directory, scope, inv, held, optimizer, engine, verify)
     except CheckpointError as exc:
         error = str(exc)
     except OSError as exc:  # e.g. a file this rank may not read
         error = f"cannot read {directory}: {exc} ({type(exc).__name__})"
-    agree(engine.comm, error, f"load_checkpoint({directory})")
+    agree(scope.comm, error, f"load_checkpoint({directory})")
     assert plan is not None
     error = None
     try:
-        _fill(plan, optimizer, engine)
+        _fill(plan, scope, optimizer, engine)
     except Exception as exc:  # noqa: BLE001 - an I/O failure after validation, reported on every rank
         logger.exception("reading checkpoint data failed")
         error = f"{type(exc).__name__}: {exc}"
-    agree(engine.comm, error, f"load_checkpoint({directory}): reading data after validation (the model and "
-                              "optimizer are now partially loaded: load a checkpoint again before training)")
+    agree(scope.comm, error, f"load_checkpoint({directory}): reading data after validation (the model and "
+                             "optimizer are now partially loaded: load a checkpoint again before training)")
     engine.publish_params()
     manifest = plan.manifest
     engine.scaler.load_state_dict(manifest["loss_scaler"])
     optimizer.skipped_steps = int(manifest["optimizer"].get("skipped_steps", 0))
     if plan.rng_tensors is not None:
-        rng.restore(plan.rng_tensors, manifest["ranks"][engine.rank]["rng"], engine.device)
-    elif engine.rank == 0:
+        rng.restore(plan.rng_tensors, manifest["ranks"][scope.rank]["rng"], engine.device)
+    elif scope.rank == 0:
         logger.info("checkpoint world size %d != %d: RNG states not restored", manifest["world_size"],
-                    engine.world_size)
+                    scope.world_size)
     logger.info("loaded checkpoint %s (saved at world %d, stage %d) into world %d, stage %d", plan.directory,
-                manifest["world_size"], manifest["stage"], engine.world_size, engine.stage)
+                manifest["world_size"], manifest["stage"], scope.world_size, engine.stage)
     return manifest["extra"]
 
 
@@ -106,26 +112,43 @@ def _listing(items: list[str]) -> str:
     return ", ".join(items[:_MAX_LISTED]) + (f" and {more} more" if more > 0 else "")
 
 
-def _validate(directory: Path, model: nn.Module, optimizer: ZeroOptimizer, engine: ZeroEngine,
-              verify: bool) -> _Plan:
+def _model_names(scope: Scope, inv: Inventory) -> dict[str, list[str]]:
+    """This rank's trainable and frozen names, as checkpoint names (a tied copy under its canonical name)."""
+    def canonical(name: str) -> str:
+        name = scope.name(name)
+        return scope.aliases.get(name, name)
+
+    return {"trainable": sorted({canonical(n) for n in inv.trainable}),
+            "frozen": sorted({canonical(n) for n in inv.frozen})}
+
+
+def _source(manifest: dict[str, Any], scope: Scope, name: str) -> str:
+    """The checkpoint name holding module tensor ``name`` (a tied copy reads its canonical tensor)."""
+    name = scope.name(name)
+    if name in manifest["params"] or name in manifest["frozen"]:
+        return name
+    return manifest["aliases"].get(name, scope.aliases.get(name, name))
+
+
+def _validate(directory: Path, scope: Scope, inv: Inventory, held: dict[str, list[str]], optimizer: ZeroOptimizer,
+              engine: ZeroEngine, verify: bool) -> _Plan:
     resolved, warning = fmt.resolve(directory)
     if warning:
         logger.warning(warning)
     manifest = fmt.read_manifest(resolved)
     fmt.check_files(resolved, manifest)
-    inv = inventory(model, engine)
-    _match_model(resolved, manifest, inv, optimizer, engine)
+    _match_model(resolved, manifest, inv, held, optimizer, engine, scope)
     for i, name in enumerate(sorted(manifest["files"])):
-        if i % engine.world_size == engine.rank:
+        if i % scope.world_size == scope.rank:
             if verify:
                 fmt.check_checksum(resolved, manifest, name)
             fmt.check_header(resolved, manifest, name)
-    scalars = _bucket_scalars(resolved, manifest, engine)
-    hyper = _hyper(resolved, manifest, optimizer)
+    scalars = _bucket_scalars(resolved, manifest, engine, scope)
+    hyper = _hyper(resolved, manifest, optimizer, scope)
     _check_scaler(resolved, manifest, engine)
     rng_tensors = None
-    if manifest["world_size"] == engine.world_size:
-        path = resolved / manifest["ranks"][engine.rank]["file"]
+    if manifest["world_size"] == scope.world_size:
+        path = resolved / manifest["ranks"][scope.rank]["file"]
         try:
             from safetensors import safe_open
 
@@ -133,17 +156,20 @@ def _validate(directory: Path, model: nn.Module, optimizer: ZeroOptimizer, engin
                 rng_tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng/")}
         except Exception as exc:  # noqa: BLE001 - safetensors' own error types
             raise CheckpointError(f"{path}: cannot read its RNG states ({exc})") from exc
-        rng.check(rng_tensors, manifest["ranks"][engine.rank]["rng"], engine.device)
-    return _Plan(resolved, manifest, inv, held_ranges(engine.layout, engine.rank), scalars, hyper, rng_tensors)
+        rng.check(rng_tensors, manifest["ranks"][scope.rank]["rng"], engine.device)
+    ranges = [dataclasses.replace(r, name=_source(manifest, scope, r.name))
+              for r in held_ranges(engine.layout, engine.rank)]
+    return _Plan(resolved, manifest, inv, ranges, scalars, hyper, rng_tensors)
 
 
-def _match_model(directory: Path, manifest: dict[str, Any], inv: Inventory, optimizer: ZeroOptimizer,
-                 engine: ZeroEngine) -> None:
+def _match_model(directory: Path, manifest: dict[str, Any], inv: Inventory, held: dict[str, list[str]],
+                 optimizer: ZeroOptimizer, engine: ZeroEngine, scope: Scope) -> None:
+    """``held``: the names the model holds (every stage's, under a pipeline) as checkpoint names."""
     where = directory / fmt.MANIFEST
     problems = []
-    saved, now = manifest["params"], inv.trainable
-    saved_frozen, now_frozen = manifest["frozen"], inv.frozen
-    pairs = (("trainable parameters", saved, now), ("frozen parameters and buffers", saved_frozen, now_frozen))
+    saved, saved_frozen = manifest["params"], manifest["frozen"]
+    pairs = (("trainable parameters", saved, held["trainable"]),
+             ("frozen parameters and buffers", saved_frozen, held["frozen"]))
     for label, a, b in pairs:
         missing = sorted(set(b) - set(a))
         unexpected = sorted(set(a) - set(b))
@@ -152,11 +178,12 @@ def _match_model(directory: Path, manifest: dict[str, Any], inv: Inventory, opti
         if unexpected:
             problems.append(f"{label} in the checkpoint the model does not have: {_listing(unexpected)}")
     # the layout's shape, not p.shape: a stage-3 parameter is a 0-element tensor between uses
-    logical = {n: tuple(engine.layout.slots[p].shape) for n, p in now.items()}
+    logical = {_source(manifest, scope, n): tuple(engine.layout.slots[p].shape) for n, p in inv.trainable.items()}
     shapes = [f"{n} (checkpoint {tuple(saved[n]['shape'])}, model {shape})"
               for n, shape in logical.items() if n in saved and tuple(saved[n]["shape"]) != shape]
+    frozen_now = {_source(manifest, scope, n): t for n, (t, _) in inv.frozen.items()}
     shapes += [f"{n} (checkpoint {tuple(saved_frozen[n]['shape'])}, model {tuple(t.shape)})"
-               for n, (t, _) in now_frozen.items()
+               for n, t in frozen_now.items()
                if n in saved_frozen and tuple(saved_frozen[n]["shape"]) != tuple(t.shape)]
     if shapes:
         problems.append(f"shape mismatch: {_listing(shapes)}")
@@ -166,23 +193,27 @@ def _match_model(directory: Path, manifest: dict[str, Any], inv: Inventory, opti
     if opt["class"] != type(engine.optimizer).__name__:
         raise CheckpointError(f"{where}: optimizer state was saved for {opt['class']}, the optimizer now is "
                               f"{type(engine.optimizer).__name__}; build the same optimizer class")
-    if len(opt["param_groups"]) != len(optimizer.param_groups):
+    if len(opt["param_groups"]) != scope.num_groups:
         raise CheckpointError(f"{where}: {len(opt['param_groups'])} optimizer param group(s) saved, "
-                              f"{len(optimizer.param_groups)} now; build the optimizer with the same groups")
-    for index, group in enumerate(opt["param_groups"]):
-        mine = {s.name for b in engine.layout.group_buckets(index) for s in b.slots}
-        if set(group["params"]) != mine:
-            raise CheckpointError(f"{where}: optimizer param group {index} holds other parameters than saved "
-                                  f"({_listing(sorted(set(group['params']) ^ mine))} differ)")
+                              f"{scope.num_groups} now; build the optimizer with the same groups")
+    for index in range(len(optimizer.param_groups)):
+        saved_group = set(opt["param_groups"][scope.groups[index]]["params"])
+        mine = {_source(manifest, scope, s.name) for b in engine.layout.group_buckets(index) for s in b.slots}
+        # under a pipeline this rank holds part of each group; the stages together were checked above
+        wrong = mine - saved_group if scope.spans_stages else mine ^ saved_group
+        if wrong:
+            raise CheckpointError(f"{where}: optimizer param group {scope.groups[index]} holds other parameters "
+                                  f"than saved ({_listing(sorted(wrong))} differ)")
 
 
-def _bucket_scalars(directory: Path, manifest: dict[str, Any], engine: ZeroEngine) -> list[dict[str, Any]]:
+def _bucket_scalars(directory: Path, manifest: dict[str, Any], engine: ZeroEngine,
+                    scope: Scope) -> list[dict[str, Any]]:
     """Per bucket of this layout, the scalar optimizer state its parameters share (decoded)."""
     out = []
     for bucket in engine.layout.buckets:
         chosen, source = None, None
         for slot in bucket.slots:
-            scalars = manifest["params"][slot.name]["scalars"]
+            scalars = manifest["params"][_source(manifest, scope, slot.name)]["scalars"]
             if chosen is None:
                 chosen, source = scalars, slot.name
             elif scalars != chosen:
@@ -216,10 +247,13 @@ def _compatible(saved: Any, now: Any) -> bool:
     return type(saved) is type(now)
 
 
-def _hyper(directory: Path, manifest: dict[str, Any], optimizer: ZeroOptimizer) -> list[dict[str, Any]]:
-    """Per param group, the saved hyper-parameters the optimizer has, decoded and checked against its own."""
+def _hyper(directory: Path, manifest: dict[str, Any], optimizer: ZeroOptimizer, scope: Scope) -> list[dict[str, Any]]:
+    """Per param group of the engine, the saved hyper-parameters (of the checkpoint group it maps to, see
+    Scope.groups) the optimizer has, decoded and checked against its own."""
     out = []
-    for index, (ours, saved) in enumerate(zip(optimizer.param_groups, manifest["optimizer"]["param_groups"])):
+    saved_groups = manifest["optimizer"]["param_groups"]
+    for index, ours in enumerate(optimizer.param_groups):
+        saved = saved_groups[scope.groups[index]]
         hyper = {k: fmt.decode_value(v) for k, v in saved["hyper"].items() if k in ours and k != "params"}
         wrong = [f"{k}={v!r} (the optimizer has {ours[k]!r})" for k, v in hyper.items() if not _compatible(v, ours[k])]
         if wrong:
@@ -251,7 +285,7 @@ def _read_into(target: torch.Tensor, directory: Path, pieces: list[dict[str, Any
         target[a - start: b - start].copy_(data)
 
 
-def _fill(plan: _Plan, optimizer: ZeroOptimizer, engine: ZeroEngine) -> None:
+def _fill(plan: _Plan, scope: Scope, optimizer: ZeroOptimizer, engine: ZeroEngine) -> None:
     manifest, directory = plan.manifest, plan.directory
     keys = manifest["optimizer"]["state_keys"]
     inner = engine.optimizer
@@ -277,6 +311,7 @@ def _fill(plan: _Plan, optimizer: ZeroOptimizer, engine: ZeroEngine) -> None:
                 _read_into(states[r.bucket][key][r.view_start: r.view_start + r.numel], directory, pieces,
                            fmt.state_key(key, r.name), r.start, r.end)
         for name, (tensor, _) in plan.inventory.frozen.items():
+            name = _source(manifest, scope, name)
             tensor.copy_(read_tensor(directory / manifest["frozen"][name]["file"], name))
     index = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
     groups = inner.state_dict()["param_groups"]

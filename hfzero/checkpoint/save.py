@@ -4,7 +4,8 @@
 A save into ``DIR`` happens in ``.DIR.partial`` next to it:
 1. rank 0 clears and creates ``.DIR.partial``; all ranks agree (a barrier that carries errors);
 2. every rank writes and fsyncs its rank file (fp32 master + optimizer-state slices, RNG states);
-   rank 0 also writes frozen tensors and the model config; ranks send rank 0 what they wrote;
+   rank 0 (per pipeline stage, its dp rank 0) also writes frozen tensors; ranks send rank 0 what they
+   wrote; rank 0 writes the model config;
 3. rank 0 writes ``manifest.json`` (with every file's size and SHA-256) LAST, fsyncs it and the
    directory, then renames: ``DIR`` -> ``.DIR.previous`` (if it exists), ``.DIR.partial`` -> ``DIR``,
    fsyncs the parent, deletes ``.DIR.previous``.
@@ -21,6 +22,7 @@ test can SIGKILL it at a known point. Phases: ``rank_file_written``, ``manifest_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -29,14 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 import hfzero
 from hfzero.checkpoint import format as fmt
 from hfzero.checkpoint import rng
-from hfzero.checkpoint.common import Inventory, agree, engine_of, gather_json, inventory
+from hfzero.checkpoint.common import Inventory, Scope, agree, gather_json, inventory, scope_of
 from hfzero.checkpoint.errors import CheckpointError
-from hfzero.checkpoint.ranges import ParamRange, written_ranges
+from hfzero.checkpoint.ranges import written_ranges
 from hfzero.checkpoint.stream import (TensorEntry, dtype_name, fsync_dir, write_bytes_durably,
                                       write_safetensors)
 from hfzero.logging import get_logger
@@ -56,26 +57,29 @@ def _pause(phase: str, rank: int) -> None:
     time.sleep(600)
 
 
-def save_checkpoint(directory: str | os.PathLike[str], model: nn.Module, optimizer: ZeroOptimizer, *,
+def save_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: ZeroOptimizer, *,
                     extra: dict[str, Any] | None = None) -> Path:
     """Save the training state of every rank into ``directory``; a collective: every rank calls it.
 
+    ``model`` is a prepared model, or a ``hfzero.pipeline`` Pipeline (then every rank of the pp x dp world
+    writes its stage's shard under the whole model's HF names; see [Note: pipeline checkpoints]).
     Written: each rank's fp32 master-weight and optimizer-state slices (its own shard only, never
-    gathered), its RNG states; on rank 0 the frozen parameters, persistent buffers, model config,
-    loss scaler, live optimizer hyper-parameters and ``extra`` (JSON-able, e.g. step counters).
+    gathered), its RNG states; on rank 0 (per pipeline stage: its dp rank 0) the frozen parameters and
+    persistent buffers; on rank 0 the model config, loss scaler, live optimizer hyper-parameters and
+    ``extra`` (JSON-able, e.g. step counters).
     The save is atomic (see [Note: atomic checkpoint]): an existing checkpoint in ``directory`` is
     replaced only once the new one is complete. Resident memory beyond training: one tensor slice
     at a time (tensors stream to the file; a device tensor is copied to the CPU one at a time).
     Returns ``directory``.
     """
-    engine = engine_of(model, optimizer)
+    engine, scope = scope_of(model, optimizer)
     directory = Path(directory).absolute()
     if extra is not None:
         try:
             extra = json.loads(json.dumps(extra, allow_nan=False))
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"save_checkpoint: extra must be JSON-able (numbers, strings, lists, dicts): {exc}")
-    comm, rank = engine.comm, engine.rank
+    comm, rank = scope.comm, scope.rank
     tmp = fmt.partial_dir(directory)
     started = time.perf_counter()
 
@@ -84,9 +88,9 @@ def save_checkpoint(directory: str | os.PathLike[str], model: nn.Module, optimiz
         error = _guard(lambda: _prepare_dir(directory, tmp))
     agree(comm, error, f"save_checkpoint({directory}): preparing {tmp}")
 
-    inv = inventory(model, engine)
+    inv = inventory(scope.module, engine)
     report: dict[str, Any] = {}
-    error = _guard(lambda: report.update(_write_rank_file(tmp, engine)))
+    error = _guard(lambda: report.update(_write_rank_file(tmp, engine, scope, optimizer, inv)))
     if error is None:
         _pause("rank_file_written", rank)
     gathered = gather_json(comm, {"error": error, "report": report})
@@ -96,9 +100,9 @@ def save_checkpoint(directory: str | os.PathLike[str], model: nn.Module, optimiz
 
     if rank == 0:
         reports = [g["report"] for g in gathered]
-        error = _guard(lambda: _finish(directory, tmp, model, optimizer, engine, inv, reports, extra))
+        error = _guard(lambda: _finish(directory, tmp, scope, optimizer, engine, reports, extra))
     agree(comm, error, f"save_checkpoint({directory}): writing the manifest")
-    logger.info("saved checkpoint %s (world %d, stage %d) in %.2fs", directory, engine.world_size, engine.stage,
+    logger.info("saved checkpoint %s (world %d, stage %d) in %.2fs", directory, scope.world_size, engine.stage,
                 time.perf_counter() - started)
     return directory
 
@@ -142,10 +146,14 @@ def _split_state(engine: ZeroEngine) -> tuple[list[str], list[dict[str, Any]]]:
     return keys or [], scalars
 
 
-def _write_rank_file(tmp: Path, engine: ZeroEngine) -> dict[str, Any]:
-    """Write this rank's file; return its report for the manifest (pieces, scalars, RNG, digest)."""
+def _write_rank_file(tmp: Path, engine: ZeroEngine, scope: Scope, optimizer: ZeroOptimizer,
+                     inv: Inventory) -> dict[str, Any]:
+    """Write this rank's file (and its stage's frozen tensors if it writes them); return its report for
+    the manifest: pieces, scalars, RNG, digests, and its part of the model's description."""
     keys, scalars = _split_state(engine)
-    ranges: list[ParamRange] = written_ranges(engine.layout, engine.rank, engine.world_size)
+    ranges = [dataclasses.replace(r, name=scope.name(r.name))
+              for r in written_ranges(engine.layout, engine.rank, engine.world_size)]
+    ranges = [r for r in ranges if r.name not in scope.skip]
     rng_tensors, rng_meta = rng.capture(engine.device)
     entries: list[TensorEntry] = []
     sources: list[tuple[torch.Tensor, int, int]] = []  # (flat source, start, end) per entry
@@ -158,31 +166,64 @@ def _write_rank_file(tmp: Path, engine: ZeroEngine) -> dict[str, Any]:
     for key, tensor in rng_tensors.items():
         entries.append(TensorEntry(key, tensor.dtype, tuple(tensor.shape)))
         sources.append((tensor.reshape(-1), 0, tensor.numel()))
-    name = fmt.rank_file(engine.rank, engine.world_size)
+    name = fmt.rank_file(scope.rank, scope.world_size)
     # views of the live tensors: nothing is copied until write_safetensors streams each one out
     tensors = (src.reshape(-1)[a:b].reshape(e.shape) for (src, a, b), e in zip(sources, entries))
     written = {r.name for r in ranges}
-    shapes = {s.name: list(s.shape) for b in engine.layout.buckets for s in b.slots if s.name in written}
+    shapes = {scope.name(s.name): list(s.shape) for b in engine.layout.buckets for s in b.slots
+              if scope.name(s.name) in written}
     metadata = {"format": "pt", "hfzero": fmt.FORMAT_NAME, fmt.SHAPES_METADATA: json.dumps(shapes)}
     digest = write_safetensors(tmp / name, entries, tensors, metadata=metadata)
+    files = {name: {"sha256": digest.sha256, "bytes": digest.bytes}}
+    frozen = _write_frozen(tmp, scope, inv) if scope.writes_frozen else {}
+    if frozen:
+        files[scope.frozen_file] = frozen.pop("__file__")
     return {
-        "file": name, "sha256": digest.sha256, "bytes": digest.bytes, "state_keys": keys, "rng": rng_meta,
+        "file": name, "files": files, "state_keys": keys, "rng": rng_meta,
         "pieces": [[r.name, r.start, r.end] for r in ranges],
         "scalars": {r.name: scalars[r.bucket] for r in ranges if r.start == 0},
+        "frozen": frozen, "stages": scope.pipeline["stages"] if scope.pipeline else None,
+        **_describe(engine, optimizer, scope, inv),
     }
 
 
+def _describe(engine: ZeroEngine, optimizer: ZeroOptimizer, scope: Scope, inv: Inventory) -> dict[str, Any]:
+    """This rank's parameters, param groups and names, under checkpoint names (what rank 0 merges)."""
+    name = scope.name
+    params: dict[str, Any] = {}
+    for bucket in engine.layout.buckets:
+        for slot in bucket.slots:
+            if name(slot.name) not in scope.skip:
+                params[name(slot.name)] = {"shape": list(slot.shape), "dtype": dtype_name(slot.param.dtype),
+                                           "group": scope.groups[bucket.group]}
+    groups = []
+    for index, group in enumerate(optimizer.param_groups):
+        names = [name(s.name) for b in engine.layout.group_buckets(index) for s in b.slots]
+        hyper = {k: fmt.encode_value(v, f"param_groups[{index}].{k}") for k, v in group.items() if k != "params"}
+        groups.append({"index": scope.groups[index], "hyper": hyper,
+                       "params": [n for n in names if n not in scope.skip]})
+    aliases = {name(a): name(c) for a, c in inv.aliases.items()}
+    aliases.update(scope.aliases)
+    return {"params": params, "groups": groups, "aliases": aliases,
+            "order": [name(n) for n in inv.order if name(n) not in scope.skip],
+            "tied_targets": scope.tied_targets if scope.tied_targets is not None else inv.tied_targets}
+
+
 # ---- rank 0: frozen tensors, config, manifest, swap ------------------------------------------------
-def _write_frozen(tmp: Path, inv: Inventory) -> dict[str, Any]:
+def _write_frozen(tmp: Path, scope: Scope, inv: Inventory) -> dict[str, Any]:
+    """Write the module's frozen tensors; return their manifest entries plus ``__file__``: the file's digest."""
     if not inv.frozen:
         return {}
-    entries = [TensorEntry(n, t.dtype, tuple(t.shape)) for n, (t, _) in inv.frozen.items()]
-    digest = write_safetensors(tmp / fmt.FROZEN_FILE, entries, (t for t, _ in inv.frozen.values()),
+    entries = [TensorEntry(scope.name(n), t.dtype, tuple(t.shape)) for n, (t, _) in inv.frozen.items()]
+    digest = write_safetensors(tmp / scope.frozen_file, entries, (t for t, _ in inv.frozen.values()),
                                metadata={"format": "pt", "hfzero": fmt.FORMAT_NAME})
-    return {fmt.FROZEN_FILE: {"sha256": digest.sha256, "bytes": digest.bytes}}
+    out: dict[str, Any] = {scope.name(n): {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "kind": kind,
+                                           "file": scope.frozen_file} for n, (t, kind) in inv.frozen.items()}
+    out["__file__"] = {"sha256": digest.sha256, "bytes": digest.bytes}
+    return out
 
 
-def _write_configs(tmp: Path, model: nn.Module) -> dict[str, Any]:
+def _write_configs(tmp: Path, model: Any) -> dict[str, Any]:
     files = {}
     for attr, name in (("config", fmt.CONFIG_FILE), ("generation_config", fmt.GENERATION_CONFIG_FILE)):
         config = getattr(model, attr, None)
@@ -193,49 +234,59 @@ def _write_configs(tmp: Path, model: nn.Module) -> dict[str, Any]:
     return files
 
 
-def _manifest(engine: ZeroEngine, optimizer: ZeroOptimizer, inv: Inventory, reports: list[dict[str, Any]],
+def _manifest(engine: ZeroEngine, optimizer: ZeroOptimizer, scope: Scope, reports: list[dict[str, Any]],
               extra: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest from every rank's report (in rank order: pipeline stages in order; see
+    [Note: pipeline checkpoints])."""
     keys = {tuple(r["state_keys"]) for r in reports}
     if len(keys) > 1:
         raise CheckpointError(f"ranks hold different optimizer state keys {sorted(keys)}; cannot save consistently")
     params: dict[str, Any] = {}
-    for bucket in engine.layout.buckets:
-        for slot in bucket.slots:
-            params[slot.name] = {"shape": list(slot.shape), "dtype": dtype_name(slot.param.dtype),
-                                 "group": bucket.group, "pieces": [], "scalars": {}}
+    groups: list[dict[str, Any]] = [{"hyper": None, "params": []} for _ in range(scope.num_groups)]
+    frozen: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    order: list[str] = []
+    for report in reports:
+        for name, meta in report["params"].items():
+            params.setdefault(name, {**meta, "pieces": [], "scalars": {}})
+        for group in report["groups"]:
+            merged = groups[group["index"]]
+            merged["hyper"] = merged["hyper"] or group["hyper"]
+            merged["params"] += [n for n in group["params"] if n not in merged["params"]]
+        for name, meta in report["frozen"].items():
+            frozen.setdefault(name, meta)
+        aliases.update(report["aliases"])
+        order += [n for n in report["order"] if n not in order]
     for report in reports:
         for name, start, end in report["pieces"]:
             params[name]["pieces"].append({"file": report["file"], "start": start, "end": end})
         for name, scalars in report["scalars"].items():
             params[name]["scalars"] = scalars
-    groups = []
-    for index, group in enumerate(optimizer.param_groups):
-        names = [s.name for b in engine.layout.group_buckets(index) for s in b.slots]
-        hyper = {k: fmt.encode_value(v, f"param_groups[{index}].{k}") for k, v in group.items() if k != "params"}
-        groups.append({"hyper": hyper, "params": names})
-    files = {r["file"]: {"sha256": r["sha256"], "bytes": r["bytes"]} for r in reports}
-    return {
+    files = {name: info for r in reports for name, info in r["files"].items()}
+    manifest = {
         "format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION, "hfzero_version": hfzero.__version__,
-        "world_size": engine.world_size, "stage": engine.stage, "config": engine.config.to_dict(),
+        "world_size": scope.world_size, "stage": engine.stage, "config": engine.config.to_dict(),
         "param_dtype": dtype_name(engine.policy.param_dtype), "master_dtype": dtype_name(engine.policy.master_dtype),
         "optimizer": {"class": type(engine.optimizer).__name__, "state_keys": list(keys.pop() if keys else []),
                       "param_groups": groups, "skipped_steps": optimizer.skipped_steps},
         "loss_scaler": engine.scaler.state_dict(),
         "params": params,
-        "frozen": {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "kind": kind, "file": fmt.FROZEN_FILE}
-                   for n, (t, kind) in inv.frozen.items()},
-        "aliases": inv.aliases, "order": inv.order, "tied_targets": inv.tied_targets,
+        "frozen": frozen,
+        "aliases": aliases, "order": order, "tied_targets": reports[0]["tied_targets"],
         "files": files,
         "ranks": [{"file": r["file"], "rng": r["rng"]} for r in reports],
         "extra": extra,
     }
+    if scope.pipeline is not None:
+        manifest["pipeline"] = {**{k: v for k, v in scope.pipeline.items() if k != "stages"},
+                                "stages_of_rank": [r["stages"] for r in reports]}
+    return manifest
 
 
-def _finish(directory: Path, tmp: Path, model: nn.Module, optimizer: ZeroOptimizer, engine: ZeroEngine,
-            inv: Inventory, reports: list[dict[str, Any]], extra: dict[str, Any] | None) -> None:
-    manifest = _manifest(engine, optimizer, inv, reports, extra)
-    manifest["files"].update(_write_frozen(tmp, inv))
-    manifest["files"].update(_write_configs(tmp, model))
+def _finish(directory: Path, tmp: Path, scope: Scope, optimizer: ZeroOptimizer, engine: ZeroEngine,
+            reports: list[dict[str, Any]], extra: dict[str, Any] | None) -> None:
+    manifest = _manifest(engine, optimizer, scope, reports, extra)
+    manifest["files"].update(_write_configs(tmp, scope.configs))
     write_bytes_durably(tmp / fmt.MANIFEST, json.dumps(manifest, indent=1).encode())
     fsync_dir(tmp)
     _pause("manifest_written", 0)

@@ -15,6 +15,10 @@ What changes against the base class, and why:
 - ``save_state``/``load_state``: every rank saves and loads its optimizer shard (see state.py).
 - ``get_state_dict``: CPU copies of the full weights; at stage 3 gathered unit by unit (a collective:
   every rank calls it) and returned on the main process only (``{}`` elsewhere).
+- ``pipeline_config`` (pp_size > 1): ``prepare`` builds ``hfzero.pipeline`` over the model and its
+  optimizer (``self.pipeline``; the model object stays whole, this rank trains its stage), data loaders
+  shard over the data-parallel replicas (the ranks of one pipeline read the same batches), clipping
+  and ``get_state_dict`` span every stage. The training step is the pipeline's (ZeroTrainer runs it).
 - mixed precision: ``mixed_precision="bf16"|"fp16"`` sets ZeRO's dtype (16-bit parameters and
   gradients, fp32 master shards); accelerate's autocast stays off.
 """
@@ -33,7 +37,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, recursively_apply
 from torch import nn
 
 from hfzero.config import ConfigError, ZeroConfig
@@ -41,6 +45,8 @@ from hfzero.integrations.env import config_from_env
 from hfzero.integrations.state import (is_partitioned, load_optimizer_shards, save_optimizer_shards,
                                       unwrap_optimizer)
 from hfzero.logging import get_logger
+from hfzero.parallel.mesh import check_sizes
+from hfzero.parallel.pipeline import Pipeline, PipelineConfig, pipeline
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.prepare import get_engine, prepare as zero_prepare
 from hfzero.runtime.stage3 import full_state_dict
@@ -120,7 +126,8 @@ class ZeroAccelerator(Accelerator):
             ZeRO's dtype; DeepSpeed, FSDP and Megatron plugins are refused (ZeRO replaces them).
     """
 
-    def __init__(self, *args: Any, zero_config: ZeroConfig | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, zero_config: ZeroConfig | None = None,
+                 pipeline_config: PipelineConfig | None = None, **kwargs: Any):
         for name in _FOREIGN_PLUGINS:
             if kwargs.get(name) is not None:
                 raise ConfigError(f"ZeroAccelerator: {name} cannot be combined with hfzero's ZeRO; drop it")
@@ -139,6 +146,11 @@ class ZeroAccelerator(Accelerator):
             raise ConfigError(f"ZeroAccelerator: accelerate is configured for {self.distributed_type.value} "
                               "(accelerate config / ACCELERATE_USE_* environment); hfzero's ZeRO replaces it: "
                               "launch with `hfzero run` or plain torchrun instead")
+        self.pipeline_config = pipeline_config if pipeline_config is not None and pipeline_config.pp_size > 1 \
+            else None
+        self.pipeline: Pipeline | None = None
+        """The Pipeline of this rank, once prepare built it (with ``pipeline_config``)."""
+        self._data_parallel_view = False
         self._zero_pairs: list[tuple[nn.Module, ZeroOptimizer]] = []
         self._zero_by_source: dict[int, ZeroOptimizer] = {}
         self._warned_clip = False
@@ -168,7 +180,13 @@ class ZeroAccelerator(Accelerator):
         if getattr(optimizer, "_is_accelerate_prepared", False) or unwrap_optimizer(optimizer) is not None:
             return super().prepare_optimizer(optimizer, device_placement=False)
         model = self._owner_of(optimizer)
-        model, zero = zero_prepare(model, optimizer, self.zero_config)
+        if self.pipeline_config is not None:
+            if self.pipeline is not None:
+                raise ConfigError("ZeroAccelerator: pipeline parallelism prepares one model and optimizer")
+            self.pipeline = pipeline(model, optimizer, self.zero_config, self.pipeline_config)
+            zero = self.pipeline.optimizer  # the model stays whole; this rank trains its stage of it
+        else:
+            model, zero = zero_prepare(model, optimizer, self.zero_config)
         self._zero_pairs.append((model, zero))
         self._zero_by_source[id(optimizer)] = zero
         wrapped = ZeroAcceleratedOptimizer(zero, device_placement=False, scaler=None)
@@ -197,6 +215,48 @@ class ZeroAccelerator(Accelerator):
         self._zero_pairs = []
         self._zero_by_source = {}
         return super().free_memory(*objects)
+
+    # ---- data under pipeline parallelism --------------------------------------------------------
+    @property
+    def num_processes(self) -> int:
+        return self.pipeline_config_dp[0] if self._data_parallel_view else super().num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.pipeline_config_dp[1] if self._data_parallel_view else super().process_index
+
+    @property
+    def pipeline_config_dp(self) -> tuple[int, int]:
+        """(dp size, dp rank) of this rank under ``pipeline_config`` (rank = pp_rank * dp + dp_rank)."""
+        world = super().num_processes
+        dp = check_sizes(world, self.pipeline_config.pp_size)
+        return dp, super().process_index % dp
+
+    def gather(self, tensor: Any) -> Any:
+        """As accelerate's; under pipeline parallelism the ranks of one pipeline hold the same values (one
+        replica's), so only the first stage's ranks (world ranks 0 .. dp-1, one per replica, in dp order)
+        are kept: what a data-parallel run of dp ranks gathers (losses, token counts, metrics)."""
+        gathered = super().gather(tensor)
+        if self.pipeline_config is None:
+            return gathered
+        pp = self.pipeline_config.pp_size
+
+        def first_stage(t: torch.Tensor) -> torch.Tensor:
+            return t[: t.shape[0] // pp] if t.dim() else t
+
+        return recursively_apply(first_stage, gathered, error_on_other_type=False)
+
+    def prepare_data_loader(self, data_loader: Any, device_placement: bool | None = None,
+                            slice_fn_for_dispatch: Any = None) -> Any:
+        """As accelerate's; under pipeline parallelism shard over the data-parallel replicas, not the ranks:
+        every rank of one pipeline reads the same batches."""
+        if self.pipeline_config is None:
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        self._data_parallel_view = True
+        try:
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        finally:
+            self._data_parallel_view = False
 
     # ---- training -------------------------------------------------------------------------------
     def _zero_optimizers(self) -> list[ZeroOptimizer]:
@@ -250,6 +310,8 @@ class ZeroAccelerator(Accelerator):
         zero = self._zero_for(parameters)
         if zero is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        if self.pipeline is not None and zero is self.pipeline.optimizer:
+            return self.pipeline.clip_grad_norm_(max_norm, norm_type) if self.sync_gradients else None
         if not self.sync_gradients:
             if not self._warned_clip:
                 logger.warning("clip_grad_norm_ called on an accumulation micro-step; ZeRO clips only when "
@@ -288,6 +350,8 @@ class ZeroAccelerator(Accelerator):
         (as FSDP's rank0_only full state dict). Copies, because a ZeRO model's parameters are views
         into flat buffers: safetensors would take them for shared tensors and drop all but one.
         """
+        if self.pipeline is not None and any(m is model for m, _ in self._zero_pairs):
+            return self.pipeline.full_state_dict(rank0_only=True)  # every stage's weights, on the main process
         if not _is_zero_model(model):
             return super().get_state_dict(model, unwrap=unwrap)
         return full_state_dict(model, rank0_only=is_partitioned(model))

@@ -2,7 +2,8 @@
 
 Two halves:
 - ``plan(argv)`` (in the launching process): splits ``[torchrun options] SCRIPT [script args]``,
-  removes the ``--zero_*`` options from the script's arguments, validates them with ZeroConfig and
+  removes the ``--zero_*`` options from the script's arguments, validates them with ZeroConfig (and
+  ``--zero_pp_*`` with PipelineConfig: pipeline parallelism, see docs/integrations.md) and
   refuses ``--deepspeed``/``--fsdp`` next to them, all before any process starts. The result runs
   ``torch.distributed.run`` with this module as the entry point and the options as ``HFZERO_*``.
 - ``main()`` (``python -m hfzero.integrations.launch SCRIPT ...`` in every worker): when ``HFZERO_*``
@@ -21,8 +22,10 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from hfzero.config import ConfigError, ZeroConfig
-from hfzero.integrations.env import PROFILE_DIR_ENV, config_strings_from_env, config_to_env, env_name
+from hfzero.integrations.env import (PROFILE_DIR_ENV, config_strings_from_env, config_to_env, env_name,
+                                    pipeline_strings_from_env)
 from hfzero.logging import get_logger
+from hfzero.parallel.pipeline.config import PipelineConfig
 
 logger = get_logger(__name__)
 
@@ -53,7 +56,7 @@ def split_zero_options(script_args: Sequence[str]) -> tuple[list[str], dict[str,
     Returns the remaining arguments and ``{field: text}``. A bare boolean option (``--zero_overlap_comm``
     followed by another option or nothing) means "true". Unknown fields raise ConfigError.
     """
-    fields = set(ZeroConfig.field_names()) | {"profile_dir"}
+    fields = set(ZeroConfig.field_names()) | {"profile_dir"} | set(PipelineConfig.options())
     bools = {f.name for f in dataclasses.fields(ZeroConfig) if isinstance(f.default, bool)}
     rest: list[str] = []
     options: dict[str, str] = {}
@@ -206,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         argv = argv[1:]
     if not argv:
         raise SystemExit("usage: python -m hfzero.integrations.launch [--hfzero-module] SCRIPT [ARGS...]")
-    if config_strings_from_env() or os.environ.get(PROFILE_DIR_ENV):
+    if config_strings_from_env() or pipeline_strings_from_env() or os.environ.get(PROFILE_DIR_ENV):
         _patch_transformers()
     target, script_args = argv[0], argv[1:]
     sys.argv = [target, *script_args]

@@ -21,6 +21,7 @@ from hfzero.checkpoint import load_checkpoint, save_checkpoint
 from hfzero.checkpoint.format import MANIFEST, previous_dir
 from hfzero.config import ConfigError
 from hfzero.logging import get_logger
+from hfzero.parallel.pipeline import pipeline_of
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.prepare import get_engine
 
@@ -57,10 +58,35 @@ def has_shards(directory: str | os.PathLike[str]) -> bool:
 
 
 def save_optimizer_shards(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any) -> Path:
-    """Save the model's ZeRO training state (every rank's optimizer shard) into ``directory`` (collective)."""
-    return save_checkpoint(directory, model, _require_zero(optimizer, "save_optimizer_shards"))
+    """Save the model's ZeRO training state (every rank's optimizer shard) into ``directory`` (collective).
+    Under pipeline parallelism (``optimizer`` a pipeline stage's) every rank of the world writes its stage's."""
+    zero = _require_zero(optimizer, "save_optimizer_shards")
+    return save_checkpoint(directory, pipeline_of(zero) or model, zero)
 
 
 def load_optimizer_shards(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any) -> None:
-    """Load ZeRO training state saved by save_optimizer_shards, at any world size or stage (collective)."""
-    load_checkpoint(directory, model, _require_zero(optimizer, "load_optimizer_shards"))
+    """Load ZeRO training state saved by save_optimizer_shards, at any world size, stage or pipeline size
+    (collective)."""
+    zero = _require_zero(optimizer, "load_optimizer_shards")
+    load_checkpoint(directory, pipeline_of(zero) or model, zero)
+
+
+def scheduler_state_for_user_groups(state: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+    """A scheduler's state dict over a pipeline stage's optimizer, as over the user's optimizer: the stage's
+    own group for the tied embedding (last; see [Note: tied embeddings]) dropped from per-group lists, so the
+    saved scheduler resumes without a pipeline (or on another stage). Unchanged without a pipeline."""
+    pipe = pipeline_of(unwrap_optimizer(optimizer))
+    if pipe is None or pipe.tied_user_group is None:
+        return state
+    groups = len(pipe.optimizer.param_groups)
+    return {k: v[: groups - 1] if isinstance(v, list) and len(v) == groups else v for k, v in state.items()}
+
+
+def scheduler_state_for_stage(state: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+    """The inverse of ``scheduler_state_for_user_groups``: the tied group's entries copied from its source group."""
+    pipe = pipeline_of(unwrap_optimizer(optimizer))
+    if pipe is None or pipe.tied_user_group is None:
+        return state
+    users = len(pipe.optimizer.param_groups) - 1
+    source = pipe.tied_user_group
+    return {k: v + [v[source]] if isinstance(v, list) and len(v) == users else v for k, v in state.items()}

@@ -41,10 +41,11 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from hfzero.checkpoint.format import TRAINER_SHARD_DIR as SHARD_DIR
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.accelerate import ZeroAccelerator, apply_mixed_precision
-from hfzero.integrations.env import config_strings_from_env, profile_dir_from_env
+from hfzero.integrations.env import config_strings_from_env, pipeline_strings_from_env, profile_dir_from_env
 from hfzero.integrations.state import (has_shards, is_partitioned, load_optimizer_shards, save_optimizer_shards,
-                                      unwrap_optimizer)
+                                      scheduler_state_for_stage, scheduler_state_for_user_groups, unwrap_optimizer)
 from hfzero.logging import get_logger
+from hfzero.parallel.pipeline import PipelineConfig, pipeline_of
 from hfzero.runtime.stage3 import full_state_dict
 
 logger = get_logger(__name__)
@@ -54,13 +55,35 @@ _PROFILE_HELP = ("Directory for hfzero's profiler (ZeroProfiler): per-rank memor
                  "phase times of every step. Unset: no profiling.")
 
 
+_PIPELINE_TYPES = {"pp_size": int, "n_microbatches": int}
+
+
 def _zero_fields() -> list[tuple[str, Any, Any]]:
     hints = typing.get_type_hints(ZeroConfig)
     fields = [(f"zero_{f.name}", Optional[hints[f.name]],
                dataclasses.field(default=None, metadata={"help": ZeroConfig.field_doc(f.name)}))
               for f in dataclasses.fields(ZeroConfig)]
+    for option, field in PipelineConfig.options().items():  # --zero_pp_size, --zero_pp_schedule, ...
+        fields.append((f"zero_{option}", Optional[_PIPELINE_TYPES.get(field, str)], dataclasses.field(
+            default=None, metadata={"help": f"Pipeline parallelism (PipelineConfig.{field}): {_PIPELINE_HELP[field]}"})))
     fields.append(("zero_profile_dir", Optional[str], dataclasses.field(default=None, metadata={"help": _PROFILE_HELP})))
     return fields
+
+
+_PIPELINE_HELP = {
+    "pp_size": "pipeline stages; > 1 trains with hfzero.pipeline (the data-parallel size is world / pp_size, and "
+               "--per_device_train_batch_size is per data-parallel replica).",
+    "schedule": "GPipe, 1F1B (default), Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV.",
+    "n_microbatches": "micro-batches per step; default --gradient_accumulation_steps (the accumulated batches).",
+    "layers_per_stage": "decoder blocks per stage, e.g. 3,5 (default: balanced by parameter count).",
+    "stage3_gather": "ZeRO-3: step (gather once per step, default) or micro (per micro-batch).",
+}
+
+
+def _pipeline_strings(self: Any) -> dict[str, str]:
+    """The ``zero_pp_*`` options set on these arguments, as ``{option: text}``."""
+    return {o: str(getattr(self, f"zero_{o}")) for o in PipelineConfig.options()
+            if getattr(self, f"zero_{o}") is not None}
 
 
 def _zero_config_strings(self: Any) -> dict[str, str]:
@@ -91,7 +114,8 @@ def _env_true(name: str) -> bool:
 
 ZeroTrainingArguments = dataclasses.make_dataclass(
     "ZeroTrainingArguments", _zero_fields(), bases=(TrainingArguments,),
-    namespace={"zero_config_strings": _zero_config_strings, "__post_init__": _post_init, "__module__": __name__})
+    namespace={"zero_config_strings": _zero_config_strings, "zero_pipeline_strings": _pipeline_strings,
+               "__post_init__": _post_init, "__module__": __name__})
 ZeroTrainingArguments.__doc__ = (
     "``transformers.TrainingArguments`` plus every ZeroConfig field as ``zero_<field>`` (default None: taken "
     "from ``HFZERO_<FIELD>`` in the environment, else ZeroConfig's default) and ``zero_profile_dir``. "
@@ -120,6 +144,23 @@ def resolve_zero_config(args: TrainingArguments, override: ZeroConfig | None = N
     return apply_mixed_precision(config, mixed)
 
 
+def resolve_pipeline_config(args: TrainingArguments) -> PipelineConfig | None:
+    """The PipelineConfig a ZeroTrainer runs with, or None (no ``--zero_pp_size`` above 1).
+
+    ``HFZERO_PP_*`` environment values overlaid by ``zero_pp_*`` arguments; the micro-batches default to
+    the Trainer's ``gradient_accumulation_steps``.
+    """
+    values = pipeline_strings_from_env()
+    if hasattr(args, "zero_pipeline_strings"):
+        values.update(args.zero_pipeline_strings())
+    config = PipelineConfig.from_strings(values, pp_size=1, n_microbatches=int(args.gradient_accumulation_steps))
+    if config.pp_size == 1:
+        if len(values) > ("pp_size" in values):
+            logger.warning("ZeroTrainer: --zero_pp_* options without --zero_pp_size > 1 are ignored")
+        return None
+    return config
+
+
 @contextlib.contextmanager
 def _accelerator_factory(factory: Any) -> Iterator[None]:
     """Make ``transformers.trainer`` build its accelerator with ``factory`` for the duration of the block.
@@ -133,6 +174,19 @@ def _accelerator_factory(factory: Any) -> Iterator[None]:
         yield
     finally:
         _trainer_module.Accelerator = original
+
+
+def _pipeline_batch(batches: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) of the batches, concatenated (B, T); unpadded sequences only (the pipeline carries
+    no attention mask between stages)."""
+    for batch in batches:
+        mask = batch.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            raise ConfigError("ZeroTrainer: pipeline parallelism trains on unpadded sequences only (the stages "
+                              "carry no attention mask); this batch has padding. Pack the data into full blocks")
+    ids = torch.cat([b["input_ids"] for b in batches])
+    labels = torch.cat([b.get("labels", b["input_ids"]) for b in batches])
+    return ids, labels
 
 
 class ZeroProfilerCallback(TrainerCallback):
@@ -153,6 +207,10 @@ class ZeroProfilerCallback(TrainerCallback):
         zero = unwrap_optimizer(optimizer)
         if zero is None:
             raise ConfigError("ZeroProfilerCallback: the Trainer's optimizer was not prepared by hfzero")
+        if pipeline_of(zero) is not None:
+            logger.warning("zero_profile_dir=%s: the profiler does not record pipeline-parallel runs yet (see "
+                           "docs/pipeline.md, Not done); training runs without profiling", self.run_dir)
+            return
         self.profiler = ZeroProfiler(model, zero, self.run_dir,
                                      accumulation_steps=int(args.gradient_accumulation_steps)).start()
 
@@ -192,21 +250,79 @@ class ZeroTrainer(Trainer):
         if self.zero_config.stage == 3 and self.args.load_best_model_at_end and self.args.save_only_model:
             raise ConfigError("ZeroTrainer: load_best_model_at_end at ZeRO stage 3 needs the optimizer shards in "
                               "each checkpoint (the weights are partitioned); drop --save_only_model")
-        factory = functools.partial(ZeroAccelerator, zero_config=self.zero_config)
+        self.pipeline_config = resolve_pipeline_config(self.args)
+        self._pipeline_micro_explicit = bool(self.pipeline_config) and "pp_n_microbatches" in {
+            **pipeline_strings_from_env(), **getattr(self.args, "zero_pipeline_strings", dict)()}
+        self._pending: list[dict[str, Any]] = []
+        factory = functools.partial(ZeroAccelerator, zero_config=self.zero_config,
+                                    pipeline_config=self.pipeline_config)
         with _accelerator_factory(factory):
             super().create_accelerator_and_postprocess()
         logger.info("ZeroTrainer: ZeRO stage %d, dtype %s", self.zero_config.stage, self.zero_config.dtype)
 
+    @property
+    def pipeline(self) -> Any:
+        """This rank's ``hfzero.pipeline`` Pipeline under ``--zero_pp_size`` > 1, once training prepared it."""
+        return getattr(getattr(self, "accelerator", None), "pipeline", None)
+
+    def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """Under pipeline parallelism: keep the accumulation's batches; on the last one (the Trainer's
+        sync step) run the pipeline over all of them (they are the micro-batches). Returns the step's
+        global mean loss on its last call and 0 before, so the Trainer's logged sum is that mean."""
+        pipe = self.pipeline
+        if pipe is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        self._pending.append(self._prepare_inputs(inputs))
+        if not self.accelerator.sync_gradients:
+            return torch.zeros((), device=self.args.device)
+        ids, labels = _pipeline_batch(self._pending)
+        n_micro = self.pipeline_config.n_microbatches if self._pipeline_micro_explicit else len(self._pending)
+        self._pending = []
+        divisor = self._token_divisor(labels) if num_items_in_batch is not None else None
+        loss = pipe.forward_backward(ids, labels, n_microbatches=n_micro, token_divisor=divisor)
+        return torch.tensor(loss, device=self.args.device)
+
+    def prediction_step(self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
+        """Under pipeline parallelism: the pipeline's forward-only loss of this replica's batch (every rank of
+        the pipeline returns it); loss only (no logits for compute_metrics)."""
+        pipe = self.pipeline
+        if pipe is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if not prediction_loss_only:
+            raise ConfigError("ZeroTrainer: under pipeline parallelism evaluation computes the loss only; drop "
+                              "compute_metrics / --prediction_loss_only false")
+        ids, labels = _pipeline_batch([self._prepare_inputs(inputs)])
+        divisor = self._token_divisor(labels) if self.model_accepts_loss_kwargs else None
+        loss = pipe.evaluate(ids, labels, over_dp=False, token_divisor=divisor)
+        return torch.tensor(loss, device=self.args.device), None, None
+
+    def _token_divisor(self, labels: torch.Tensor) -> float:
+        """The Trainer's loss normalization (``num_items_in_batch``: labels counted, ``-100`` excluded) as the
+        pipeline's token divisor: with ``average_tokens_across_devices`` the count over the global batch / dp
+        (each replica's share; the dp mean is then sum / count, as DDP's), else this replica's count."""
+        pipe = self.pipeline
+        count = labels.ne(-100).sum().reshape(1).to(pipe.dp_scalars.device, torch.float32)
+        if self.args.average_tokens_across_devices:
+            pipe.dp_scalars.all_reduce(count)
+            count /= pipe.mesh.dp_size
+        return float(count)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """At stage 3 every rank gathers the full weights first (a collective), then the Trainer saves.
+        """At stage 3, or under pipeline parallelism, every rank gathers the full weights first (a
+        collective), then the Trainer saves them: a whole Hugging Face model either way.
 
         The gather happens here, on every rank, because transformers 4.x calls ``_save`` on the saving
         rank only (5.x on every rank): gathering inside ``_save`` would hang there.
         """
-        if not is_partitioned(self.model):
+        pipe = self.pipeline
+        if not is_partitioned(self.model) and pipe is None:
             return super().save_model(output_dir, _internal_call)
         # the writers: rank 0, or each node's local rank 0 with save_on_each_node
-        self._gathered_state = full_state_dict(self.model, rank0_only=not self.args.save_on_each_node)
+        rank0_only = not self.args.save_on_each_node
+        self._gathered_state = (pipe.full_state_dict(rank0_only) if pipe is not None
+                                else full_state_dict(self.model, rank0_only=rank0_only))
         try:
             super().save_model(output_dir, _internal_call)
         finally:
@@ -214,7 +330,7 @@ class ZeroTrainer(Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """At stage 3 write the weights ``save_model`` gathered on every rank; then the Trainer's save."""
-        if state_dict is None and is_partitioned(self.model):
+        if state_dict is None and (is_partitioned(self.model) or self.pipeline is not None):
             state_dict = getattr(self, "_gathered_state", None)
             if state_dict is None:
                 raise RuntimeError("ZeroTrainer: at stage 3 save through save_model() (every rank must gather "
@@ -222,8 +338,9 @@ class ZeroTrainer(Trainer):
         super()._save(output_dir, state_dict=state_dict)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        """A stage-3 model's weights are restored by its shards (``_load_optimizer_and_scheduler``)."""
-        if is_partitioned(model if model is not None else self.model):
+        """A stage-3 model's (or a pipeline's) weights are restored by its shards
+        (``_load_optimizer_and_scheduler``)."""
+        if is_partitioned(model if model is not None else self.model) or self.pipeline is not None:
             logger.info("ZeroTrainer: stage-3 weights are restored from %s/%s with the optimizer shards",
                         resume_from_checkpoint, SHARD_DIR)
             return
@@ -244,8 +361,9 @@ class ZeroTrainer(Trainer):
                         self.state.best_metric)
             load_optimizer_shards(best / SHARD_DIR, self.model, self.optimizer)
             return
-        if is_partitioned(self.model):
-            raise ConfigError(f"load_best_model_at_end at ZeRO stage 3 needs the checkpoint's optimizer shards, "
+        if is_partitioned(self.model) or self.pipeline is not None:
+            raise ConfigError(f"load_best_model_at_end at ZeRO stage 3 (or with pipeline parallelism) needs the "
+                              f"checkpoint's optimizer shards, "
                               f"but {best / SHARD_DIR} is missing (save_only_model?). Save full checkpoints, or "
                               "load the best weights after training with from_pretrained")
         super()._load_best_model()
@@ -256,7 +374,8 @@ class ZeroTrainer(Trainer):
             return super()._save_optimizer_and_scheduler(output_dir)
         save_optimizer_shards(Path(output_dir) / SHARD_DIR, self.model, self.optimizer)
         if self.args.should_save and self.lr_scheduler is not None:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            state = scheduler_state_for_user_groups(self.lr_scheduler.state_dict(), self.optimizer)
+            torch.save(state, os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Load this rank's optimizer shard and the scheduler from a ZeroTrainer checkpoint."""
@@ -272,4 +391,5 @@ class ZeroTrainer(Trainer):
         load_optimizer_shards(shards, self.model, self.optimizer)
         scheduler = Path(checkpoint) / SCHEDULER_NAME
         if scheduler.is_file() and self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
+            state = torch.load(scheduler, map_location="cpu", weights_only=True)
+            self.lr_scheduler.load_state_dict(scheduler_state_for_stage(state, self.optimizer))

@@ -2,6 +2,6 @@
 schedules, ZeRO inside each stage's data-parallel group. See docs/pipeline.md."""
 
 from hfzero.parallel.pipeline.config import PipelineConfig
-from hfzero.parallel.pipeline.driver import Pipeline, pipeline
+from hfzero.parallel.pipeline.driver import Pipeline, pipeline, pipeline_of
 
-__all__ = ["Pipeline", "PipelineConfig", "pipeline"]
+__all__ = ["Pipeline", "PipelineConfig", "pipeline", "pipeline_of"]

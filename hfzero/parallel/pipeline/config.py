@@ -21,11 +21,12 @@ class PipelineConfig:
     rank), InterleavedZeroBubble, ZBVZeroBubble, DualPipeV (zero-bubble: two stages per rank)."""
 
     n_microbatches: int = 4
-    """Micro-batches per step (per data-parallel replica); 0 in the Trainer means its
-    gradient_accumulation_steps."""
+    """Micro-batches per step (per data-parallel replica). In the Trainer (``--zero_pp_n_microbatches``)
+    the default is its gradient_accumulation_steps: the accumulated batches are the micro-batches."""
 
     layers_per_stage: tuple[int, ...] | None = None
-    """Decoder blocks per stage (all stages, in order); None balances stages by parameter count."""
+    """Decoder blocks per stage (all stages, in order; "3,5" on the command line); None balances stages by
+    parameter count."""
 
     stage3_gather: Literal["step", "micro"] = "step"
     """ZeRO-3 only: "step" gathers each unit once per step and keeps it for all micro-batches
@@ -47,3 +48,35 @@ class PipelineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @staticmethod
+    def option(field: str) -> str:
+        """The Trainer/launcher option of ``field`` without its ``zero_`` prefix: ``pp_size``, ``pp_schedule``, ..."""
+        return field if field.startswith("pp_") else f"pp_{field}"
+
+    @classmethod
+    def options(cls) -> dict[str, str]:
+        """Option (``pp_schedule``) -> field (``schedule``), for every field."""
+        return {cls.option(f.name): f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_strings(cls, values: dict[str, str], **defaults: Any) -> "PipelineConfig":
+        """A config from option texts (``{"pp_size": "2", "pp_layers_per_stage": "1,3"}``) over ``defaults``
+        (field values); ConfigError names a bad option."""
+        fields = cls.options()
+        converted = dict(defaults)
+        for option, raw in values.items():
+            if option not in fields:
+                raise ConfigError(f"unknown pipeline option {option!r}; valid ones are {sorted(fields)}")
+            field = fields[option]
+            try:
+                if field in ("pp_size", "n_microbatches"):
+                    converted[field] = int(raw)
+                elif field == "layers_per_stage":
+                    converted[field] = tuple(int(x) for x in str(raw).replace(" ", "").split(",") if x)
+                else:
+                    converted[field] = str(raw)
+            except ValueError:
+                what = "a comma list of integers" if field == "layers_per_stage" else "an integer"
+                raise ConfigError(f"--zero_{option}: cannot read {raw!r} as {what}") from None
+        return cls(**converted)

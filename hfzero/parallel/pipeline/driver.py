@@ -28,7 +28,9 @@ then hold the full sum and take identical optimizer steps, so the two copies sta
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -79,7 +81,13 @@ class Pipeline:
         self.module: nn.Module = self.stages[0] if len(self.stages) == 1 else StageChunks(self.stages)
         tied = self._tied_param()
         is_tied = tied_embeddings(model)
-        stage_optimizer, self._tied_group = _stage_optimizer(optimizer, self.module, tied)
+        stage_optimizer, self._tied_group, self.tied_user_group = _stage_optimizer(optimizer, self.module, tied)
+        self.generation_config = getattr(model, "generation_config", None)
+        self.tied_names: tuple[str, str] | None = None
+        """(canonical, copy): the tied embedding's names on the first and the last stage when they sit on
+        different ranks (a checkpoint writes the canonical one; see [Note: pipeline checkpoints])."""
+        if is_tied and self._holder_ranks(0) != self._holder_ranks(self.num_stages - 1):
+            self.tied_names = (self.stages[0].family.first[0] + ".weight", "lm_head.weight")
         prepare_kwargs: dict[str, Any] = {}
         if zero_config.stage == 3:
             prepare_kwargs["units"] = self._stage3_units()
@@ -95,6 +103,8 @@ class Pipeline:
         self.dp_scalars = self.engine.comm.on_group(self.mesh.dp_group, share_stats=False)
         self.tied_comm = self._tied_pair_comm(is_tied, tied is not None)
         self._schedules: dict[tuple, Any] = {}
+        self._n_micro, self._divisor = config.n_microbatches, None
+        _PIPELINES[self.optimizer] = self
         self._reduced_stages = 0
         self.step_roles: dict[Any, int] = {}
         """Peak bytes by MemoryRole over the last forward_backward, sampled after the last backward
@@ -141,9 +151,9 @@ class Pipeline:
         return name.split(".", 1)[1] if isinstance(self.module, StageChunks) else name
 
     # ---- schedule -------------------------------------------------------------------------------
-    def _schedule(self, rows: int, seq: int, train: bool):
-        """The schedule for micro-batches of (rows, seq) tokens (stages use static shapes; one per shape)."""
-        key = (rows, seq, train)
+    def _schedule(self, rows: int, seq: int, train: bool, n_micro: int):
+        """The schedule for ``n_micro`` micro-batches of (rows, seq) tokens (static shapes: one per shape)."""
+        key = (rows, seq, train, n_micro)
         if key not in self._schedules:
             device = self.engine.device
             dtype = self.zero_config.torch_dtype
@@ -162,17 +172,20 @@ class Pipeline:
                     stage, stage.stage_index, self.num_stages, device, input_args=inputs, output_args=outputs,
                     group=self.mesh.pp_group, on_reduce_grad=self._on_reduce_grad))
             target = pipeline_stages[0] if len(pipeline_stages) == 1 else pipeline_stages
-            self._schedules[key] = self.kind.cls(target, n_microbatches=self.config.n_microbatches,
+            self._schedules[key] = self.kind.cls(target, n_microbatches=n_micro,
                                                  loss_fn=self._loss_fn, scale_grads=False)
         return self._schedules[key]
 
     def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean token loss of a micro-batch / n_micro (times the fp16 loss scale); see [Note: pipeline x ZeRO step]."""
+        """Mean token loss of a micro-batch / n_micro, or its token-loss sum / the step's token divisor (times
+        the fp16 loss scale); see [Note: pipeline x ZeRO step]."""
         vocab = logits.shape[-1]
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), labels[:, 1:].reshape(-1),
-                               ignore_index=-100)  # (B * (T - 1), V) against (B * (T - 1),)
+        # (B * (T - 1), V) against (B * (T - 1),)
+        flat, target = logits[:, :-1].reshape(-1, vocab).float(), labels[:, 1:].reshape(-1)
         scale = self.engine.scaler.scale if self.engine.scaler.enabled else 1.0
-        return loss * (scale / self.config.n_microbatches)
+        if self._divisor is None:
+            return F.cross_entropy(flat, target, ignore_index=-100) * (scale / self._n_micro)
+        return F.cross_entropy(flat, target, ignore_index=-100, reduction="sum") * (scale / self._divisor)
 
     @property
     def holds_first(self) -> bool:
@@ -182,24 +195,32 @@ class Pipeline:
     def holds_last(self) -> bool:
         return any(s.is_last for s in self.stages)
 
-    def _inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None, train: bool):
+    def _inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None, train: bool, n_micro: int | None,
+                divisor: float | None = None):
         """The schedule for this batch's micro-batch shape, the first stage's args, the last stage's target."""
         if input_ids.ndim != 2:
             raise ConfigError(f"hfzero pipeline: input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
-        if input_ids.shape[0] % self.config.n_microbatches:
-            raise ConfigError(f"hfzero pipeline: n_microbatches={self.config.n_microbatches} does not divide this "
+        n_micro = self.config.n_microbatches if n_micro is None else n_micro
+        if input_ids.shape[0] % n_micro:
+            raise ConfigError(f"hfzero pipeline: n_microbatches={n_micro} does not divide this "
                               f"replica's batch of {input_ids.shape[0]} rows; use a batch that is a multiple of it")
         labels = input_ids if labels is None else labels
-        schedule = self._schedule(input_ids.shape[0] // self.config.n_microbatches, input_ids.shape[1], train)
+        self._n_micro, self._divisor = n_micro, divisor
+        schedule = self._schedule(input_ids.shape[0] // n_micro, input_ids.shape[1], train, n_micro)
         device = self.engine.device
         args = (input_ids.to(device),) if self.holds_first else ()
         return schedule, args, labels.to(device) if self.holds_last else None
 
     # ---- a step ---------------------------------------------------------------------------------
-    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
-        """Run the schedule over this replica's batch (B, T) and finish its gradients; return the mean loss
-        of the global batch (every rank returns it). Every rank of a pipeline passes the same batch."""
-        schedule, args, target = self._inputs(input_ids, labels, train=True)
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+                         n_microbatches: int | None = None, token_divisor: float | None = None) -> float:
+        """Run the schedule over this replica's batch (B, T) in ``n_microbatches`` (default: the config's)
+        and finish its gradients; return the mean loss of the global batch (every rank returns it).
+        Every rank of a pipeline passes the same batch. The loss is the mean of the micro-batches' mean token
+        losses, or with ``token_divisor`` the replica's token-loss sum / ``token_divisor`` (the Trainer's
+        convention: its token count over the global batch / dp, so the dp average is sum / count)."""
+        schedule, args, target = self._inputs(input_ids, labels, train=True, n_micro=n_microbatches,
+                                              divisor=token_divisor)
         losses: list[torch.Tensor] = []
         self._reduced_stages = 0
         self.step_roles = {}
@@ -211,14 +232,18 @@ class Pipeline:
         return self._global_loss(losses)
 
     @torch.no_grad()
-    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
-        """Forward-only mean loss of the global batch (every rank returns it)."""
-        schedule, args, target = self._inputs(input_ids, labels, train=False)
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, over_dp: bool = True,
+                 token_divisor: float | None = None) -> float:
+        """Forward-only mean loss of the global batch (every rank returns it); ``over_dp=False``: of this
+        replica's batch (every rank of the pipeline returns it). Any batch size: the micro-batches are
+        the config's number when it divides the rows, else fewer."""
+        n_micro = math.gcd(input_ids.shape[0], self.config.n_microbatches) if input_ids.ndim == 2 else None
+        schedule, args, target = self._inputs(input_ids, labels, train=False, n_micro=n_micro, divisor=token_divisor)
         losses: list[torch.Tensor] = []
         schedule.eval(*args, target=target, losses=losses if self.holds_last else None)
         if self.zero_config.stage == 3:
             self.engine.scheduler.release_all()
-        return self._global_loss(losses)
+        return self._global_loss(losses, over_dp=over_dp)
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                    max_grad_norm: float | None = None) -> float:
@@ -262,17 +287,45 @@ class Pipeline:
         self.pp_comm.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.engine.overflow = bool(flag.item() > 0)
 
-    def _global_loss(self, losses: list[torch.Tensor]) -> float:
-        """Mean over the dp replicas of the sum of micro-batch losses, from the last stage to every rank."""
+    def _global_loss(self, losses: list[torch.Tensor], over_dp: bool = True) -> float:
+        """Mean over the dp replicas (or this replica's) of the sum of micro-batch losses, from the last stage
+        to every rank."""
         total = torch.zeros(1, dtype=torch.float32, device=self.pp_comm.device)
         if self.holds_last:
             scale = self.engine.scaler.scale if self.engine.scaler.enabled else 1.0
             total += sum(float(l.detach()) for l in losses) / scale
-            self.dp_scalars.all_reduce(total)
-            total /= self.mesh.dp_size
+            if over_dp:
+                self.dp_scalars.all_reduce(total)
+                total /= self.mesh.dp_size
         last = self._holder_ranks(self.num_stages - 1)
         self.pp_comm.broadcast(total, src_rank=last)
         return float(total.item())
+
+    # ---- whole-model weights ---------------------------------------------------------------------
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The whole model's state dict (CPU copies, HF names, the tied embedding once), assembled from every
+        stage: a collective over the world. ``rank0_only``: other ranks get ``{}``."""
+        import hfzero
+
+        if self.zero_config.stage == 3:  # a collective of the stage's dp group
+            mine = hfzero.full_state_dict(self.module, rank0_only=False)
+        else:
+            mine = {n: t.detach().cpu().clone() for n, t in self.module.state_dict().items()}
+        skip = {self.tied_names[1]} if self.tied_names is not None else set()
+        mine = {self.hf_name(n): t for n, t in mine.items() if self.hf_name(n) not in skip or self.holds_first}
+        world = self.engine.comm.on_group(dist.group.WORLD, share_stats=False)
+        sender = self.mesh.dp_rank == 0
+        described = [json.loads(b) for b in world.all_gather_bytes(json.dumps(
+            [[n, list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in mine.items()] if sender else [])
+            .encode())]
+        out: dict[str, torch.Tensor] = {}
+        for rank, entries in enumerate(described):  # in pp order: the first stage's names first
+            for name, shape, dtype in entries:
+                tensor = mine[name] if rank == dist.get_rank() else torch.empty(shape, dtype=getattr(torch, dtype))
+                tensor = tensor.to(world.device)
+                world.broadcast(tensor, src_rank=rank)
+                out.setdefault(name, tensor.cpu())
+        return {} if rank0_only and dist.get_rank() != 0 else out
 
     # ---- clipping -------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -309,24 +362,37 @@ class Pipeline:
 
 
 def _stage_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module,
-                     tied: nn.Parameter | None) -> tuple[torch.optim.Optimizer, int | None]:
+                     tied: nn.Parameter | None) -> tuple[torch.optim.Optimizer, int | None, int | None]:
     """The user's optimizer rebuilt over this rank's parameters (same class, hyper-parameters, groups);
-    the tied embedding, if held here, in a group of its own (see [Note: tied embeddings])."""
+    the tied embedding, if held here, in a group of its own (see [Note: tied embeddings]). Returns the
+    optimizer, the tied group's index in it and the index of the user's group the tied embedding came from."""
     mine = set(module.parameters())
-    groups, tied_group = [], None
-    for group in optimizer.param_groups:
+    groups, tied_group, source = [], None, None
+    for index, group in enumerate(optimizer.param_groups):
         options = {k: v for k, v in group.items() if k != "params"}
         params = [p for p in group["params"] if p in mine and p is not tied]
         groups.append({**options, "params": params})
         if tied is not None and any(p is tied for p in group["params"]):
-            tied_group = len(optimizer.param_groups)
+            tied_group, source = len(optimizer.param_groups), index
             tied_options = options
     if tied is not None:
         if tied_group is None:
             raise ConfigError("hfzero pipeline: the tied embedding is not in the optimizer; build the optimizer "
                               "from model.parameters()")
         groups.append({**tied_options, "params": [tied]})
-    return _rebuild(type(optimizer), groups, optimizer.defaults), tied_group
+    return _rebuild(type(optimizer), groups, optimizer.defaults), tied_group, source
+
+
+_PIPELINES: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Pipeline]" = weakref.WeakKeyDictionary()
+
+
+def pipeline_of(optimizer: Any) -> Pipeline | None:
+    """The Pipeline whose (stage) optimizer ``optimizer`` is, or None: lets integrations that hold the
+    optimizer (checkpoints through the Trainer or accelerate) act on the whole pipeline."""
+    try:
+        return _PIPELINES.get(optimizer)
+    except TypeError:
+        return None
 
 
 def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
