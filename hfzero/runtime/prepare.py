@@ -23,6 +23,13 @@ from hfzero.runtime.stage3.weights import WeightSource, materialize_meta_params
 logger = get_logger(__name__)
 
 _ENGINE_ATTR = "hfzero_engine"
+_prepared_count = 0
+"""Models this process prepared (``hfzero run`` reports a script that prepared none; see launch.py)."""
+
+
+def prepared_count() -> int:
+    """How many models ``prepare`` has applied ZeRO to in this process."""
+    return _prepared_count
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
@@ -73,6 +80,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         engine = ZeroEngine(model, groups, config, comm, device)
     zero_optimizer = ZeroOptimizer(engine, optimizer)
     setattr(model, _ENGINE_ATTR, engine)
+    global _prepared_count
+    _prepared_count += 1
     model.no_sync = engine.no_sync  # the DDP-style context accelerate and Trainer look for
     if config.stage == 3 and comm.world_size > 1 and hasattr(model, "generate"):
         _sync_generate(model)
@@ -81,11 +90,17 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
 
 def _sync_generate(model: nn.Module) -> None:
     """Stage 3: every forward is collective, so ranks must keep stepping ``generate`` until all are done
-    (transformers' ``synced_gpus``); without it a rank that reaches EOS first leaves the others hanging."""
+    (transformers' ``synced_gpus``); without it a rank that reaches EOS first leaves the others hanging.
+
+    ``synced_gpus=False`` is overridden too: callers such as ``Seq2SeqTrainer`` pass False unless they
+    detect DeepSpeed or FSDP, and a partitioned model cannot generate unsynced at world > 1.
+    """
     generate = model.generate
 
     def synced_generate(*args, **kwargs):
-        kwargs.setdefault("synced_gpus", True)
+        if kwargs.get("synced_gpus") is False:
+            logger.debug("stage 3: generate(synced_gpus=False) overridden: every forward is a collective")
+        kwargs["synced_gpus"] = True
         return generate(*args, **kwargs)
 
     model.generate = functools.wraps(generate)(synced_generate)
