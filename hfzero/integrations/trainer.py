@@ -41,7 +41,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.accelerate import ZeroAccelerator, apply_mixed_precision
 from hfzero.integrations.env import config_strings_from_env, profile_dir_from_env
-from hfzero.integrations.state import is_partitioned, load_optimizer_shards, save_optimizer_shards, unwrap_optimizer
+from hfzero.integrations.state import (is_partitioned, load_optimizer_shards, model_param_count,
+                                      save_optimizer_shards, unwrap_optimizer)
 from hfzero.logging import get_logger
 from hfzero.runtime.stage3 import full_state_dict
 
@@ -120,18 +121,19 @@ def resolve_zero_config(args: TrainingArguments, override: ZeroConfig | None = N
 
 
 @contextlib.contextmanager
-def _accelerator_factory(factory: Any) -> Iterator[None]:
-    """Make ``transformers.trainer`` build its accelerator with ``factory`` for the duration of the block.
+def _in_trainer_module(name: str, value: Any) -> Iterator[None]:
+    """Make ``transformers.trainer.<name>`` mean ``value`` for the duration of the block.
 
-    Trainer.create_accelerator_and_postprocess builds ``Accelerator(**args)`` inline and then does
-    setup that depends on it; swapping the class it names is the one seam that keeps that code.
+    Trainer code names some helpers inline (``Accelerator(**args)`` in create_accelerator_and_postprocess,
+    ``get_model_param_count`` in the training loop's start-up log); swapping the name it uses is the
+    one seam that keeps the rest of that code.
     """
-    original = _trainer_module.Accelerator
-    _trainer_module.Accelerator = factory
+    original = getattr(_trainer_module, name)
+    setattr(_trainer_module, name, value)
     try:
         yield
     finally:
-        _trainer_module.Accelerator = original
+        setattr(_trainer_module, name, original)
 
 
 class ZeroProfilerCallback(TrainerCallback):
@@ -191,9 +193,21 @@ class ZeroTrainer(Trainer):
             raise ConfigError("ZeroTrainer: load_best_model_at_end at ZeRO stage 3 needs the optimizer shards in "
                               "each checkpoint (the weights are partitioned); drop --save_only_model")
         factory = functools.partial(ZeroAccelerator, zero_config=self.zero_config)
-        with _accelerator_factory(factory):
+        with _in_trainer_module("Accelerator", factory):
             super().create_accelerator_and_postprocess()
         logger.info("ZeroTrainer: ZeRO stage %d, dtype %s", self.zero_config.stage, self.zero_config.dtype)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's training; its "Number of trainable parameters" counts partitioned parameters whole."""
+        with _in_trainer_module("get_model_param_count", model_param_count):
+            return super().train(*args, **kwargs)
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """The Trainer's 6 * tokens * non-embedding parameters, with stage-3 parameters counted whole."""
+        main = getattr(self.model, "main_input_name", "input_ids")
+        if not is_partitioned(self.model) or main not in inputs:
+            return super().floating_point_ops(inputs)
+        return 6 * inputs[main].numel() * model_param_count(self.model, exclude_embeddings=True)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """At stage 3 gather the full weights first (every rank: a collective); then the Trainer's save."""

@@ -208,6 +208,11 @@ class Stage3Engine(ZeroEngine):
         roles.update(extra)
         return {role: size for role, size in roles.items() if size}
 
+    def full_numel(self, param: nn.Parameter) -> int:
+        """Elements of ``param`` when whole (a partitioned parameter is a 0-element tensor between uses)."""
+        slot = self.layout.slots.get(param)
+        return slot.numel if slot is not None else param.numel()
+
     def trace(self, enabled: bool = True) -> list[tuple[str, str]] | None:
         """Record gather/release events (see UnitScheduler.events); returns the live event list."""
         self.scheduler.trace(enabled)
