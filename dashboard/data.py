@@ -292,12 +292,16 @@ def comm_theory_elements(run: Run) -> float | None:
 
     At stage 3 the P persistent parameters (kept whole, see the header's prediction inputs) are not
     gathered: they move 2P (reduce-scatter of their gradients, all-gather of their update), so the
-    volume is 3(Ψ - P) + 2P. Ψ is the header's unpadded trainable count; None when it lacks it.
+    volume is 3(Ψ - P) + 2P. Partitioned frozen parameters Ψ_f - P_f are gathered twice (forward and
+    backward) and never reduced: 2(Ψ_f - P_f). Ψ is the header's unpadded trainable count; None when
+    it lacks it.
     """
-    psi = (run.header.get("model") or {}).get("num_params")
+    model = run.header.get("model") or {}
+    psi = model.get("num_params")
     if not isinstance(psi, (int, float)):
         return None
     if run.stage != 3:
         return 2 * float(psi)
-    persistent = (prediction_inputs(run) or {}).get("persistent_params") or 0
-    return 3 * (float(psi) - persistent) + 2 * float(persistent)
+    frozen, frozen_whole = model.get("num_frozen_params") or 0, model.get("num_frozen_persistent_params") or 0
+    persistent = ((prediction_inputs(run) or {}).get("persistent_params") or 0) - frozen_whole
+    return 3 * (float(psi) - persistent) + 2 * float(persistent) + 2 * float(frozen - frozen_whole)

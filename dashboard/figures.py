@@ -70,7 +70,7 @@ def formula_parts(run: Any) -> est.ModelStateBytes | None:
         return est.model_states_breakdown(
             inputs["num_params"], inputs["dp"], inputs["stage"], param_bytes=inputs["param_bytes"],
             grad_bytes=inputs["grad_bytes"], optimizer_k=inputs["optimizer_k"],
-            persistent_params=inputs.get("persistent_params") or 0)
+            persistent_params=inputs.get("persistent_params") or 0, frozen_params=inputs.get("frozen_params") or 0)
     except (KeyError, TypeError, est.EstimateError) as err:
         logger.warning("cannot evaluate the header's prediction inputs %s: %s", inputs, err)
         return None

@@ -137,26 +137,32 @@ def model_states_breakdown(
     grad_bytes: int = 2,
     optimizer_k: int = 12,
     persistent_params: float = 0,
+    frozen_params: float = 0,
 ) -> ModelStateBytes:
     """Per-device bytes of parameters, gradients and the K part, wherever they live.
 
-    Ψ = ``num_params / mp``. ``persistent_params`` (a subset of ``num_params``, also divided by
-    ``mp``) matters at stage 3 only: those parameters stay whole on every rank, so their
-    parameter bytes are ``param_bytes`` each in full, and they are not part of the sharded flat
-    parameters: params = param_bytes * ((Ψ - P) / N_d + P) with P = persistent_params / mp. Their
-    gradients and optimizer states are sharded like every other parameter's, so grads and the K part
-    use the plain formula. At stages 0-2 all parameters are whole anyway and P changes nothing.
+    Ψ = ``num_params / mp`` (trainable parameters). ``frozen_params`` Ψ_f (``requires_grad=False``:
+    a LoRA fine-tune's base weights, also divided by ``mp``) have parameter bytes only, no gradient
+    or optimizer state: whole at stages 0-2 (``param_bytes`` each), divided by N_d at stage 3, which
+    partitions them too. ``persistent_params`` (a subset of Ψ + Ψ_f, also divided by ``mp``) matters
+    at stage 3 only: those parameters stay whole on every rank, so
+    params = param_bytes * ((Ψ + Ψ_f - P) / N_d + P) with P = persistent_params / mp. Gradients and
+    optimizer states of persistent trainable parameters are sharded like every other one's, so grads
+    and the K part use the plain formula. At stages 0-2 all parameters are whole anyway and P changes
+    nothing.
     """
     _check_layout(dp, stage, mp)
     _check_count("num_params", num_params)
     _check_count("persistent_params", persistent_params)
-    if persistent_params > num_params:
-        raise EstimateError(f"persistent_params ({persistent_params:g}) exceeds num_params ({num_params:g})")
-    psi, persistent = num_params / mp, persistent_params / mp
+    _check_count("frozen_params", frozen_params)
+    if persistent_params > num_params + frozen_params:
+        raise EstimateError(f"persistent_params ({persistent_params:g}) exceeds num_params + frozen_params "
+                            f"({num_params + frozen_params:g})")
+    psi, persistent, frozen = num_params / mp, persistent_params / mp, frozen_params / mp
     if stage >= _SHARDED_FROM_STAGE["params"]:
-        params = param_bytes * ((psi - persistent) / dp + persistent)
+        params = param_bytes * ((psi + frozen - persistent) / dp + persistent)
     else:
-        params = param_bytes * psi
+        params = param_bytes * (psi + frozen)
     grads = grad_bytes * psi / _shard_divisor("grads", stage, dp)
     optimizer = optimizer_k * psi / _shard_divisor("optimizer", stage, dp)
     return ModelStateBytes(params, grads, optimizer)
@@ -173,17 +179,19 @@ def model_states_bytes(
     optimizer_k: int = 12,
     persistent_params: float = 0,
     offload_optimizer: bool = False,
+    frozen_params: float = 0,
 ) -> float:
     """Per-device (accelerator) model-state bytes of the paper's formula for ``stage``.
 
     Stage 0 (p+g+K)Ψ, stage 1 (p+g)Ψ + KΨ/N_d, stage 2 pΨ + (g+K)Ψ/N_d, stage 3 (p+g+K)Ψ/N_d, with
-    Ψ = num_params / mp and N_d = dp; see ``model_states_breakdown`` for ``persistent_params``.
+    Ψ = num_params / mp and N_d = dp, plus p Ψ_f for frozen parameters (p Ψ_f / N_d at stage 3); see
+    ``model_states_breakdown`` for ``persistent_params`` and ``frozen_params``.
     With ``offload_optimizer`` the K part lives in CPU memory (``model_states_cpu_bytes``) and is
     left out here.
     """
     parts = model_states_breakdown(
         num_params, dp, stage, mp=mp, param_bytes=param_bytes, grad_bytes=grad_bytes,
-        optimizer_k=optimizer_k, persistent_params=persistent_params,
+        optimizer_k=optimizer_k, persistent_params=persistent_params, frozen_params=frozen_params,
     )
     return parts.params + parts.grads + (0.0 if offload_optimizer else parts.optimizer)
 

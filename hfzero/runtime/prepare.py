@@ -69,8 +69,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     device = _single_device(groups) if weights is None else _meta_device(groups, weights.device)
     if config.mixed_precision:
         model.to(config.torch_dtype)
-    if weights is not None:
-        materialize_meta_params([p for group in groups for p in group], device)
+    if weights is not None:  # trainable and frozen parameters left on meta get their shard from ``weights``
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        materialize_meta_params([p for group in groups for p in group] + frozen, device)
     comm = Communicator(process_group, config.reduce_scatter_impl, device=device)
     _check_ranks_agree(comm, config, model, optimizer, groups)
     if config.stage == 3:

@@ -71,7 +71,7 @@ def from_pretrained_sharded(model_dir_or_config, optimizer_factory: OptimizerFac
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"hfzero: optimizer_factory must return a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
-        _materialize_frozen(model, optimizer, source, dtype)
+        _materialize_whole(model, optimizer, source, dtype, zero_config.param_persistence_threshold)
         model, zero_optimizer = prepare(model, optimizer, zero_config, process_group, units=units,
                                         verify_gather_order=verify_gather_order, weights=source)
     finally:
@@ -140,11 +140,14 @@ def _load_generation_config(model: nn.Module, model_dir: str) -> None:
         model.generation_config = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
 
 
-def _materialize_frozen(model: nn.Module, optimizer: torch.optim.Optimizer, source: WeightSource,
-                        dtype: torch.dtype | None) -> None:
-    """Parameters outside the engine's layout (frozen, or not in the optimizer) are loaded whole."""
+def _materialize_whole(model: nn.Module, optimizer: torch.optim.Optimizer, source: WeightSource,
+                       dtype: torch.dtype | None, threshold: int) -> None:
+    """Parameters the engine keeps whole are loaded whole: frozen ones below the persistence threshold
+    and trainable ones outside the optimizer. Larger frozen parameters stay on meta: the engine fills
+    only this rank's slice (see [Note: stage-3 frozen parameters])."""
     in_optimizer = {p for group in optimizer.param_groups for p in group["params"]}
     for name, p in model.named_parameters():
-        if p.device.type == "meta" and (not p.requires_grad or p not in in_optimizer):
+        whole = p.numel() < threshold if not p.requires_grad else p not in in_optimizer
+        if p.device.type == "meta" and whole:
             value = source.read_whole(name, p.shape).to(source.device, dtype or p.dtype)
             torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))  # keeps ties

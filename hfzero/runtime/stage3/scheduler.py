@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from hfzero.comm import Communicator
 from hfzero.logging import get_logger
@@ -87,10 +88,10 @@ class UnitScheduler:
         self._entered: list[nn.Module] = []  # submodules that gathered their unit on demand (a stack)
         self._handles = []
         for unit in units:
-            self._handles.append(unit.module.register_forward_pre_hook(self._hook_pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(self._hook_post_forward(unit)))
             for module in _entry_modules(unit, units):
-                self._handles.append(module.register_forward_pre_hook(self._hook_pre_submodule(unit)))
+                self._handles.append(module.register_forward_pre_hook(self._hook_pre_submodule(unit), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._hook_post_submodule(unit)))
 
     # ---- public ---------------------------------------------------------------------------------
@@ -113,17 +114,32 @@ class UnitScheduler:
     def on_bucket_filled(self, unit: GatherUnit) -> None:
         """A bucket of ``unit`` got all its gradients; release the unit once all its buckets did."""
         unit.filled_left -= 1
-        if unit.filled_left == 0 and self.phase is Phase.BACKWARD:
-            self._log("release", unit)
-            unit.release()
+        self._release_if_done(unit)
+
+    def _on_inputs_done(self, unit: GatherUnit) -> None:
+        """The gradients of one forward's inputs of ``unit`` are computed: its frozen weights are done."""
+        unit.inputs_left -= 1
+        self._release_if_done(unit)
+
+    def _release_if_done(self, unit: GatherUnit) -> None:
+        """Release ``unit`` in backward once its buckets have their gradients and, when it holds frozen
+        parameters, its inputs too (see [Note: stage-3 frozen parameters]); a root holding frozen
+        parameters stays gathered to the end of the backward, like any root use."""
+        if self.phase is not Phase.BACKWARD or unit.filled_left > 0 or unit.inputs_left > 0:
+            return
+        if unit.has_frozen and (unit is self.root or unit.index not in self._backward_seen):
+            return
+        self._log("release", unit)
+        unit.release()
 
     # ---- hooks ----------------------------------------------------------------------------------
-    def _hook_pre_forward(self, unit: GatherUnit) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
+    def _hook_pre_forward(self, unit: GatherUnit) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             if unit is self.root and self.phase is Phase.IDLE:
                 self.phase = Phase.FORWARD
                 self._pass = _Pass(self.orders[Phase.FORWARD])
             self._enter(unit)
+            return self._watch_inputs(unit, args, kwargs)
         return hook
 
     def _hook_post_forward(self, unit: GatherUnit) -> Callable[..., None]:
@@ -136,12 +152,34 @@ class UnitScheduler:
     def _hook_pre_submodule(self, unit: GatherUnit) -> Callable[..., None]:
         """A submodule of ``unit`` called on its own (``get_encoder()(...)``, ``lm_head(h)``): gather the
         unit around it, as the unit's own forward would; nothing to do inside the unit's forward."""
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             if unit.index in self._in_use:
-                return
+                return None
             self._enter(unit)
             self._entered.append(module)
+            return self._watch_inputs(unit, args, kwargs)
         return hook
+
+    def _watch_inputs(self, unit: GatherUnit, args: Any, kwargs: Any) -> Any:
+        """For a unit with frozen parameters: pass aliases of its inputs that require gradients, and
+        count this forward until the backward has computed their gradients (the unit's own contribution
+        only, thanks to the aliases; a hook on the inputs themselves would also wait for other users)."""
+        if not unit.has_frozen or unit is self.root or self.phase is Phase.BACKWARD or not torch.is_grad_enabled():
+            return None
+        aliases: list[torch.Tensor] = []
+
+        def alias(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                aliases.append(value.view_as(value))
+                return aliases[-1]
+            return value
+
+        args, kwargs = tree_map(alias, args), tree_map(alias, kwargs)
+        if not aliases:
+            return None
+        unit.inputs_left += 1
+        torch.autograd.graph.register_multi_grad_hook(aliases, lambda grads: self._on_inputs_done(unit), mode="all")
+        return args, kwargs
 
     def _hook_post_submodule(self, unit: GatherUnit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -190,6 +228,8 @@ class UnitScheduler:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
+        for unit in self.units:
+            unit.inputs_left = 0  # forwards whose backward never ran (evaluation with gradients on) are over
         self._end_pass(Phase.BACKWARD, None)
         # Check the pass end only after this backward's gradient reductions finished (the reducer's
         # end-of-backward callback, queued after this one, runs first): a rank that skipped a unit
