@@ -249,6 +249,83 @@ def max_params(
     return max(0.0, (device_memory_bytes - fixed) / per_param)
 
 
+@dataclass(frozen=True, kw_only=True)
+class StageFit:
+    """One row of the ``--zero_stage auto`` table: per-device bytes at one stage.
+
+    Attributes:
+        stage: the ZeRO stage.
+        model_states: ``model_states_bytes`` for the stage (frozen parameters included).
+        accumulation: a full gradient buffer held across micro-batches under the "local"
+            accumulation policy, beyond the stage's gradient shard (a model state; 0 otherwise).
+        activations: the activation estimate (or other reserved bytes), the same at every stage.
+        total: the sum of the three.
+        fits: ``total`` is at most the budget.
+    """
+
+    stage: int
+    model_states: float
+    accumulation: float
+    activations: float
+    total: float
+    fits: bool
+
+
+def accumulation_bytes(num_params: float, dp: int, stage: int, *, grad_bytes: int = 2, mp: int = 1,
+                       accumulation: str | None = "auto", accumulation_steps: int = 1) -> float:
+    """Extra per-device gradient bytes of the accumulation policy beyond ``model_states_bytes``.
+
+    Under "local" accumulation (``accumulation="local"``, or "auto" at stages 0-1) with more than one
+    micro-batch per step, gradients are summed in a full local buffer until the step: at stages 0-1
+    that is the stage's full gradient anyway (0 extra); at stages 2-3 it adds gΨ(1 - 1/N_d) to the
+    gradient shard. "sharded" (and "auto" at stages 2-3) reduces every micro-batch: 0 extra.
+    """
+    policy = accumulation if accumulation in ("sharded", "local") else ("sharded" if stage >= 2 else "local")
+    if accumulation_steps <= 1 or policy == "sharded" or stage < _SHARDED_FROM_STAGE["grads"]:
+        return 0.0
+    return grad_bytes * num_params / mp * (1 - 1 / dp)
+
+
+def stage_table(num_params: float, dp: int, budget_bytes: float, *, activation_bytes: float = 0.0,
+                accumulation: str | None = "auto", accumulation_steps: int = 1, **state_kwargs: Any) -> list[StageFit]:
+    """Per-device bytes of every stage against ``budget_bytes`` (``state_kwargs``: the keyword arguments
+    of ``model_states_bytes``, e.g. param_bytes, frozen_params, persistent_params)."""
+    rows = []
+    for stage in STAGES:
+        states = model_states_bytes(num_params, dp, stage, **state_kwargs)
+        extra = accumulation_bytes(num_params, dp, stage, grad_bytes=state_kwargs.get("grad_bytes", 2),
+                                   mp=state_kwargs.get("mp", 1), accumulation=accumulation,
+                                   accumulation_steps=accumulation_steps)
+        total = states + extra + activation_bytes
+        rows.append(StageFit(stage=stage, model_states=states, accumulation=extra, activations=activation_bytes,
+                             total=total, fits=total <= budget_bytes))
+    return rows
+
+
+def format_stage_table(rows: list[StageFit], budget_bytes: float) -> str:
+    """The table as text, one line per stage, in MB (for logs and errors)."""
+    lines = [f"budget {budget_bytes / 1e6:,.1f} MB per rank"]
+    for r in rows:
+        lines.append(f"stage {r.stage}: model states {r.model_states / 1e6:,.1f} MB + accumulation "
+                     f"{r.accumulation / 1e6:,.1f} MB + activations {r.activations / 1e6:,.1f} MB = "
+                     f"{r.total / 1e6:,.1f} MB {'fits' if r.fits else 'does not fit'}")
+    return "\n".join(lines)
+
+
+def pick_stage(rows: list[StageFit], budget_bytes: float) -> int:
+    """The smallest stage of ``rows`` that fits (smaller stages communicate less: 2Ψ per step at
+    stages 0-2, 3Ψ at stage 3).
+
+    Raises:
+        EstimateError: no stage fits; the message holds the whole table.
+    """
+    for row in rows:
+        if row.fits:
+            return row.stage
+    raise EstimateError("no ZeRO stage fits the per-rank memory budget:\n" + format_stage_table(rows, budget_bytes)
+                        + "\nadd devices, use offload_optimizer, a 16-bit dtype, a smaller batch or a larger budget")
+
+
 def choose_stage(
     num_params: float,
     dp: int,
@@ -258,30 +335,24 @@ def choose_stage(
     reserved_bytes: float = 0.0,
     **state_kwargs: Any,
 ) -> int:
-    """The smallest ZeRO stage whose model states fit, for ``--zero_stage auto``.
+    """The smallest ZeRO stage whose model states fit (``stage_table`` + ``pick_stage``).
 
     A stage fits when model_states_bytes + ``reserved_bytes`` (e.g. an activation estimate) is at
     most ``(1 - headroom) * device_memory_bytes``; ``headroom`` (default ``DEFAULT_HEADROOM``) is kept
     for buffers and fragmentation the formula does not count. ``state_kwargs`` are the keyword
-    arguments of ``model_states_bytes`` (mp, param_bytes, ...). Smaller stages communicate less
-    (stages 0-2 move 2Ψ per step, stage 3 3Ψ), so the smallest fitting one is preferred.
+    arguments of ``model_states_bytes`` (mp, param_bytes, ...) plus ``accumulation`` and
+    ``accumulation_steps`` (see ``accumulation_bytes``).
 
     Raises:
-        EstimateError: no stage fits; the message gives the stage-3 need and the budget.
+        EstimateError: no stage fits; the message gives every stage's need and the budget.
     """
     if not 0 <= headroom < 1:
         raise EstimateError(f"headroom must be in [0, 1), got {headroom!r}")
-    budget = (1 - headroom) * device_memory_bytes - reserved_bytes
-    for stage in STAGES:
-        need = model_states_bytes(num_params, dp, stage, **state_kwargs)
-        if need <= budget:
-            logger.debug("stage %d fits: %.3g bytes of a %.3g-byte budget", stage, need, budget)
-            return stage
-    raise EstimateError(
-        f"no ZeRO stage fits {num_params:.3g} parameters on dp={dp}: stage 3 needs {need / 1e9:.2f} GB per device "
-        f"but only {budget / 1e9:.2f} GB is available after headroom and reserved bytes; add devices, "
-        "model parallelism or offload_optimizer"
-    )
+    budget = (1 - headroom) * device_memory_bytes
+    rows = stage_table(num_params, dp, budget, activation_bytes=reserved_bytes, **state_kwargs)
+    stage = pick_stage(rows, budget)
+    logger.debug("stage %d fits: %.3g bytes of a %.3g-byte budget", stage, rows[stage].total, budget)
+    return stage
 
 
 # --------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import types
 import typing
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +39,7 @@ import torch.distributed as dist
 import transformers.trainer as _trainer_module
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from hfzero.autostage import default_seq_len
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.accelerate import ZeroAccelerator, apply_mixed_precision
 from hfzero.integrations.env import config_strings_from_env, profile_dir_from_env
@@ -54,9 +56,14 @@ _PROFILE_HELP = ("Directory for hfzero's profiler (ZeroProfiler): per-rank memor
                  "phase times of every step. Unset: no profiling.")
 
 
+def _argument_type(hint: Any) -> Any:
+    """HfArgumentParser reads Optional[X] only: a union field (``stage``: int or "auto") is text."""
+    return str if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
+
+
 def _zero_fields() -> list[tuple[str, Any, Any]]:
     hints = typing.get_type_hints(ZeroConfig)
-    fields = [(f"zero_{f.name}", Optional[hints[f.name]],
+    fields = [(f"zero_{f.name}", Optional[_argument_type(hints[f.name])],
                dataclasses.field(default=None, metadata={"help": ZeroConfig.field_doc(f.name)}))
               for f in dataclasses.fields(ZeroConfig)]
     fields.append(("zero_profile_dir", Optional[str], dataclasses.field(default=None, metadata={"help": _PROFILE_HELP})))
@@ -162,6 +169,14 @@ class ZeroProfilerCallback(TrainerCallback):
             self.profiler = None
 
 
+def _first_example_length(dataset: Any) -> int | None:
+    """Tokens in the first training example (the activation estimate's sequence length), if readable."""
+    try:
+        return len(dataset[0]["input_ids"])
+    except (TypeError, KeyError, IndexError, AttributeError):
+        return None
+
+
 class ZeroTrainer(Trainer):
     """``transformers.Trainer`` training with hfzero's ZeRO (stages 0-3).
 
@@ -195,10 +210,14 @@ class ZeroTrainer(Trainer):
         factory = functools.partial(ZeroAccelerator, zero_config=self.zero_config)
         with _in_trainer_module("Accelerator", factory):
             super().create_accelerator_and_postprocess()
-        logger.info("ZeroTrainer: ZeRO stage %d, dtype %s", self.zero_config.stage, self.zero_config.dtype)
+        logger.info("ZeroTrainer: ZeRO stage %s, dtype %s", self.zero_config.stage, self.zero_config.dtype)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's training; its "Number of trainable parameters" counts partitioned parameters whole."""
+        if isinstance(self.accelerator, ZeroAccelerator) and self.accelerator.zero_auto_batch is None:
+            seq = _first_example_length(self.train_dataset) or default_seq_len(self.model)
+            if seq:  # stage="auto": the activation estimate's batch
+                self.accelerator.zero_auto_batch = (self.args.per_device_train_batch_size, seq)
         with _in_trainer_module("get_model_param_count", model_param_count):
             return super().train(*args, **kwargs)
 

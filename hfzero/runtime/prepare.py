@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hfzero.comm import Communicator
-from hfzero.config import ConfigError, ZeroConfig
+from hfzero.config import STAGE_AUTO, ConfigError, ZeroConfig
 from hfzero.logging import get_logger
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.optimizer import ZeroOptimizer
@@ -58,6 +58,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
                         f"parameters, got {type(optimizer).__name__}")
     if getattr(model, _ENGINE_ATTR, None) is not None:
         raise ConfigError("hfzero.prepare: this model was already prepared; prepare a model once")
+    if config.stage == STAGE_AUTO:
+        raise ConfigError('hfzero.prepare: ZeroConfig(stage="auto") must be resolved first: '
+                          "config = hfzero.autostage.resolve_auto_stage(config, model, optimizer, world_size=...) "
+                          "(the Trainer and ZeroAccelerator do this for you)")
     _check_process_group(process_group)
     if config.stage != 3 and units is not None:
         raise ConfigError("hfzero.prepare: units= applies to ZeroConfig(stage=3) only")
