@@ -43,6 +43,33 @@ def test_unmodified_accelerate_script_trains_with_zero(tmp_path: Path) -> None:
         assert want <= states <= want * 1.01, (states, want, info["memory"])
 
 
+def test_zero_stage_auto_picks_the_tables_stage(tmp_path: Path) -> None:
+    """`--zero_stage auto` with a budget where the estimator's table (model states + activations of the
+    loader's batch 2 at the model's 32 positions) fits stage 2 but not 0 or 1."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hfzero import estimate as est
+    from hfzero.autostage import resolve_auto_stage
+    from hfzero.config import ZeroConfig
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=32, vocab_size=128))
+    psi = sum(p.numel() for p in model.parameters())
+    activations = est.activation_bytes(est.TransformerShape.from_hf_config(model.config), 32, 2, dtype_bytes=4).total
+    rows = est.stage_table(psi, 2, 0, activation_bytes=activations, param_bytes=4, grad_bytes=4, optimizer_k=8,
+                           persistent_params=psi)
+    budget = int(rows[2].total) + 1
+    assert rows[1].total > budget
+    config = ZeroConfig(stage="auto", memory_budget_bytes=budget)
+    assert resolve_auto_stage(config, model, torch.optim.AdamW(model.parameters()), world_size=2,
+                              batch=(2, 32)).stage == 2
+    script = str(SCRIPTS / "accelerate_plain.py")
+    hfzero_run(2, [script, "--output_dir", str(tmp_path), "--steps", "1", "--zero_stage", "auto",
+                   "--zero_memory_budget_bytes", str(budget)])
+    _, infos = _read(tmp_path)
+    assert [info["stage"] for info in infos] == [2, 2]
+
+
 def test_script_without_trainer_or_accelerator_reports_zero_not_applied(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "hfzero", "run", "--standalone", "--nproc_per_node", "2",
            str(SCRIPTS / "torch_plain.py"), "--zero_stage", "2"]

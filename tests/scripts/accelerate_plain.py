@@ -46,7 +46,7 @@ out.mkdir(parents=True, exist_ok=True)
 inner = getattr(optimizer, "optimizer", optimizer)
 engine = getattr(inner, "engine", None)
 info = {"accelerator": type(accelerator).__name__, "optimizer": type(inner).__name__,
-        "num_params": sum(p.numel() for p in model.parameters()),
+        "num_params": sum(p.numel() for p in model.parameters()), "stage": getattr(engine, "stage", None),
         "memory": {str(getattr(k, "value", k)): v for k, v in engine.memory_by_role().items()} if engine else None}
 (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(info))
 if accelerator.is_main_process:
