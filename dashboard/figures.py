@@ -134,8 +134,8 @@ def memory_by_role_figure(loaded: LoadedRun) -> go.Figure:
         if process is not None:
             peak_label = process[0]
             rest[r] = max(0.0, process[1] - sum(peaks[r].values()))
-    bar(f"activations and the rest of the {peak_label or 'process'} peak", rest, REST, marker_color="#c7c7c7",
-        marker_pattern_shape=".", legendgroup=REST, legendgrouptitle_text=REST)
+    bar(f"activations, caches, libraries (the rest of the {peak_label or 'process'} peak)", rest, REST,
+        marker_color="#e3e3e3", legendgroup=REST, legendgrouptitle_text=REST)
     if parts is not None:
         ratios = [by_rank.get(r, {}).get("ratio") for r in ranks]
         tops = [max(sum(v for k, v in peaks[r].items() if k in is_state), sum(parts)) for r in ranks]
@@ -145,10 +145,11 @@ def memory_by_role_figure(loaded: LoadedRun) -> go.Figure:
     prediction = run.header.get("prediction") or {}
     formula = prediction.get("formula") or "no prediction in the header"
     fig.update_layout(barmode="stack", yaxis={**_BYTES_AXIS, "title": "bytes per rank"},
-                      title=f"Bytes by role at the model-state peak, stage {run.stage}, N_d={run.world_size}: "
-                            f"model states beside the formula {formula}; transient buffers and the rest of the "
-                            "peak apart", legend_title="bar: role",
-                      hovermode="closest")
+                      title=f"Bytes by role at the model-state peak, stage {run.stage}, N_d={run.world_size}<br>"
+                            f"<sup>model states beside the formula {formula}; transient buffers and the rest of "
+                            "the process peak apart</sup>", hovermode="closest",
+                      legend={"orientation": "h", "yanchor": "top", "y": -0.22, "groupclick": "toggleitem"},
+                      margin={"b": 140})
     return fig
 
 

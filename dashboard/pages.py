@@ -79,8 +79,9 @@ def view_memory(loaded: LoadedRun, settings: dict[str, int]) -> None:
              "steps": r["steps"], "stopped": r["stopped"], "truncated": r["truncated"]}
             for r in loaded.summary["ranks"]]
     st.dataframe(rows, hide_index=True)
-    st.caption("The formula counts the unpadded trainable Ψ; the measurement includes bucket padding "
-               "(at most N_d - 1 elements per bucket) and frozen parameters.")
+    st.caption("The formula counts the unpadded trainable Ψ (and frozen parameters Ψ_f: whole at stages 0-2, "
+               "/N_d at stage 3); the measurement includes bucket padding (at most N_d - 1 elements per bucket). "
+               "Transient buffers and the rest of the process peak are the chart's other two bars, not model states.")
 
 
 def _pick_ranks(loaded: LoadedRun, key: str) -> list[int]:
