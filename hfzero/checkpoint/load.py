@@ -36,6 +36,7 @@ from hfzero.checkpoint.stream import read_range, read_tensor
 from hfzero.logging import get_logger
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.optimizer import ZeroOptimizer
+from hfzero.runtime.stage3.engine import Stage3Engine
 
 logger = get_logger(__name__)
 
@@ -129,6 +130,12 @@ def _validate(directory: Path, model: nn.Module, optimizer: ZeroOptimizer, engin
     return _Plan(resolved, manifest, inv, held_ranges(engine.layout, engine.rank), scalars, rng_tensors)
 
 
+def _frozen_shape(engine: ZeroEngine, tensor: torch.Tensor) -> torch.Size:
+    """A frozen tensor's whole shape (a partitioned stage-3 frozen parameter is 0-element between uses)."""
+    shape = engine.frozen_shape(tensor) if isinstance(engine, Stage3Engine) else None
+    return shape if shape is not None else tensor.shape
+
+
 def _match_model(directory: Path, manifest: dict[str, Any], inv: Inventory, optimizer: ZeroOptimizer,
                  engine: ZeroEngine) -> None:
     where = directory / fmt.MANIFEST
@@ -147,9 +154,9 @@ def _match_model(directory: Path, manifest: dict[str, Any], inv: Inventory, opti
     logical = {n: tuple(engine.layout.slots[p].shape) for n, p in now.items()}
     shapes = [f"{n} (checkpoint {tuple(saved[n]['shape'])}, model {shape})"
               for n, shape in logical.items() if n in saved and tuple(saved[n]["shape"]) != shape]
-    shapes += [f"{n} (checkpoint {tuple(saved_frozen[n]['shape'])}, model {tuple(t.shape)})"
-               for n, (t, _) in now_frozen.items()
-               if n in saved_frozen and tuple(saved_frozen[n]["shape"]) != tuple(t.shape)]
+    frozen_shapes = {n: tuple(_frozen_shape(engine, t)) for n, (t, _) in now_frozen.items()}
+    shapes += [f"{n} (checkpoint {tuple(saved_frozen[n]['shape'])}, model {shape})"
+               for n, shape in frozen_shapes.items() if n in saved_frozen and tuple(saved_frozen[n]["shape"]) != shape]
     if shapes:
         problems.append(f"shape mismatch: {_listing(shapes)}")
     if problems:
@@ -224,7 +231,11 @@ def _fill(plan: _Plan, optimizer: ZeroOptimizer, engine: ZeroEngine) -> None:
                 _read_into(states[r.bucket][key][r.view_start: r.view_start + r.numel], directory, pieces,
                            fmt.state_key(key, r.name), r.start, r.end)
         for name, (tensor, _) in plan.inventory.frozen.items():
-            tensor.copy_(read_tensor(directory / manifest["frozen"][name]["file"], name))
+            value = read_tensor(directory / manifest["frozen"][name]["file"], name)
+            if isinstance(engine, Stage3Engine) and tensor in engine.frozen_layout.slots:
+                engine.load_frozen(tensor, value)  # partitioned: this rank's slice
+            else:
+                tensor.copy_(value)
     index = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
     groups = inner.state_dict()["param_groups"]
     for ours, inner_group, saved in zip(optimizer.param_groups, groups, manifest["optimizer"]["param_groups"]):

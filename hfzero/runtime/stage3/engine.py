@@ -40,7 +40,7 @@ from hfzero.roles import MemoryRole
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.layout import Bucket, FlatLayout
 from hfzero.runtime.stage3.scheduler import UnitScheduler
-from hfzero.runtime.stage3.unit import GatherUnit
+from hfzero.runtime.stage3.unit import GatherUnit, UnitState
 from hfzero.runtime.stage3.units import UnitSpec, resolve_units
 from hfzero.runtime.stage3.weights import WeightSource
 
@@ -264,6 +264,36 @@ class Stage3Engine(ZeroEngine):
         }
         roles.update(extra)
         return {role: size for role, size in roles.items() if size}
+
+    def frozen_shape(self, param: nn.Parameter) -> torch.Size | None:
+        """The whole shape of a partitioned frozen parameter (None for any other tensor)."""
+        slot = self.frozen_layout.slots.get(param)
+        return slot.shape if slot is not None else None
+
+    def load_frozen(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Write this rank's slice of ``value`` (the whole parameter) into the frozen shard."""
+        slot = self.frozen_layout.slots[param]
+        bucket = self.frozen_layout.buckets[slot.bucket]
+        lo, hi = bucket.owned(self.rank)
+        start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if start < stop:
+            flat = value.reshape(-1)[start - slot.offset: stop - slot.offset]
+            self._frozen_views[bucket.index][start - lo: stop - lo].copy_(flat)
+
+    def gather_frozen(self, keep: bool) -> dict[nn.Parameter, torch.Tensor]:
+        """CPU copies of the partitioned frozen parameters, gathered one unit at a time (a collective;
+        only ranks with ``keep`` get the copies)."""
+        whole: dict[nn.Parameter, torch.Tensor] = {}
+        for unit in self.units:
+            if not unit.has_frozen:
+                continue
+            was_sharded = unit.state is UnitState.SHARDED
+            self.scheduler.gather_now(unit)
+            if keep:
+                whole.update((p, p.detach().to("cpu", copy=True)) for p in unit.params if p in self.frozen_layout.slots)
+            if was_sharded:
+                unit.release()
+        return whole
 
     def full_numel(self, param: nn.Parameter) -> int:
         """Elements of ``param`` when whole (a partitioned parameter is a 0-element tensor between uses)."""
