@@ -4,7 +4,8 @@
   padding) and no frozen parameter whole; losses equal DDP's (1e-5); the adapter saved from the
   gathered state dict loads with ``PeftModel.from_pretrained`` and equals DDP's trained adapter;
 - stages 1-3: the profile's measured model states lie within [0.995, 1.01] of the header's prediction,
-  which counts the frozen parameters (whole at stages 1-2, /N at stage 3).
+  which counts the frozen parameters (whole at stages 1-2, /N at stage 3);
+- a stage-3 ``save_checkpoint`` / ``load_checkpoint`` round trip restores the partitioned frozen weights.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 
 
-def _lora_model() -> torch.nn.Module:
+def _lora_model(seed: int = 0) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
-    model = tiny_causal_lm("llama")
+    model = tiny_causal_lm("llama", seed=seed)
     torch.manual_seed(1)
     config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
     return get_peft_model(model, config)
@@ -55,6 +56,7 @@ def _adapter(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _lora_runs(rank: int, world: int, root: str) -> dict:
     from peft import PeftModel
 
+    from hfzero.checkpoint import load_checkpoint, save_checkpoint
     from hfzero.runtime.stage3 import full_state_dict
 
     ddp_model = _lora_model()
@@ -80,6 +82,16 @@ def _lora_runs(rank: int, world: int, root: str) -> dict:
         result["adapter_diff"] = max((got[n] - want_adapter[n]).abs().max().item() for n in want_adapter)
         result["adapter_keys"] = sorted(got) == sorted(want_adapter)
     dist.barrier()
+    # a stage-3 checkpoint restores partitioned frozen weights too (into a model initialized differently)
+    save_checkpoint(Path(root) / "ckpt", model, optimizer)
+    other = _lora_model(seed=5)
+    other, other_optimizer = hfzero.prepare(
+        other, torch.optim.AdamW([p for p in other.parameters() if p.requires_grad], lr=1e-2),
+        hfzero.ZeroConfig(stage=3, param_persistence_threshold=0))
+    load_checkpoint(Path(root) / "ckpt", other, other_optimizer)
+    restored = full_state_dict(other)
+    if rank == 0:
+        result["restored"] = sorted(restored) == sorted(full) and all(torch.equal(restored[k], full[k]) for k in full)
 
     for stage in (1, 2, 3):
         model = _lora_model()
@@ -107,6 +119,7 @@ def test_stage3_lora_shards_frozen_weights_and_matches_ddp(lora) -> None:
         for got, want in zip(r["losses"], r["want"]):
             assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], r["want"])
     assert results[0]["adapter_keys"] and results[0]["adapter_diff"] < 1e-6
+    assert results[0]["restored"]  # save_checkpoint / load_checkpoint restore the partitioned frozen weights
 
 
 @pytest.mark.parametrize("stage", (1, 2, 3))
