@@ -48,7 +48,10 @@ def frozen_param_count(engine: Any) -> int:
     """Ψ_f: parameters of the engine's model outside its optimizer layout (frozen ones), counted whole."""
     count = getattr(engine, "num_frozen_params", None)  # stage 3: partitioned ones are 0-element tensors
     if count is None:
-        in_layout = set(engine.layout.slots)
+        layout = getattr(engine, "layout", None)
+        if layout is None:
+            return 0
+        in_layout = set(layout.slots)
         count = sum(p.numel() for p in set(engine.model.parameters()) if p not in in_layout)
     return int(count)
 

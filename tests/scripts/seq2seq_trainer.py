@@ -37,3 +37,5 @@ if trainer.is_world_process_zero():
               "losses": {h["step"]: h["loss"] for h in history if "loss" in h},
               "test_loss": prediction.metrics["test_loss"], "ids": prediction.predictions.tolist()}
     (Path(args.output_dir) / "result.json").write_text(json.dumps(result))
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()  # gloo can abort in interpreter teardown otherwise
