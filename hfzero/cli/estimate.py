@@ -27,6 +27,7 @@ class _Request:
     optimizer: str
     offload_optimizer: bool
     persistent_params: float
+    frozen_params: float
     memory: float | None
     headroom: float
     seq_len: int | None
@@ -56,6 +57,9 @@ def register(subparsers: Any) -> None:
                         help="master weights and optimizer states in CPU memory (reported separately)")
     layout.add_argument("--persistent-params", metavar="N", default="0",
                         help="stage 3: parameters kept whole on every rank (default 0)")
+    layout.add_argument("--frozen-params", metavar="N", default="0",
+                        help="frozen parameters beside --params/--config's trainable ones (a LoRA fine-tune's base "
+                             "weights): parameter bytes only, whole at stages 0-2, /N_d at stage 3 (default 0)")
     fit = parser.add_argument_group("fitting")
     fit.add_argument("--memory", metavar="BYTES", help="device memory in bytes, e.g. 32e9: adds max_params per stage")
     fit.add_argument("--headroom", metavar="FRACTION", default=str(est.DEFAULT_HEADROOM),
@@ -123,6 +127,7 @@ def _read_request(args: argparse.Namespace) -> _Request:
         optimizer=args.optimizer,
         offload_optimizer=args.offload_optimizer,
         persistent_params=_number("--persistent-params", args.persistent_params, "a parameter count", allow_zero=True),
+        frozen_params=_number("--frozen-params", args.frozen_params, "a parameter count", allow_zero=True),
         memory=_number("--memory", args.memory, "device memory in bytes, e.g. 32e9"),
         headroom=headroom,
         seq_len=_number("--seq-len", args.seq_len, "tokens per sequence", integer=True),
@@ -149,13 +154,14 @@ def _check_activation_options(request: _Request) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def _per_stage(function: Any, first: float, request: _Request, precision: est.PrecisionBytes) -> dict[str, float]:
+def _per_stage(function: Any, first: float, request: _Request, precision: est.PrecisionBytes,
+               **extra: Any) -> dict[str, float]:
     """``function(first, dp, stage, ...)`` for every stage, keyed "0".."3"."""
     return {
         str(stage): function(
             first, request.dp, stage, mp=request.mp, param_bytes=precision.param_bytes,
             grad_bytes=precision.grad_bytes, optimizer_k=precision.optimizer_k,
-            persistent_params=request.persistent_params, offload_optimizer=request.offload_optimizer,
+            persistent_params=request.persistent_params, offload_optimizer=request.offload_optimizer, **extra,
         )
         for stage in est.STAGES
     }
@@ -167,11 +173,12 @@ def _estimate(request: _Request) -> dict[str, Any]:
     result: dict[str, Any] = {
         "params": params, "config": request.config, "dp": request.dp, "mp": request.mp, "dtype": request.dtype,
         "optimizer": request.optimizer, "offload_optimizer": request.offload_optimizer,
-        "persistent_params": request.persistent_params, "memory": request.memory, "headroom": request.headroom,
+        "persistent_params": request.persistent_params, "frozen_params": request.frozen_params, "memory": request.memory, "headroom": request.headroom,
         "bytes_per_param": precision._asdict(),
     }
     if params is not None:
-        result["model_states_bytes"] = _per_stage(est.model_states_bytes, params, request, precision)
+        result["model_states_bytes"] = _per_stage(est.model_states_bytes, params, request, precision,
+                                                  frozen_params=request.frozen_params)
         if request.offload_optimizer:
             result["model_states_cpu_bytes"] = _per_stage(est.model_states_cpu_bytes, params, request, precision)
     activations = _activations(request, precision) if request.seq_len is not None else None
@@ -207,6 +214,7 @@ def _auto_stage(params: float, request: _Request, precision: est.PrecisionBytes,
             reserved_bytes=activations["total_bytes"] if activations else 0.0, mp=request.mp,
             param_bytes=precision.param_bytes, grad_bytes=precision.grad_bytes, optimizer_k=precision.optimizer_k,
             persistent_params=request.persistent_params, offload_optimizer=request.offload_optimizer,
+            frozen_params=request.frozen_params,
         )
     except est.EstimateError:
         return None
