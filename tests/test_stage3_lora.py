@@ -5,7 +5,8 @@
   gathered state dict loads with ``PeftModel.from_pretrained`` and equals DDP's trained adapter;
 - stages 1-3: the profile's measured model states lie within [0.995, 1.01] of the header's prediction,
   which counts the frozen parameters (whole at stages 1-2, /N at stage 3);
-- a stage-3 ``save_checkpoint`` / ``load_checkpoint`` round trip restores the partitioned frozen weights.
+- a stage-3 ``save_checkpoint`` / ``load_checkpoint`` round trip restores the partitioned frozen weights;
+- ``from_pretrained_sharded(..., wrap=get_peft_model)`` builds the LoRA model sharded from a checkpoint.
 """
 
 from __future__ import annotations
@@ -28,13 +29,47 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 
 
-def _lora_model(seed: int = 0) -> torch.nn.Module:
+def _wrap(model: torch.nn.Module) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+
+
+def _lora_model(seed: int = 0) -> torch.nn.Module:
     model = tiny_causal_lm("llama", seed=seed)
     torch.manual_seed(1)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
-    return get_peft_model(model, config)
+    return _wrap(model)
+
+
+def _trainable_adamw(model: torch.nn.Module, lr: float = 1e-2) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+
+
+def _sharded_construction(rank: int, world: int, root: str) -> dict:
+    """from_pretrained_sharded(dir, ..., wrap=peft) equals peft over from_pretrained, and trains like DDP."""
+    from transformers import AutoModelForCausalLM
+
+    from hfzero.runtime.stage3 import full_state_dict
+    from hfzero.runtime.stage3.init import from_pretrained_sharded
+
+    saved = Path(root) / "base"
+    if rank == 0:
+        tiny_causal_lm("llama", seed=3).save_pretrained(saved)
+    dist.barrier()
+    model, optimizer = from_pretrained_sharded(saved, _trainable_adamw,
+                                               hfzero.ZeroConfig(stage=3, param_persistence_threshold=0), wrap=_wrap)
+    model.train()
+    full = full_state_dict(model, rank0_only=False)
+    reference = _wrap(AutoModelForCausalLM.from_pretrained(saved))
+    want = reference.state_dict()
+    lora = [k for k in want if "lora_" in k]
+    same_base = sorted(full) == sorted(want) and all(torch.equal(full[k], want[k]) for k in want if k not in lora)
+    b_zero = all(full[k].abs().max() == 0 for k in lora if "lora_B" in k)
+    reference.load_state_dict({k: full[k] for k in lora}, strict=False)  # the same LoRA init on both sides
+    reference.config.use_cache = model.config.use_cache = False
+    ddp = torch.nn.parallel.DistributedDataParallel(reference)
+    return {"same_base": same_base, "b_zero": b_zero, "lora": len(lora),
+            "losses": _train(model, optimizer, rank, world), "want": _train(ddp, _trainable_adamw(ddp), rank, world)}
 
 
 def _train(model: torch.nn.Module, optimizer, rank: int, world: int) -> list[float]:
@@ -93,6 +128,8 @@ def _lora_runs(rank: int, world: int, root: str) -> dict:
     if rank == 0:
         result["restored"] = sorted(restored) == sorted(full) and all(torch.equal(restored[k], full[k]) for k in full)
 
+    result["sharded"] = _sharded_construction(rank, world, root)
+
     for stage in (1, 2, 3):
         model = _lora_model()
         config = hfzero.ZeroConfig(stage=stage, param_persistence_threshold=0)
@@ -120,6 +157,16 @@ def test_stage3_lora_shards_frozen_weights_and_matches_ddp(lora) -> None:
             assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], r["want"])
     assert results[0]["adapter_keys"] and results[0]["adapter_diff"] < 1e-6
     assert results[0]["restored"]  # save_checkpoint / load_checkpoint restore the partitioned frozen weights
+
+
+def test_sharded_construction_of_a_peft_model(lora) -> None:
+    """from_pretrained_sharded(dir, ..., wrap=get_peft_model): base weights from the checkpoint (found by
+    identity under peft's names), LoRA B zero as peft initializes it, and DDP's losses."""
+    _, results = lora
+    for r in (result["sharded"] for result in results):
+        assert r["same_base"] and r["b_zero"] and r["lora"] == 8
+        for got, want in zip(r["losses"], r["want"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], r["want"])
 
 
 @pytest.mark.parametrize("stage", (1, 2, 3))
