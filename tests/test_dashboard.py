@@ -301,6 +301,12 @@ def test_estimator_reproduces_the_papers_tables() -> None:
     assert fits.loc[64, "baseline"] == pytest.approx(2e9)
     assert fits.loc[64, "P_os"] == pytest.approx(7.64e9, rel=1e-3)
     assert fits.loc[64, "P_os+g+p"] == pytest.approx(128e9)
+    lora = estimator.model_states_table({"LoRA": 4e6}, [8], frozen_params=7e9)  # 4M adapter on a 7B base
+    assert lora.loc[8, ("LoRA", "baseline")] == pytest.approx((16 * 4e6 + 2 * 7e9) / 1e9)
+    assert lora.loc[8, ("LoRA", "P_os+g+p")] == pytest.approx((16 * 4e6 + 2 * 7e9) / 8 / 1e9)
+    assert estimator.parse_count("7e9", "frozen") == 7e9
+    with pytest.raises(est.EstimateError, match="frozen"):
+        estimator.parse_count("-1", "frozen")
     assert estimator.parse_dps("1, 4,16") == [1, 4, 16]
     with pytest.raises(est.EstimateError, match="positive integers"):
         estimator.parse_dps("1, four")
