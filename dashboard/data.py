@@ -308,10 +308,12 @@ def comm_theory_elements(run: Run) -> float | None:
     or reduce-scatter + all-gather), 3Ψ for stage 3 (two parameter all-gathers and one reduce-scatter).
     With n micro-batches per step, "sharded" reduces every micro-batch (n reductions) and stage 3
     gathers for every micro-batch (2n). At stage 3 the P persistent parameters (kept whole, see the
-    header's prediction inputs) are not gathered: their update is all-gathered once per step. Ψ is the
-    header's unpadded trainable count; None when it lacks it.
+    header's prediction inputs) are not gathered: their update is all-gathered once per step.
+    Partitioned frozen parameters Ψ_f - P_f are gathered twice per micro-batch (forward and backward)
+    and never reduced. Ψ is the header's unpadded trainable count; None when it lacks it.
     """
-    psi = (run.header.get("model") or {}).get("num_params")
+    model = run.header.get("model") or {}
+    psi = model.get("num_params")
     if not isinstance(psi, (int, float)):
         return None
     micro, policy = accumulation_of(run)
@@ -320,8 +322,10 @@ def comm_theory_elements(run: Run) -> float | None:
         return 2 * float(psi) * reductions
     if run.stage != 3:
         return float(psi) * (reductions + 1)
-    persistent = (prediction_inputs(run) or {}).get("persistent_params") or 0
-    return float(psi) * reductions + 2 * micro * (float(psi) - persistent) + float(persistent)
+    frozen, frozen_whole = model.get("num_frozen_params") or 0, model.get("num_frozen_persistent_params") or 0
+    persistent = ((prediction_inputs(run) or {}).get("persistent_params") or 0) - frozen_whole
+    return (float(psi) * reductions + 2 * micro * (float(psi) - persistent) + float(persistent)
+            + 2 * micro * float(frozen - frozen_whole))
 
 
 def accumulation_of(run: Run) -> tuple[int, str]:

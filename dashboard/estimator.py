@@ -17,8 +17,9 @@ PAPER_DPS: tuple[int, ...] = (1, 4, 16, 64, 256, 1024)
 
 def model_states_table(models: Mapping[str, float], dps: Sequence[int], *, dtype: str = "bf16",
                        optimizer: str = "adam", offload_optimizer: bool = False,
-                       persistent_params: float = 0) -> pd.DataFrame:
-    """Per-device model-state GB in the paper's Table 1 layout.
+                       persistent_params: float = 0, frozen_params: float = 0) -> pd.DataFrame:
+    """Per-device model-state GB in the paper's Table 1 layout (``frozen_params``: Ψ_f beside each Ψ,
+    parameter bytes only: whole at stages 0-2, /N_d at stage 3).
 
     Rows are the data-parallel degrees ``dps`` (index "DP"); columns are (model name, stage name)
     pairs for every stage 0-3, stage names from ``hfzero.estimate.STAGE_NAMES``. ``models`` maps a
@@ -32,7 +33,7 @@ def model_states_table(models: Mapping[str, float], dps: Sequence[int], *, dtype
                 est.model_states_bytes(psi, dp, stage, param_bytes=precision.param_bytes,
                                        grad_bytes=precision.grad_bytes, optimizer_k=precision.optimizer_k,
                                        persistent_params=min(persistent_params, psi),
-                                       offload_optimizer=offload_optimizer) / GB
+                                       offload_optimizer=offload_optimizer, frozen_params=frozen_params) / GB
                 for dp in dps
             ]
     frame = pd.DataFrame(columns, index=pd.Index(list(dps), name="DP"))
@@ -55,6 +56,17 @@ def max_params_table(device_memory_bytes: float, dps: Sequence[int], *, dtype: s
         for stage in est.STAGES
     }
     return pd.DataFrame(columns, index=pd.Index(list(dps), name="DP"))
+
+
+def parse_count(text: str, what: str) -> float:
+    """"7e9" -> 7e9 (a parameter count >= 0). Raises ``EstimateError`` naming ``what``."""
+    try:
+        value = float(text.strip() or "0")
+    except ValueError:
+        raise est.EstimateError(f"{what} must be a number such as 7e9, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise est.EstimateError(f"{what} must be a finite number >= 0, got {text!r}")
+    return value
 
 
 def parse_dps(text: str) -> list[int]:

@@ -70,48 +70,86 @@ def formula_parts(run: Any) -> est.ModelStateBytes | None:
         return est.model_states_breakdown(
             inputs["num_params"], inputs["dp"], inputs["stage"], param_bytes=inputs["param_bytes"],
             grad_bytes=inputs["grad_bytes"], optimizer_k=inputs["optimizer_k"],
-            persistent_params=inputs.get("persistent_params") or 0)
+            persistent_params=inputs.get("persistent_params") or 0, frozen_params=inputs.get("frozen_params") or 0)
     except (KeyError, TypeError, est.EstimateError) as err:
         logger.warning("cannot evaluate the header's prediction inputs %s: %s", inputs, err)
         return None
 
 
+MODEL_STATES, FORMULA, TRANSIENT, REST = "model states", "formula", "transient", "rest of peak"
+"""The bars of each rank in the memory-by-role figure, left to right."""
+
+
+def _process_peak(entry: dict[str, Any]) -> tuple[str, float] | None:
+    """The rank's process-wide peak: CUDA allocated bytes, else the CPU resident set (RSS)."""
+    peaks = entry.get("allocator_peak") or {}
+    for key, label in (("allocated", "allocated"), ("rss", "RSS")):
+        if isinstance(peaks.get(key), (int, float)):
+            return label, float(peaks[key])
+    return None
+
+
 def memory_by_role_figure(loaded: LoadedRun) -> go.Figure:
-    """Per rank, stacked bytes by role at the record where model states peak, beside the paper's
-    formula (parameters, gradients, K) for the run; the measured/formula ratio is written on top."""
+    """Per rank, four bars on one bytes axis, at the record where model states peak:
+
+    - "model states": the measured model-state roles, stacked (what the paper's formula counts);
+    - "formula": the paper's parameters / gradients / K for the run, stacked, right beside it
+      (the measured/formula ratio is written over the pair);
+    - "transient": what else the engine held at that moment (gradient buckets, gathered stage-3
+      units, fp32 gradients, communication buffers, activation checkpoints), never mixed into the
+      model-state bar;
+    - "rest of peak": the process's peak (CUDA allocated, else RSS) less model states and transient:
+      activations, allocator caching, libraries.
+    """
     run, summary = loaded.run, loaded.summary
     assert run is not None and summary is not None, "memory_by_role_figure needs a loaded run"
     peaks = peak_roles(run)
     parts = formula_parts(run)
     ranks = sorted(peaks)
-    kinds = ["measured", "formula"] if parts is not None else ["measured"]
+    by_rank = {entry["rank"]: entry for entry in summary["ranks"]}
+    kinds = [MODEL_STATES] + ([FORMULA] if parts is not None else []) + [TRANSIENT, REST]
     x = [[f"rank {r}" for r in ranks for _ in kinds], [k for _ in ranks for k in kinds]]
     fig = go.Figure()
+
+    def bar(name: str, values: dict[int, float], kind: str, **style: Any) -> None:
+        y = [values.get(r, 0.0) if k == kind else 0.0 for r in ranks for k in kinds]
+        if any(y):
+            fig.add_bar(x=x, y=y, name=name, hovertemplate=f"{name}<br>%{{x}}<br>%{{y:,.0f}} bytes (%{{y:.3s}}B)"
+                                                          "<extra></extra>", **style)
+
     keys = [r.value for r in MemoryRole] + sorted({k for p in peaks.values() for k in p} - {r.value for r in MemoryRole})
+    is_state = {r.value for r in MODEL_STATE_ROLES}
     for key in keys:
-        values = [peaks[r].get(key, 0.0) if k == "measured" else 0.0 for r in ranks for k in kinds]
-        if not any(values):
-            continue
-        fig.add_bar(x=x, y=values, name=role_label(key), marker_color=ROLE_COLORS.get(key),
-                    hovertemplate=f"{role_label(key)}<br>%{{x}}<br>%{{y:,.0f}} bytes (%{{y:.3s}}B)<extra></extra>")
+        kind = MODEL_STATES if key in is_state else TRANSIENT
+        bar(role_label(key), {r: peaks[r].get(key, 0.0) for r in ranks}, kind, marker_color=ROLE_COLORS.get(key),
+            legendgroup=kind, legendgrouptitle_text=kind)
     if parts is not None:
         for name, value, pattern in (("parameters pΨ", parts.params, "/"), ("gradients gΨ", parts.grads, "\\"),
                                      ("optimizer states KΨ", parts.optimizer, "x")):
-            values = [value if k == "formula" else 0.0 for _ in ranks for k in kinds]
-            fig.add_bar(x=x, y=values, name=f"formula: {name}", marker_color="lightgray",
-                        marker_pattern_shape=pattern, legendgroup="formula",
-                        hovertemplate=f"formula {name}<br>%{{x}}<br>%{{y:,.0f}} bytes (%{{y:.3s}}B)<extra></extra>")
-        by_rank = {entry["rank"]: entry for entry in summary["ranks"]}
-        tops = [sum(peaks[r].values()) for r in ranks]
-        ratios = [by_rank[r]["ratio"] for r in ranks]
-        fig.add_scatter(x=[[f"rank {r}" for r in ranks], ["measured"] * len(ranks)], y=tops, mode="text",
-                        text=[f"ratio {q:.3f}" if q is not None else "" for q in ratios], textposition="top center",
-                        name="model states: measured / formula", hoverinfo="skip")
+            bar(f"formula: {name}", {r: value for r in ranks}, FORMULA, marker_color="lightgray",
+                marker_pattern_shape=pattern, legendgroup=FORMULA, legendgrouptitle_text=FORMULA)
+    rest, peak_label = {}, None
+    for r in ranks:
+        process = _process_peak(by_rank.get(r, {}))
+        if process is not None:
+            peak_label = process[0]
+            rest[r] = max(0.0, process[1] - sum(peaks[r].values()))
+    bar(f"activations, caches, libraries (the rest of the {peak_label or 'process'} peak)", rest, REST,
+        marker_color="#e3e3e3", legendgroup=REST, legendgrouptitle_text=REST)
+    if parts is not None:
+        ratios = [by_rank.get(r, {}).get("ratio") for r in ranks]
+        tops = [max(sum(v for k, v in peaks[r].items() if k in is_state), sum(parts)) for r in ranks]
+        fig.add_scatter(x=[[f"rank {r}" for r in ranks], [FORMULA] * len(ranks)], y=tops, mode="text",
+                        text=[f"measured / formula {q:.3f}" if q is not None else "" for q in ratios],
+                        textposition="top center", name="model states: measured / formula", hoverinfo="skip")
     prediction = run.header.get("prediction") or {}
     formula = prediction.get("formula") or "no prediction in the header"
     fig.update_layout(barmode="stack", yaxis={**_BYTES_AXIS, "title": "bytes per rank"},
-                      title=f"Bytes by role at the model-state peak, stage {run.stage}, N_d={run.world_size}: "
-                            f"formula {formula}", legend_title="role", hovermode="closest")
+                      title=f"Bytes by role at the model-state peak, stage {run.stage}, N_d={run.world_size}<br>"
+                            f"<sup>model states beside the formula {formula}; transient buffers and the rest of "
+                            "the process peak apart</sup>", hovermode="closest",
+                      legend={"orientation": "h", "yanchor": "top", "y": -0.22, "groupclick": "toggleitem"},
+                      margin={"b": 140})
     return fig
 
 

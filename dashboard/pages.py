@@ -79,8 +79,9 @@ def view_memory(loaded: LoadedRun, settings: dict[str, int]) -> None:
              "steps": r["steps"], "stopped": r["stopped"], "truncated": r["truncated"]}
             for r in loaded.summary["ranks"]]
     st.dataframe(rows, hide_index=True)
-    st.caption("The formula counts the unpadded trainable Ψ; the measurement includes bucket padding "
-               "(at most N_d - 1 elements per bucket) and frozen parameters.")
+    st.caption("The formula counts the unpadded trainable Ψ (and frozen parameters Ψ_f: whole at stages 0-2, "
+               "/N_d at stage 3); the measurement includes bucket padding (at most N_d - 1 elements per bucket). "
+               "Transient buffers and the rest of the process peak are the chart's other two bars, not model states.")
     assert loaded.run is not None
     peaks = data.peak_frame(loaded.run)
     if not peaks.empty:
@@ -163,6 +164,8 @@ def view_estimator(settings: dict[str, int]) -> None:
             raw = st.text_input("Ψ, e.g. 7.5e9", "7.5e9", key="est_params")
         else:
             raw = st.text_input("config.json or model directory (local)", "", key="est_config")
+        frozen_raw = st.text_input("frozen parameters Ψ_f (e.g. a LoRA base model; parameter bytes only)", "0",
+                                   key="est_frozen")
         dps_text = st.text_input("N_d values", ", ".join(map(str, estimator.PAPER_DPS)), key="est_dps")
         paper = st.checkbox("add the paper's 7.5B, 128B and 1T columns", value=False, key="est_paper")
     with right:
@@ -181,7 +184,9 @@ def view_estimator(settings: dict[str, int]) -> None:
             st.info("Enter Ψ or a config path.")
             return
         precision = est.precision_bytes(dtype, optimizer)
-        table = estimator.model_states_table(models, dps, dtype=dtype, optimizer=optimizer, offload_optimizer=offload)
+        frozen = estimator.parse_count(frozen_raw, "frozen parameters")
+        table = estimator.model_states_table(models, dps, dtype=dtype, optimizer=optimizer, offload_optimizer=offload,
+                                             frozen_params=frozen)
         fits = estimator.max_params_table(memory_gb * estimator.GB, dps, dtype=dtype, optimizer=optimizer,
                                           offload_optimizer=offload)
     except est.EstimateError as err:

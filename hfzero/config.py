@@ -16,6 +16,9 @@ import torch
 DtypeName = Literal["fp32", "bf16", "fp16"]
 AccumulationName = Literal["auto", "sharded", "local"]
 
+STAGE_AUTO = "auto"
+"""``ZeroConfig.stage`` value asking the estimator to pick the stage (see hfzero/autostage.py)."""
+
 _DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -30,9 +33,16 @@ class ZeroConfig:
     Attributes are documented one by one below; every one is validated in ``__post_init__``.
     """
 
-    stage: int = 2
+    stage: int | Literal["auto"] = 2
     """ZeRO stage: 0 = DDP-equivalent baseline, 1 = optimizer states sharded (P_os), 2 = + gradients
-    (P_os+g), 3 = + parameters (P_os+g+p)."""
+    (P_os+g), 3 = + parameters (P_os+g+p). "auto": the lowest stage whose per-rank memory (model
+    states, accumulation buffer, activation estimate) fits ``memory_budget_bytes`` or the device's
+    memory, chosen by the Trainer/accelerate integration when the model is prepared
+    (``hfzero.autostage.resolve_auto_stage``); it is an int afterwards."""
+
+    memory_budget_bytes: int = 0
+    """stage="auto" only: bytes one rank may use. 0 = measure: free CUDA memory, or on a CPU the
+    available RAM divided by the ranks on the host, each less 20% headroom."""
 
     dtype: DtypeName = "fp32"
     """Parameter and gradient dtype on the device: "fp32", "bf16" or "fp16". With 16-bit dtypes the
@@ -111,7 +121,10 @@ class ZeroConfig:
     """fp16 dynamic scaling: the scale never drops below this."""
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.stage) and self.stage in (0, 1, 2, 3), "stage", self.stage, "must be 0, 1, 2 or 3")
+        _check((_is_int(self.stage) and self.stage in (0, 1, 2, 3)) or self.stage == STAGE_AUTO, "stage", self.stage,
+               'must be 0, 1, 2, 3 or "auto"')
+        _check(isinstance(self.memory_budget_bytes, int) and self.memory_budget_bytes >= 0, "memory_budget_bytes",
+               self.memory_budget_bytes, "must be an integer >= 0 (0 = measure the device)")
         _check(self.dtype in _DTYPES, "dtype", self.dtype, 'must be "fp32", "bf16" or "fp16"')
         for name in ("reduce_bucket_size", "allgather_bucket_size"):
             value = getattr(self, name)
@@ -217,6 +230,8 @@ def _bounded(num_params: int, divisor: int) -> int:
 
 
 def _convert(name: str, raw: str, kind: type) -> Any:
+    if name == "stage" and raw.strip().lower() == STAGE_AUTO:
+        return STAGE_AUTO
     try:
         if kind is bool:
             lowered = raw.strip().lower()

@@ -139,30 +139,36 @@ def model_states_breakdown(
     persistent_params: float = 0,
     accumulation_steps: int = 1,
     accumulation: str = "auto",
+    frozen_params: float = 0,
 ) -> ModelStateBytes:
     """Per-device bytes of parameters, gradients and the K part, wherever they live.
 
+    Ψ = ``num_params / mp`` (trainable parameters). ``frozen_params`` Ψ_f (``requires_grad=False``:
+    a LoRA fine-tune's base weights, also divided by ``mp``) have parameter bytes only, no gradient
+    or optimizer state: whole at stages 0-2 (``param_bytes`` each), divided by N_d at stage 3, which
+    partitions them too. ``persistent_params`` (a subset of Ψ + Ψ_f, also divided by ``mp``) matters
+    at stage 3 only: those parameters stay whole on every rank, so
+    params = param_bytes * ((Ψ + Ψ_f - P) / N_d + P) with P = persistent_params / mp. Gradients and
+    optimizer states of persistent trainable parameters are sharded like every other one's, so grads
+    and the K part use the plain formula. At stages 0-2 all parameters are whole anyway and P changes
+    nothing.
+
     ``accumulation`` ("auto", "sharded", "local"; see ZeroConfig.accumulation) with
     ``accumulation_steps`` > 1: under "local" at stages 2-3 a full gradient buffer (g bytes per
-    parameter) is held across the micro-batches, a model state counted with the gradients.
-
-    Ψ = ``num_params / mp``. ``persistent_params`` (a subset of ``num_params``, also divided by
-    ``mp``) matters at stage 3 only: those parameters stay whole on every rank, so their
-    parameter bytes are ``param_bytes`` each in full, and they are not part of the sharded flat
-    parameters: params = param_bytes * ((Ψ - P) / N_d + P) with P = persistent_params / mp. Their
-    gradients and optimizer states are sharded like every other parameter's, so grads and the K part
-    use the plain formula. At stages 0-2 all parameters are whole anyway and P changes nothing.
+    trainable parameter) is held across the micro-batches, a model state counted with the gradients.
     """
     _check_layout(dp, stage, mp)
     _check_count("num_params", num_params)
     _check_count("persistent_params", persistent_params)
-    if persistent_params > num_params:
-        raise EstimateError(f"persistent_params ({persistent_params:g}) exceeds num_params ({num_params:g})")
-    psi, persistent = num_params / mp, persistent_params / mp
+    _check_count("frozen_params", frozen_params)
+    if persistent_params > num_params + frozen_params:
+        raise EstimateError(f"persistent_params ({persistent_params:g}) exceeds num_params + frozen_params "
+                            f"({num_params + frozen_params:g})")
+    psi, persistent, frozen = num_params / mp, persistent_params / mp, frozen_params / mp
     if stage >= _SHARDED_FROM_STAGE["params"]:
-        params = param_bytes * ((psi - persistent) / dp + persistent)
+        params = param_bytes * ((psi + frozen - persistent) / dp + persistent)
     else:
-        params = param_bytes * psi
+        params = param_bytes * (psi + frozen)
     grads = grad_bytes * psi / _shard_divisor("grads", stage, dp)
     if accumulator_held(stage, accumulation, accumulation_steps):
         grads += grad_bytes * psi
@@ -226,17 +232,19 @@ def model_states_bytes(
     offload_optimizer: bool = False,
     accumulation_steps: int = 1,
     accumulation: str = "auto",
+    frozen_params: float = 0,
 ) -> float:
     """Per-device (accelerator) model-state bytes of the paper's formula for ``stage``.
 
     Stage 0 (p+g+K)Ψ, stage 1 (p+g)Ψ + KΨ/N_d, stage 2 pΨ + (g+K)Ψ/N_d, stage 3 (p+g+K)Ψ/N_d, with
-    Ψ = num_params / mp and N_d = dp; see ``model_states_breakdown`` for ``persistent_params``.
+    Ψ = num_params / mp and N_d = dp, plus p Ψ_f for frozen parameters (p Ψ_f / N_d at stage 3); see
+    ``model_states_breakdown`` for ``persistent_params`` and ``frozen_params``.
     With ``offload_optimizer`` the K part lives in CPU memory (``model_states_cpu_bytes``) and is
     left out here.
     """
     parts = model_states_breakdown(
         num_params, dp, stage, mp=mp, param_bytes=param_bytes, grad_bytes=grad_bytes,
-        optimizer_k=optimizer_k, persistent_params=persistent_params,
+        optimizer_k=optimizer_k, persistent_params=persistent_params, frozen_params=frozen_params,
         accumulation_steps=accumulation_steps, accumulation=accumulation,
     )
     return parts.params + parts.grads + (0.0 if offload_optimizer else parts.optimizer)
@@ -300,6 +308,81 @@ def max_params(
     return max(0.0, (device_memory_bytes - fixed) / per_param)
 
 
+@dataclass(frozen=True, kw_only=True)
+class StageFit:
+    """One row of the ``--zero_stage auto`` table: per-device bytes at one stage.
+
+    Attributes:
+        stage: the ZeRO stage.
+        model_states: ``model_states_bytes`` for the stage (frozen parameters included).
+        accumulation: a full gradient buffer held across micro-batches under the "local"
+            accumulation policy, beyond the stage's gradient shard (a model state; 0 otherwise).
+        activations: the activation estimate (or other reserved bytes), the same at every stage.
+        total: the sum of the three.
+        fits: ``total`` is at most the budget.
+    """
+
+    stage: int
+    model_states: float
+    accumulation: float
+    activations: float
+    total: float
+    fits: bool
+
+
+def accumulation_bytes(num_params: float, dp: int, stage: int, *, grad_bytes: int = 2, mp: int = 1,
+                       accumulation: str | None = "auto", accumulation_steps: int = 1) -> float:
+    """Extra per-device gradient bytes of the accumulation policy beyond the stage's formula.
+
+    "local" accumulation of more than one micro-batch at stages 2-3 holds a full local gradient buffer
+    (gΨ, the engine's GRAD_ACCUM) beside the gradient shard until the step; at stages 0-1 the stage's
+    full gradient is that buffer (0 extra); "sharded" reduces every micro-batch (0 extra).
+    """
+    if not accumulator_held(stage, accumulation or "auto", accumulation_steps):
+        return 0.0
+    return grad_bytes * num_params / mp
+
+
+def stage_table(num_params: float, dp: int, budget_bytes: float, *, activation_bytes: float = 0.0,
+                accumulation: str | None = "auto", accumulation_steps: int = 1, **state_kwargs: Any) -> list[StageFit]:
+    """Per-device bytes of every stage against ``budget_bytes`` (``state_kwargs``: the keyword arguments
+    of ``model_states_bytes``, e.g. param_bytes, frozen_params, persistent_params)."""
+    rows = []
+    for stage in STAGES:
+        states = model_states_bytes(num_params, dp, stage, **state_kwargs)
+        extra = accumulation_bytes(num_params, dp, stage, grad_bytes=state_kwargs.get("grad_bytes", 2),
+                                   mp=state_kwargs.get("mp", 1), accumulation=accumulation,
+                                   accumulation_steps=accumulation_steps)
+        total = states + extra + activation_bytes
+        rows.append(StageFit(stage=stage, model_states=states, accumulation=extra, activations=activation_bytes,
+                             total=total, fits=total <= budget_bytes))
+    return rows
+
+
+def format_stage_table(rows: list[StageFit], budget_bytes: float) -> str:
+    """The table as text, one line per stage, in MB (for logs and errors)."""
+    lines = [f"budget {budget_bytes / 1e6:,.1f} MB per rank"]
+    for r in rows:
+        lines.append(f"stage {r.stage}: model states {r.model_states / 1e6:,.1f} MB + accumulation "
+                     f"{r.accumulation / 1e6:,.1f} MB + activations {r.activations / 1e6:,.1f} MB = "
+                     f"{r.total / 1e6:,.1f} MB {'fits' if r.fits else 'does not fit'}")
+    return "\n".join(lines)
+
+
+def pick_stage(rows: list[StageFit], budget_bytes: float) -> int:
+    """The smallest stage of ``rows`` that fits (smaller stages communicate less: 2Ψ per step at
+    stages 0-2, 3Ψ at stage 3).
+
+    Raises:
+        EstimateError: no stage fits; the message holds the whole table.
+    """
+    for row in rows:
+        if row.fits:
+            return row.stage
+    raise EstimateError("no ZeRO stage fits the per-rank memory budget:\n" + format_stage_table(rows, budget_bytes)
+                        + "\nadd devices, use offload_optimizer, a 16-bit dtype, a smaller batch or a larger budget")
+
+
 def choose_stage(
     num_params: float,
     dp: int,
@@ -309,30 +392,24 @@ def choose_stage(
     reserved_bytes: float = 0.0,
     **state_kwargs: Any,
 ) -> int:
-    """The smallest ZeRO stage whose model states fit, for ``--zero_stage auto``.
+    """The smallest ZeRO stage whose model states fit (``stage_table`` + ``pick_stage``).
 
     A stage fits when model_states_bytes + ``reserved_bytes`` (e.g. an activation estimate) is at
     most ``(1 - headroom) * device_memory_bytes``; ``headroom`` (default ``DEFAULT_HEADROOM``) is kept
     for buffers and fragmentation the formula does not count. ``state_kwargs`` are the keyword
-    arguments of ``model_states_bytes`` (mp, param_bytes, ...). Smaller stages communicate less
-    (stages 0-2 move 2Ψ per step, stage 3 3Ψ), so the smallest fitting one is preferred.
+    arguments of ``model_states_bytes`` (mp, param_bytes, ...) plus ``accumulation`` and
+    ``accumulation_steps`` (see ``accumulation_bytes``).
 
     Raises:
-        EstimateError: no stage fits; the message gives the stage-3 need and the budget.
+        EstimateError: no stage fits; the message gives every stage's need and the budget.
     """
     if not 0 <= headroom < 1:
         raise EstimateError(f"headroom must be in [0, 1), got {headroom!r}")
-    budget = (1 - headroom) * device_memory_bytes - reserved_bytes
-    for stage in STAGES:
-        need = model_states_bytes(num_params, dp, stage, **state_kwargs)
-        if need <= budget:
-            logger.debug("stage %d fits: %.3g bytes of a %.3g-byte budget", stage, need, budget)
-            return stage
-    raise EstimateError(
-        f"no ZeRO stage fits {num_params:.3g} parameters on dp={dp}: stage 3 needs {need / 1e9:.2f} GB per device "
-        f"but only {budget / 1e9:.2f} GB is available after headroom and reserved bytes; add devices, "
-        "model parallelism or offload_optimizer"
-    )
+    budget = (1 - headroom) * device_memory_bytes
+    rows = stage_table(num_params, dp, budget, activation_bytes=reserved_bytes, **state_kwargs)
+    stage = pick_stage(rows, budget)
+    logger.debug("stage %d fits: %.3g bytes of a %.3g-byte budget", stage, rows[stage].total, budget)
+    return stage
 
 
 # --------------------------------------------------------------------------------------------------

@@ -180,7 +180,7 @@ def test_crashed_run_loads_and_plots_what_is_there(tmp_path: Path) -> None:
     assert any("no rank file for rank(s) [3]" in w for w in loaded.run.warnings)
     assert not loaded.run.ranks[1].stopped and loaded.run.ranks[0].stopped
     fig = figures.memory_by_role_figure(loaded)
-    assert len(trace(fig, "optim_state (model state)").y) == 2 * 3  # ranks 0-2, measured and formula
+    assert len(trace(fig, "optim_state (model state)").y) == 4 * 3  # ranks 0-2: model states, formula, transient, rest
     assert len(data.timeline_frame(loaded.run)) == 3 * 2 * 6
 
 
@@ -227,16 +227,20 @@ def test_memory_by_role_figure_against_the_formula(tmp_path: Path) -> None:
     labels = {t.name for t in fig.data}
     assert {f"{r.value} (model state)" for r in (MemoryRole.PARAM_FULL, MemoryRole.GRAD_SHARD)} <= labels
     assert "grad_bucket" in labels
-    # x pairs: (rank 0, measured), (rank 0, formula), (rank 1, measured), (rank 1, formula)
-    assert list(trace(fig, "optim_state (model state)").y) == [4 * PSI, 0, 4 * PSI, 0]
-    assert list(trace(fig, "formula: optimizer states KΨ").y) == [0, 6 * PSI, 0, 6 * PSI]
-    assert list(trace(fig, "formula: parameters pΨ").y) == [0, 2 * PSI, 0, 2 * PSI]
-    assert list(trace(fig, "formula: gradients gΨ").y) == [0, PSI, 0, PSI]
+    # per rank, left to right: model states (measured), formula, transient, rest of the process peak
+    assert list(fig.data[0].x[1][:4]) == ["model states", "formula", "transient", "rest of peak"]
+    assert list(trace(fig, "optim_state (model state)").y) == [4 * PSI, 0, 0, 0] * 2
+    assert list(trace(fig, "formula: optimizer states KΨ").y) == [0, 6 * PSI, 0, 0] * 2
+    assert list(trace(fig, "formula: parameters pΨ").y) == [0, 2 * PSI, 0, 0] * 2
+    assert list(trace(fig, "formula: gradients gΨ").y) == [0, PSI, 0, 0] * 2
+    bucket = trace(fig, "grad_bucket")
+    assert [y for y, (_, kind) in zip(bucket.y, zip(*bucket.x)) if y] and all(
+        kind == "transient" for y, (_, kind) in zip(bucket.y, zip(*bucket.x)) if y)  # never on the model-state bar
     ratio = trace(fig, "model states: measured / formula")
-    assert list(ratio.text) == ["ratio 1.000"] * 2
+    assert list(ratio.text) == ["measured / formula 1.000"] * 2 and set(ratio.x[1]) == {"formula"}
     as_dict = fig.to_dict()["data"]
     grad_shard = next(t for t in as_dict if t["name"] == "grad_shard (model state)")
-    assert list(decode(grad_shard["y"])) == [PSI, 0, PSI, 0]
+    assert list(decode(grad_shard["y"])) == [PSI, 0, 0, 0] * 2
 
 
 def test_timeline_and_fragmentation_figures(tmp_path: Path) -> None:
@@ -297,6 +301,12 @@ def test_estimator_reproduces_the_papers_tables() -> None:
     assert fits.loc[64, "baseline"] == pytest.approx(2e9)
     assert fits.loc[64, "P_os"] == pytest.approx(7.64e9, rel=1e-3)
     assert fits.loc[64, "P_os+g+p"] == pytest.approx(128e9)
+    lora = estimator.model_states_table({"LoRA": 4e6}, [8], frozen_params=7e9)  # 4M adapter on a 7B base
+    assert lora.loc[8, ("LoRA", "baseline")] == pytest.approx((16 * 4e6 + 2 * 7e9) / 1e9)
+    assert lora.loc[8, ("LoRA", "P_os+g+p")] == pytest.approx((16 * 4e6 + 2 * 7e9) / 8 / 1e9)
+    assert estimator.parse_count("7e9", "frozen") == 7e9
+    with pytest.raises(est.EstimateError, match="frozen"):
+        estimator.parse_count("-1", "frozen")
     assert estimator.parse_dps("1, 4,16") == [1, 4, 16]
     with pytest.raises(est.EstimateError, match="positive integers"):
         estimator.parse_dps("1, four")

@@ -364,3 +364,15 @@ def test_accumulation_policy_in_the_memory_model_and_communication():
     assert est.comm_elements_per_step(psi, 1, 2, accumulation_steps=4) == 0  # one rank moves nothing
     with pytest.raises(est.EstimateError, match="accumulation"):
         est.model_states_bytes(psi, n, 2, accumulation="bogus")
+def test_frozen_parameters_count_parameter_bytes_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """A LoRA fine-tune: 4M trainable + 7B frozen, bf16 + Adam, N_d = 8: frozen weights add 2 bytes each,
+    whole at stages 0-2 and /N_d at stage 3 (also through `hfzero estimate --frozen-params`)."""
+    psi, frozen = 4e6, 7e9
+    for stage in (0, 1, 2):
+        assert est.model_states_bytes(psi, 8, stage, frozen_params=frozen) == est.model_states_bytes(psi, 8, stage) + 2 * frozen
+    assert est.model_states_bytes(psi, 8, 3, frozen_params=frozen) == pytest.approx(16 * psi / 8 + 2 * frozen / 8)
+    assert main(["estimate", "--params", "4e6", "--frozen-params", "7e9", "--dp", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model_states_bytes"]["3"] == pytest.approx(16 * psi / 8 + 2 * frozen / 8)
+    with pytest.raises(est.EstimateError, match="persistent_params"):
+        est.model_states_bytes(psi, 8, 3, frozen_params=1, persistent_params=psi + 2)

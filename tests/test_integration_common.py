@@ -35,12 +35,17 @@ def clm_args(out: Path, per_device_batch: int = 2) -> list[str]:
 def launch(cmd: list[str]) -> str:
     """Run a launcher command, return its output; plain torchrun on a CPU host gets ACCELERATE_USE_CPU (as
     `hfzero run` sets)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=launch_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout + proc.stderr
+
+
+def launch_env() -> dict[str, str]:
+    """The environment for launched workers: one thread each, and a CPU run on a host without an accelerator."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not torch.accelerator.is_available():
         env["ACCELERATE_USE_CPU"] = "true"
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout + proc.stderr
+    return env
 
 
 def _torchrun_options(nproc: int) -> list[str]:

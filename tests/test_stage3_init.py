@@ -234,8 +234,9 @@ def test_bad_input(saved, tmp_path):
         from_pretrained_sharded(saved["gpt2"], _adamw, hfzero.ZeroConfig(stage=2))
 
 
-def test_frozen_parameter_loaded_whole(saved):
-    """A parameter outside the optimizer is not sharded: it is read whole (world 1, in process)."""
+def test_frozen_parameter_sharded_from_checkpoint(saved):
+    """A frozen parameter is partitioned like a trainable one and its shard read from the checkpoint
+    (world 1, in process); see [Note: stage-3 frozen parameters]."""
     def factory(model):
         model.model.norm.weight.requires_grad_(False)
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
@@ -243,6 +244,7 @@ def test_frozen_parameter_loaded_whole(saved):
     model, _ = from_pretrained_sharded(saved["llama"], factory, _config())
     stored = _saved_state(saved["llama"])
     assert not model.model.norm.weight.requires_grad
-    assert torch.equal(model.model.norm.weight, stored["model.norm.weight"])
+    assert model.model.norm.weight.numel() == 0  # partitioned between uses
+    assert hfzero.get_engine(model).frozen_shard.numel() >= stored["model.norm.weight"].numel()
     state = full_state_dict(model, rank0_only=False)
     assert all(torch.equal(state[k], v) for k, v in stored.items())

@@ -36,6 +36,7 @@ from hfzero.checkpoint.stream import read_range, read_tensor
 from hfzero.logging import get_logger
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.optimizer import ZeroOptimizer
+from hfzero.runtime.stage3.engine import Stage3Engine
 
 logger = get_logger(__name__)
 
@@ -162,6 +163,12 @@ def _validate(directory: Path, scope: Scope, inv: Inventory, held: dict[str, lis
     return _Plan(resolved, manifest, inv, ranges, scalars, hyper, rng_tensors)
 
 
+def _frozen_shape(engine: ZeroEngine, tensor: torch.Tensor) -> torch.Size:
+    """A frozen tensor's whole shape (a partitioned stage-3 frozen parameter is 0-element between uses)."""
+    shape = engine.frozen_shape(tensor) if isinstance(engine, Stage3Engine) else None
+    return shape if shape is not None else tensor.shape
+
+
 def _match_model(directory: Path, manifest: dict[str, Any], inv: Inventory, held: dict[str, list[str]],
                  optimizer: ZeroOptimizer, engine: ZeroEngine, scope: Scope) -> None:
     """``held``: the names the model holds (every stage's, under a pipeline) as checkpoint names."""
@@ -181,10 +188,9 @@ def _match_model(directory: Path, manifest: dict[str, Any], inv: Inventory, held
     logical = {_source(manifest, scope, n): tuple(engine.layout.slots[p].shape) for n, p in inv.trainable.items()}
     shapes = [f"{n} (checkpoint {tuple(saved[n]['shape'])}, model {shape})"
               for n, shape in logical.items() if n in saved and tuple(saved[n]["shape"]) != shape]
-    frozen_now = {_source(manifest, scope, n): t for n, (t, _) in inv.frozen.items()}
-    shapes += [f"{n} (checkpoint {tuple(saved_frozen[n]['shape'])}, model {tuple(t.shape)})"
-               for n, t in frozen_now.items()
-               if n in saved_frozen and tuple(saved_frozen[n]["shape"]) != tuple(t.shape)]
+    frozen_now = {_source(manifest, scope, n): tuple(_frozen_shape(engine, t)) for n, (t, _) in inv.frozen.items()}
+    shapes += [f"{n} (checkpoint {tuple(saved_frozen[n]['shape'])}, model {shape})"
+               for n, shape in frozen_now.items() if n in saved_frozen and tuple(saved_frozen[n]["shape"]) != shape]
     if shapes:
         problems.append(f"shape mismatch: {_listing(shapes)}")
     if problems:
@@ -312,7 +318,11 @@ def _fill(plan: _Plan, scope: Scope, optimizer: ZeroOptimizer, engine: ZeroEngin
                            fmt.state_key(key, r.name), r.start, r.end)
         for name, (tensor, _) in plan.inventory.frozen.items():
             name = _source(manifest, scope, name)
-            tensor.copy_(read_tensor(directory / manifest["frozen"][name]["file"], name))
+            value = read_tensor(directory / manifest["frozen"][name]["file"], name)
+            if isinstance(engine, Stage3Engine) and tensor in engine.frozen_layout.slots:
+                engine.load_frozen(tensor, value)  # partitioned: this rank's slice
+            else:
+                tensor.copy_(value)
     index = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
     groups = inner.state_dict()["param_groups"]
     for ours, inner_group, hyper in zip(optimizer.param_groups, groups, plan.hyper):

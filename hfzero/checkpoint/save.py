@@ -43,6 +43,7 @@ from hfzero.checkpoint.stream import (TensorEntry, dtype_name, fsync_dir, write_
 from hfzero.logging import get_logger
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.optimizer import ZeroOptimizer
+from hfzero.runtime.stage3.engine import Stage3Engine
 
 logger = get_logger(__name__)
 
@@ -89,6 +90,10 @@ def save_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: Ze
     agree(comm, error, f"save_checkpoint({directory}): preparing {tmp}")
 
     inv = inventory(scope.module, engine)
+    if isinstance(engine, Stage3Engine) and engine.frozen_layout.slots:
+        # partitioned frozen parameters are 0-element between uses: the rank writing them gets them whole
+        whole = engine.gather_frozen(keep=scope.writes_frozen)
+        inv.frozen.update({n: (whole[t], kind) for n, (t, kind) in inv.frozen.items() if t in whole})
     report: dict[str, Any] = {}
     error = _guard(lambda: report.update(_write_rank_file(tmp, engine, scope, optimizer, inv)))
     if error is None:

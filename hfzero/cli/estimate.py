@@ -30,6 +30,7 @@ class _Request:
     persistent_params: float
     accumulation_steps: int
     accumulation: str
+    frozen_params: float
     memory: float | None
     headroom: float
     seq_len: int | None
@@ -64,6 +65,9 @@ def register(subparsers: Any) -> None:
     layout.add_argument("--accumulation", default="auto",
                         help="auto | sharded | local: when micro-batch gradients are reduced (ZeroConfig.accumulation; "
                              "'local' at stages 2-3 holds a full gradient buffer across micro-batches)")
+    layout.add_argument("--frozen-params", metavar="N", default="0",
+                        help="frozen parameters beside --params/--config's trainable ones (a LoRA fine-tune's base "
+                             "weights): parameter bytes only, whole at stages 0-2, /N_d at stage 3 (default 0)")
     fit = parser.add_argument_group("fitting")
     fit.add_argument("--memory", metavar="BYTES", help="device memory in bytes, e.g. 32e9: adds max_params per stage")
     fit.add_argument("--headroom", metavar="FRACTION", default=str(est.DEFAULT_HEADROOM),
@@ -137,6 +141,7 @@ def _read_request(args: argparse.Namespace) -> _Request:
         accumulation_steps=_number("--accumulation-steps", args.accumulation_steps, "micro-batches per step",
                                    integer=True),
         accumulation=args.accumulation,
+        frozen_params=_number("--frozen-params", args.frozen_params, "a parameter count", allow_zero=True),
         memory=_number("--memory", args.memory, "device memory in bytes, e.g. 32e9"),
         headroom=headroom,
         seq_len=_number("--seq-len", args.seq_len, "tokens per sequence", integer=True),
@@ -164,14 +169,15 @@ def _check_activation_options(request: _Request) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def _per_stage(function: Any, first: float, request: _Request, precision: est.PrecisionBytes) -> dict[str, float]:
+def _per_stage(function: Any, first: float, request: _Request, precision: est.PrecisionBytes,
+               **extra: Any) -> dict[str, float]:
     """``function(first, dp, stage, ...)`` for every stage, keyed "0".."3"."""
     return {
         str(stage): function(
             first, request.dp, stage, mp=request.mp, param_bytes=precision.param_bytes,
             grad_bytes=precision.grad_bytes, optimizer_k=precision.optimizer_k,
             persistent_params=request.persistent_params, offload_optimizer=request.offload_optimizer,
-            accumulation_steps=request.accumulation_steps, accumulation=request.accumulation,
+            accumulation_steps=request.accumulation_steps, accumulation=request.accumulation, **extra,
         )
         for stage in est.STAGES
     }
@@ -183,12 +189,14 @@ def _estimate(request: _Request) -> dict[str, Any]:
     result: dict[str, Any] = {
         "params": params, "config": request.config, "dp": request.dp, "mp": request.mp, "dtype": request.dtype,
         "optimizer": request.optimizer, "offload_optimizer": request.offload_optimizer,
-        "persistent_params": request.persistent_params, "memory": request.memory, "headroom": request.headroom,
+        "persistent_params": request.persistent_params, "frozen_params": request.frozen_params,
+        "memory": request.memory, "headroom": request.headroom,
         "accumulation_steps": request.accumulation_steps, "accumulation": request.accumulation,
         "bytes_per_param": precision._asdict(),
     }
     if params is not None:
-        result["model_states_bytes"] = _per_stage(est.model_states_bytes, params, request, precision)
+        result["model_states_bytes"] = _per_stage(est.model_states_bytes, params, request, precision,
+                                                  frozen_params=request.frozen_params)
         result["comm_elements_per_step"] = {
             str(stage): est.comm_elements_per_step(
                 params / request.mp, request.dp, stage, accumulation_steps=request.accumulation_steps,
@@ -230,6 +238,7 @@ def _auto_stage(params: float, request: _Request, precision: est.PrecisionBytes,
             param_bytes=precision.param_bytes, grad_bytes=precision.grad_bytes, optimizer_k=precision.optimizer_k,
             persistent_params=request.persistent_params, offload_optimizer=request.offload_optimizer,
             accumulation_steps=request.accumulation_steps, accumulation=request.accumulation,
+            frozen_params=request.frozen_params,
         )
     except est.EstimateError:
         return None

@@ -15,8 +15,10 @@ _USAGE = """usage: hfzero run [torchrun options] SCRIPT [script args] [--zero_<o
 
 Launch SCRIPT on N processes with torch.distributed.run (torchrun). --zero_* options anywhere among
 the script's arguments are removed from them, validated before anything starts, and make the
-script's transformers.Trainer / TrainingArguments train with hfzero's ZeRO (no hfzero import needed
-in the script). Without --zero_* options this is plain torchrun.
+script's transformers.Trainer / TrainingArguments and accelerate.Accelerator train with hfzero's ZeRO
+(no hfzero import needed in the script). A script that prepares no model with hfzero (neither
+Trainer nor Accelerator) fails with "ZeRO was NOT applied" (exit status 3): options are never
+ignored silently. Without --zero_* options this is plain torchrun.
 
 example:
   hfzero run --nproc_per_node 2 examples/train_clm.py --output_dir out --zero_stage 2

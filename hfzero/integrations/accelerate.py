@@ -40,6 +40,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType, recursively_apply
 from torch import nn
 
+from hfzero.autostage import auto_batch_from, default_seq_len, resolve_auto_stage
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.env import config_from_env
 from hfzero.integrations.state import (is_partitioned, load_optimizer_shards, save_optimizer_shards,
@@ -154,6 +155,10 @@ class ZeroAccelerator(Accelerator):
         self._zero_pairs: list[tuple[nn.Module, ZeroOptimizer]] = []
         self._zero_by_source: dict[int, ZeroOptimizer] = {}
         self._warned_clip = False
+        self.zero_auto_batch: tuple[int, int] | None = None
+        """stage="auto": (micro-batch, sequence length) per rank for the activation estimate; default:
+        a prepared DataLoader's batch size (else 1) and the model's position limit."""
+        self._loader_batch: int | None = None
         logger.info("ZeroAccelerator: %s", self.zero_config.to_json())
 
     # ---- prepare --------------------------------------------------------------------------------
@@ -162,6 +167,7 @@ class ZeroAccelerator(Accelerator):
         placement = list(device_placement) if device_placement is not None else [None] * len(args)
         if len(placement) != len(args):
             raise ValueError(f"device_placement should be a list with {len(args)} elements")
+        self._loader_batch = auto_batch_from(args) or self._loader_batch
         order = sorted(range(len(args)), key=lambda i: 0 if isinstance(args[i], nn.Module) else 1)
         prepared = super().prepare(*[args[i] for i in order], device_placement=[placement[i] for i in order])
         prepared = prepared if len(args) > 1 else (prepared,)
@@ -180,6 +186,9 @@ class ZeroAccelerator(Accelerator):
         if getattr(optimizer, "_is_accelerate_prepared", False) or unwrap_optimizer(optimizer) is not None:
             return super().prepare_optimizer(optimizer, device_placement=False)
         model = self._owner_of(optimizer)
+        self.zero_config = resolve_auto_stage(self.zero_config, model, optimizer, world_size=self.num_processes,
+                                              accumulation_steps=self.gradient_accumulation_steps,
+                                              batch=self._activation_batch(model))
         if self.pipeline_config is not None:
             if self.pipeline is not None:
                 raise ConfigError("ZeroAccelerator: pipeline parallelism prepares one model and optimizer")
@@ -192,6 +201,12 @@ class ZeroAccelerator(Accelerator):
         wrapped = ZeroAcceleratedOptimizer(zero, device_placement=False, scaler=None)
         self._optimizers.append(wrapped)
         return wrapped
+
+    def _activation_batch(self, model: nn.Module) -> tuple[int, int] | None:
+        if self.zero_auto_batch is not None:
+            return self.zero_auto_batch
+        seq = default_seq_len(model)
+        return (self._loader_batch or 1, seq) if seq else None
 
     def _owner_of(self, optimizer: torch.optim.Optimizer) -> nn.Module:
         params = {p for group in optimizer.param_groups for p in group["params"]}

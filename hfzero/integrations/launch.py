@@ -7,9 +7,17 @@ Two halves:
   refuses ``--deepspeed``/``--fsdp`` next to them, all before any process starts. The result runs
   ``torch.distributed.run`` with this module as the entry point and the options as ``HFZERO_*``.
 - ``main()`` (``python -m hfzero.integrations.launch SCRIPT ...`` in every worker): when ``HFZERO_*``
-  is set, makes ``transformers.Trainer``/``TrainingArguments`` mean ZeroTrainer/ZeroTrainingArguments,
-  then runs SCRIPT as ``__main__`` (``runpy``), so an unmodified script trains with ZeRO.
+  is set, makes ``transformers.Trainer``/``TrainingArguments`` mean ZeroTrainer/ZeroTrainingArguments
+  and ``accelerate.Accelerator`` mean ZeroAccelerator, then runs SCRIPT as ``__main__`` (``runpy``), so
+  an unmodified Trainer or accelerate script trains with ZeRO.
 Without ``--zero_*`` options nothing is patched: it behaves like torchrun.
+
+[Note: ZeRO not applied]
+The ``--zero_*`` options are never ignored silently: a worker whose script ends without any model
+prepared by hfzero (a plain torch loop, a custom trainer that builds its own DDP) logs an error
+saying so and exits with ``NOT_APPLIED_EXIT`` (3) even when the script itself succeeded; the
+launcher then repeats the message and returns 3. A script that fails gets the message too, then
+fails as it would have.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ _PREFIX = "--zero_"
 _MODULE_FLAG = "--hfzero-module"
 _CONFLICTS = ("--deepspeed", "--fsdp")
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+NOT_APPLIED_EXIT = 3
+"""Exit status of a worker (and of ``hfzero run``) whose script prepared no model with hfzero."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -182,23 +192,42 @@ def launch(argv: Sequence[str]) -> int:
     try:
         run(launch_plan.torchrun_args)
     except ChildFailedError as error:
+        if any(f.exitcode == NOT_APPLIED_EXIT for f in error.failures.values()):
+            logger.error("%s", _not_applied_message(launch_plan.zero_options))
+            return NOT_APPLIED_EXIT
         logger.error("a worker failed: %s", error.get_first_failure()[1].message)
         return 1
     return 0
 
 
-def _patch_transformers() -> None:
-    """Make ``transformers.Trainer``/``TrainingArguments`` the ZeRO classes for scripts that import them."""
+def _not_applied_message(options: dict[str, str]) -> str:
+    given = " ".join(f"--zero_{k} {v}" for k, v in options.items()) or "the HFZERO_* settings"
+    return (f"ZeRO was NOT applied: {given} had no effect, because the script prepared no model with hfzero. "
+            "`hfzero run` swaps transformers.Trainer/TrainingArguments and accelerate.Accelerator; a script "
+            "using neither (a plain torch loop, its own DDP) must call hfzero.prepare itself. "
+            "See docs/integrations.md")
+
+
+def _patch_frameworks() -> None:
+    """Make ``transformers.Trainer``/``TrainingArguments`` and ``accelerate.Accelerator`` the ZeRO classes
+    for scripts that import them (``Trainer`` subclasses imported later, such as ``Seq2SeqTrainer`` or
+    TRL's ``SFTTrainer``, then derive from ZeroTrainer too)."""
+    import accelerate
+    import accelerate.accelerator
     import transformers
     import transformers.trainer
     import transformers.training_args
 
+    from hfzero.integrations.accelerate import ZeroAccelerator
     from hfzero.integrations.trainer import ZeroTrainer, ZeroTrainingArguments
 
     transformers.Trainer = ZeroTrainer  # type: ignore[misc]
     transformers.trainer.Trainer = ZeroTrainer  # type: ignore[misc]
     transformers.TrainingArguments = ZeroTrainingArguments  # type: ignore[misc]
     transformers.training_args.TrainingArguments = ZeroTrainingArguments  # type: ignore[misc]
+    # after transformers.trainer is imported: the Trainer builds its accelerator through ZeroTrainer
+    accelerate.Accelerator = ZeroAccelerator  # type: ignore[misc]
+    accelerate.accelerator.Accelerator = ZeroAccelerator  # type: ignore[misc]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -209,8 +238,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         argv = argv[1:]
     if not argv:
         raise SystemExit("usage: python -m hfzero.integrations.launch [--hfzero-module] SCRIPT [ARGS...]")
-    if config_strings_from_env() or pipeline_strings_from_env() or os.environ.get(PROFILE_DIR_ENV):
-        _patch_transformers()
+    zero = bool(config_strings_from_env() or pipeline_strings_from_env() or os.environ.get(PROFILE_DIR_ENV))
+    if zero:
+        _patch_frameworks()
     target, script_args = argv[0], argv[1:]
     sys.argv = [target, *script_args]
     try:
@@ -221,12 +251,26 @@ def main(argv: Sequence[str] | None = None) -> None:
             runpy.run_path(target, run_name="__main__")
     except SystemExit as exit_:
         if exit_.code not in (None, 0):
+            _report_if_not_applied(zero)
             raise  # the script's own failure: exit as Python would, with its message and code
-    _exit_cleanly()
+    except BaseException:
+        _report_if_not_applied(zero)
+        raise
+    _exit_cleanly(NOT_APPLIED_EXIT if _report_if_not_applied(zero) else 0)
 
 
-def _exit_cleanly() -> None:
-    """Leave a worker whose script finished: tear down the process group, flush, and ``os._exit(0)``.
+def _report_if_not_applied(zero: bool) -> bool:
+    """Log an error when ZeRO options were given but no model was prepared; see [Note: ZeRO not applied]."""
+    from hfzero.runtime.prepare import prepared_count
+
+    if not zero or prepared_count() > 0:
+        return False
+    logger.error("rank %s: %s", os.environ.get("RANK", "0"), _not_applied_message(config_strings_from_env()))
+    return True
+
+
+def _exit_cleanly(code: int = 0) -> None:
+    """Leave a worker whose script finished: tear down the process group, flush, and ``os._exit(code)``.
 
     gloo workers can abort in interpreter teardown after the script returned ("terminate called
     without an active exception"), which torchrun reports as a failed run. The script has finished
@@ -242,7 +286,7 @@ def _exit_cleanly() -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import types
 import typing
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,12 +39,14 @@ import torch.distributed as dist
 import transformers.trainer as _trainer_module
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from hfzero.autostage import default_seq_len
 from hfzero.checkpoint.format import TRAINER_SHARD_DIR as SHARD_DIR
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.accelerate import ZeroAccelerator, apply_mixed_precision
 from hfzero.integrations.env import config_strings_from_env, pipeline_strings_from_env, profile_dir_from_env
-from hfzero.integrations.state import (has_shards, is_partitioned, load_optimizer_shards, save_optimizer_shards,
-                                      scheduler_state_for_stage, scheduler_state_for_user_groups, unwrap_optimizer)
+from hfzero.integrations.state import (has_shards, is_partitioned, load_optimizer_shards, model_param_count,
+                                      save_optimizer_shards, scheduler_state_for_stage,
+                                      scheduler_state_for_user_groups, unwrap_optimizer)
 from hfzero.logging import get_logger
 from hfzero.parallel.pipeline import PipelineConfig, pipeline_of
 from hfzero.runtime.stage3 import full_state_dict
@@ -58,9 +61,14 @@ _PROFILE_HELP = ("Directory for hfzero's profiler (ZeroProfiler): per-rank memor
 _PIPELINE_TYPES = {"pp_size": int, "n_microbatches": int}
 
 
+def _argument_type(hint: Any) -> Any:
+    """HfArgumentParser reads Optional[X] only: a union field (``stage``: int or "auto") is text."""
+    return str if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
+
+
 def _zero_fields() -> list[tuple[str, Any, Any]]:
     hints = typing.get_type_hints(ZeroConfig)
-    fields = [(f"zero_{f.name}", Optional[hints[f.name]],
+    fields = [(f"zero_{f.name}", Optional[_argument_type(hints[f.name])],
                dataclasses.field(default=None, metadata={"help": ZeroConfig.field_doc(f.name)}))
               for f in dataclasses.fields(ZeroConfig)]
     for option, field in PipelineConfig.options().items():  # --zero_pp_size, --zero_pp_schedule, ...
@@ -162,18 +170,19 @@ def resolve_pipeline_config(args: TrainingArguments) -> PipelineConfig | None:
 
 
 @contextlib.contextmanager
-def _accelerator_factory(factory: Any) -> Iterator[None]:
-    """Make ``transformers.trainer`` build its accelerator with ``factory`` for the duration of the block.
+def _in_trainer_module(name: str, value: Any) -> Iterator[None]:
+    """Make ``transformers.trainer.<name>`` mean ``value`` for the duration of the block.
 
-    Trainer.create_accelerator_and_postprocess builds ``Accelerator(**args)`` inline and then does
-    setup that depends on it; swapping the class it names is the one seam that keeps that code.
+    Trainer code names some helpers inline (``Accelerator(**args)`` in create_accelerator_and_postprocess,
+    ``get_model_param_count`` in the training loop's start-up log); swapping the name it uses is the
+    one seam that keeps the rest of that code.
     """
-    original = _trainer_module.Accelerator
-    _trainer_module.Accelerator = factory
+    original = getattr(_trainer_module, name)
+    setattr(_trainer_module, name, value)
     try:
         yield
     finally:
-        _trainer_module.Accelerator = original
+        setattr(_trainer_module, name, original)
 
 
 def _pipeline_batch(batches: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,6 +229,14 @@ class ZeroProfilerCallback(TrainerCallback):
             self.profiler = None
 
 
+def _first_example_length(dataset: Any) -> int | None:
+    """Tokens in the first training example (the activation estimate's sequence length), if readable."""
+    try:
+        return len(dataset[0]["input_ids"])
+    except (TypeError, KeyError, IndexError, AttributeError):
+        return None
+
+
 class ZeroTrainer(Trainer):
     """``transformers.Trainer`` training with hfzero's ZeRO (stages 0-3).
 
@@ -256,9 +273,25 @@ class ZeroTrainer(Trainer):
         self._pending: list[dict[str, Any]] = []
         factory = functools.partial(ZeroAccelerator, zero_config=self.zero_config,
                                     pipeline_config=self.pipeline_config)
-        with _accelerator_factory(factory):
+        with _in_trainer_module("Accelerator", factory):
             super().create_accelerator_and_postprocess()
-        logger.info("ZeroTrainer: ZeRO stage %d, dtype %s", self.zero_config.stage, self.zero_config.dtype)
+        logger.info("ZeroTrainer: ZeRO stage %s, dtype %s", self.zero_config.stage, self.zero_config.dtype)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's training; its "Number of trainable parameters" counts partitioned parameters whole."""
+        if isinstance(self.accelerator, ZeroAccelerator) and self.accelerator.zero_auto_batch is None:
+            seq = _first_example_length(self.train_dataset) or default_seq_len(self.model)
+            if seq:  # stage="auto": the activation estimate's batch
+                self.accelerator.zero_auto_batch = (self.args.per_device_train_batch_size, seq)
+        with _in_trainer_module("get_model_param_count", model_param_count):
+            return super().train(*args, **kwargs)
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """The Trainer's 6 * tokens * non-embedding parameters, with stage-3 parameters counted whole."""
+        main = getattr(self.model, "main_input_name", "input_ids")
+        if not is_partitioned(self.model) or main not in inputs:
+            return super().floating_point_ops(inputs)
+        return 6 * inputs[main].numel() * model_param_count(self.model, exclude_embeddings=True)
 
     @property
     def pipeline(self) -> Any:

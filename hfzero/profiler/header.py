@@ -44,6 +44,18 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def frozen_param_count(engine: Any) -> int:
+    """Ψ_f: parameters of the engine's model outside its optimizer layout (frozen ones), counted whole."""
+    count = getattr(engine, "num_frozen_params", None)  # stage 3: partitioned ones are 0-element tensors
+    if count is None:
+        layout = getattr(engine, "layout", None)
+        if layout is None:
+            return 0
+        in_layout = set(layout.slots)
+        count = sum(p.numel() for p in set(engine.model.parameters()) if p not in in_layout)
+    return int(count)
+
+
 def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: int = 1) -> dict[str, Any] | None:
     """The estimator's model-state bytes per rank for this run, with the formula and its inputs.
 
@@ -61,10 +73,14 @@ def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: i
     config = engine.config
     p, g, k = precision_bytes(config.dtype, kind)
     persistent = int(getattr(engine, "num_persistent_params", 0) or 0)
+    frozen = frozen_param_count(engine)
     inputs = {"num_params": int(engine.num_params), "dp": int(engine.world_size), "stage": int(engine.stage),
               "param_bytes": p, "grad_bytes": g, "optimizer_k": k, "persistent_params": persistent,
-              "accumulation_steps": int(accumulation_steps), "accumulation": config.accumulation_policy}
+              "frozen_params": frozen, "accumulation_steps": int(accumulation_steps),
+              "accumulation": config.accumulation_policy}
     formula = _STAGE_FORMULAS[inputs["stage"]].format(p=p, g=g, k=k)
+    if frozen:
+        formula += f" + {p}Ψ_f/N_d" if inputs["stage"] == 3 else f" + {p}Ψ_f"
     if persistent and inputs["stage"] == 3:
         formula += f" + {p}P(1 - 1/N_d)"
     if accumulator_held(inputs["stage"], config.accumulation_policy, accumulation_steps):
@@ -104,6 +120,8 @@ def build_header(*, run_id: str, engine: Any, model: torch.nn.Module, optimizer:
             "module": type(model).__module__,
             "num_params": int(engine.num_params),
             "num_params_padded": int(engine.num_params_padded),
+            "num_frozen_params": frozen_param_count(engine),
+            "num_frozen_persistent_params": int(getattr(engine, "num_frozen_persistent_params", 0)),
         },
         "dtypes": {"param": config.dtype, "grad": config.dtype,
                    "master": "fp32" if config.mixed_precision or config.offload_optimizer else None},

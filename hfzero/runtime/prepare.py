@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hfzero.comm import Communicator
-from hfzero.config import ConfigError, ZeroConfig
+from hfzero.config import STAGE_AUTO, ConfigError, ZeroConfig
 from hfzero.logging import get_logger
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.hostmem import configure_host_allocator
@@ -24,6 +24,13 @@ from hfzero.runtime.stage3.weights import WeightSource, materialize_meta_params
 logger = get_logger(__name__)
 
 _ENGINE_ATTR = "hfzero_engine"
+_prepared_count = 0
+"""Models this process prepared (``hfzero run`` reports a script that prepared none; see launch.py)."""
+
+
+def prepared_count() -> int:
+    """How many models ``prepare`` has applied ZeRO to in this process."""
+    return _prepared_count
 
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
@@ -52,6 +59,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
                         f"parameters, got {type(optimizer).__name__}")
     if getattr(model, _ENGINE_ATTR, None) is not None:
         raise ConfigError("hfzero.prepare: this model was already prepared; prepare a model once")
+    if config.stage == STAGE_AUTO:
+        raise ConfigError('hfzero.prepare: ZeroConfig(stage="auto") must be resolved first: '
+                          "config = hfzero.autostage.resolve_auto_stage(config, model, optimizer, world_size=...) "
+                          "(the Trainer and ZeroAccelerator do this for you)")
     _check_process_group(process_group)
     if config.stage != 3 and units is not None:
         raise ConfigError("hfzero.prepare: units= applies to ZeroConfig(stage=3) only")
@@ -63,8 +74,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     device = _single_device(groups) if weights is None else _meta_device(groups, weights.device)
     if config.mixed_precision:
         model.to(config.torch_dtype)
-    if weights is not None:
-        materialize_meta_params([p for group in groups for p in group], device)
+    if weights is not None:  # trainable and frozen parameters left on meta get their shard from ``weights``
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        materialize_meta_params([p for group in groups for p in group] + frozen, device)
     if device.type == "cpu":
         configure_host_allocator(config.host_mmap_threshold)  # See [Note: host allocator]
     comm = Communicator(process_group, config.reduce_scatter_impl, device=device)
@@ -76,6 +88,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         engine = ZeroEngine(model, groups, config, comm, device)
     zero_optimizer = ZeroOptimizer(engine, optimizer)
     setattr(model, _ENGINE_ATTR, engine)
+    global _prepared_count
+    _prepared_count += 1
     model.no_sync = engine.no_sync  # the DDP-style context accelerate and Trainer look for
     if config.stage == 3 and comm.world_size > 1 and hasattr(model, "generate"):
         _sync_generate(model)
@@ -84,11 +98,17 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
 
 def _sync_generate(model: nn.Module) -> None:
     """Stage 3: every forward is collective, so ranks must keep stepping ``generate`` until all are done
-    (transformers' ``synced_gpus``); without it a rank that reaches EOS first leaves the others hanging."""
+    (transformers' ``synced_gpus``); without it a rank that reaches EOS first leaves the others hanging.
+
+    ``synced_gpus=False`` is overridden too: callers such as ``Seq2SeqTrainer`` pass False unless they
+    detect DeepSpeed or FSDP, and a partitioned model cannot generate unsynced at world > 1.
+    """
     generate = model.generate
 
     def synced_generate(*args, **kwargs):
-        kwargs.setdefault("synced_gpus", True)
+        if kwargs.get("synced_gpus") is False:
+            logger.debug("stage 3: generate(synced_gpus=False) overridden: every forward is a collective")
+        kwargs["synced_gpus"] = True
         return generate(*args, **kwargs)
 
     model.generate = functools.wraps(generate)(synced_generate)

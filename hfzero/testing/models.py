@@ -29,6 +29,20 @@ def tiny_causal_lm(kind: str = "gpt2", *, seed: int = 0, hidden: int = 32, layer
     return model.float()
 
 
+def tiny_seq2seq(*, seed: int = 0, hidden: int = 32, layers: int = 2, vocab: int = VOCAB,
+                 positions: int = 64) -> nn.Module:
+    """A deterministic, dropout-free BART encoder-decoder (shared embeddings tied to lm_head)."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = BartConfig(vocab_size=vocab, d_model=hidden, encoder_layers=layers, decoder_layers=layers,
+                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=2 * hidden,
+                        decoder_ffn_dim=2 * hidden, max_position_embeddings=positions, dropout=0.0,
+                        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0,
+                        eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)
+    return BartForConditionalGeneration(config).float()
+
+
 def token_batches(steps: int, global_batch: int, seq_len: int, *, vocab: int = VOCAB,
                   seed: int = 1234) -> list[torch.Tensor]:
     """``steps`` batches of token ids, each (global_batch, seq_len), the same on every rank."""

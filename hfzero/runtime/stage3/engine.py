@@ -2,6 +2,19 @@
 
 Memory held per rank (bf16 + Adam, Ψ trainable parameters of which P are persistent, N ranks):
 - ``param_shard``: this rank's slice of every gathered bucket (PARAM_SHARD, 2(Ψ - P)/N).
+- ``frozen_shard``: this rank's slice of the frozen parameters' buckets (PARAM_SHARD, 2Ψ_f/N); frozen
+  parameters below the threshold stay whole model tensors (PARAM_FULL).
+
+[Note: stage-3 frozen parameters]
+Frozen parameters (``requires_grad=False``: a LoRA fine-tune's base weights) are partitioned like
+trainable ones: they belong to the unit whose module holds them, are laid out in a layout of their
+own (``frozen_layout``, per unit, padded like the trainable buckets) and gathered into the unit's full
+buffer together with its trainable buckets, for forward and backward. They have no gradient, master
+or optimizer state: the reducer and the optimizer only ever see ``layout``. Parameters below
+``param_persistence_threshold`` stay whole on every rank, as trainable ones do. A unit is released in
+backward when the backward pass reaches the next unit (a rank-independent point, after the gradients of
+the unit's inputs, which its frozen weights serve, are computed), never when its gradient buckets
+happen to be full; see scheduler.py.
 - ``persistent_flat``: parameters below ``param_persistence_threshold``, whole on every rank
   (PARAM_FULL, 2P); the model's persistent parameters are views of it. Their gradients and
   optimizer states are sharded like the others'; after a step they are all-gathered.
@@ -27,10 +40,10 @@ from hfzero.config import ZeroConfig
 from hfzero.logging import get_logger
 from hfzero.roles import MemoryRole
 from hfzero.runtime.engine import ZeroEngine
-from hfzero.runtime.layout import Bucket
+from hfzero.runtime.layout import Bucket, FlatLayout
 from hfzero.runtime.stage3.buffers import GatherBufferPool
 from hfzero.runtime.stage3.scheduler import Phase, UnitScheduler
-from hfzero.runtime.stage3.unit import GatherUnit
+from hfzero.runtime.stage3.unit import GatherUnit, UnitState
 from hfzero.runtime.stage3.units import UnitSpec, resolve_units
 from hfzero.runtime.stage3.weights import WeightSource
 
@@ -71,7 +84,9 @@ class Stage3Engine(ZeroEngine):
                  verify_gather_order: bool = True, weights: WeightSource | None = None):
         self._weights = weights  # see [Note: stage-3 sharded construction] in weights.py
         trainable = {p for group in param_groups for p in group if p.requires_grad}
-        self.unit_specs: list[UnitSpec] = resolve_units(model, units, trainable)
+        # See [Note: stage-3 frozen parameters]
+        self._frozen = [p for p in dict.fromkeys(model.parameters()) if not p.requires_grad]
+        self.unit_specs: list[UnitSpec] = resolve_units(model, units, trainable | set(self._frozen))
         self._unit_of: dict[nn.Parameter, int] = {}
         for spec in self.unit_specs:
             for p in spec.params:
@@ -82,7 +97,16 @@ class Stage3Engine(ZeroEngine):
         super().__init__(model, param_groups, config, comm, device)
         self.gather_pool = GatherBufferPool(self.policy.param_dtype, device)
         self.units = [self._make_unit(spec) for spec in self.unit_specs]
-        self.prefetch_numel = config.prefetch_numel(self.num_params, self.world_size)
+        partitioned_frozen = set(self.frozen_layout.slots)
+        whole = [p for p in dict.fromkeys(model.parameters()) if p not in self.layout.slots and p not in partitioned_frozen]
+        self._untracked_param_bytes = sum(p.numel() * p.element_size() for p in whole)  # PARAM_FULL, never resized
+        self.num_frozen_params = self.frozen_layout.num_params + sum(p.numel() for p in whole)
+        """Parameters outside the optimizer's layout (frozen ones): partitioned, or whole when persistent."""
+        self.num_persistent_params = sum(b.numel for b in self._persistent_buckets()) + sum(p.numel() for p in whole)
+        """Parameters kept whole on every rank: trainable ones below the threshold (flat) and ``whole``."""
+        self.num_frozen_persistent_params = sum(p.numel() for p in whole)
+        # sized by everything that is gathered (a LoRA model's trainable count alone would be tiny)
+        self.prefetch_numel = config.prefetch_numel(self.num_params + self.frozen_layout.num_params, self.world_size)
         """Stage-3 prefetch budget in elements (``ZeroConfig.prefetch_numel``: sized to the model unless set)."""
         self.gather_pool.limit_bytes = self._gather_pool_limit()
         self.scheduler = UnitScheduler(self.units, verify_comm if verify_gather_order else None, self.prefetch_numel)
@@ -90,7 +114,6 @@ class Stage3Engine(ZeroEngine):
         self.reducer.launch_on_fill = False
         self.reducer.agree_comm = comm.on_group(comm.group, share_stats=False)
         self.scheduler.on_unit_done = lambda unit: self.reducer.force_ready(unit.buckets)
-        self.num_persistent_params = sum(b.numel for b in self._persistent_buckets())
         self._partitioned = {p for p, unit in self._unit_of.items() if unit != _PERSISTENT}
         self.allow_partitioned_state_dict = False
         # On every module that owns a partitioned parameter, so a submodule's state_dict() is refused
@@ -132,8 +155,41 @@ class Stage3Engine(ZeroEngine):
     def _persistent_buckets(self) -> list[Bucket]:
         return [b for b in self.layout.buckets if self._unit_of[b.slots[0].param] == _PERSISTENT]
 
+    def _build_frozen_layout(self) -> FlatLayout:
+        """Buckets of the partitioned frozen parameters, per unit, in backward order (no gradients: the
+        reducer and the optimizer never see this layout); see [Note: stage-3 frozen parameters]."""
+        order = self._backward_positions()
+        names = {p: n for n, p in self.model.named_parameters()}
+        frozen = sorted((order[p], names[p], p) for p in self._frozen if self._unit_of.get(p, _PERSISTENT) != _PERSISTENT)
+        return FlatLayout([frozen], self.bucket_numel, self.world_size, self.rank,
+                          unit_of=self._unit_of.__getitem__)
+
+    def _place_frozen(self) -> None:
+        """This rank's slice of every frozen bucket (PARAM_SHARD); the unit gathers the rest when it runs."""
+        self.frozen_layout = self._build_frozen_layout()
+        self.frozen_shard = torch.zeros(self.frozen_layout.shard_numel, dtype=self.policy.param_dtype,
+                                        device=self.device)
+        self._frozen_views: dict[int, torch.Tensor] = {}
+        for bucket in self.frozen_layout.buckets:
+            lo, hi = bucket.owned(self.rank)
+            full = None if self._weights is not None else self._broadcast_bucket(bucket)
+            view = self._frozen_views[bucket.index] = self.frozen_shard[bucket.shard_offset: bucket.shard_offset + bucket.chunk]
+            self._fill(bucket, lo, hi, view, full)
+
+    def _broadcast_untracked(self) -> None:
+        """Rank 0's buffers and whole parameters outside both layouts (frozen ones below the threshold)."""
+        if self.world_size == 1:
+            return
+        placed = set(self.layout.slots) | set(self.frozen_layout.slots)
+        for p in dict.fromkeys(self.model.parameters()):
+            if p not in placed:
+                self.comm.broadcast(p.data)
+        for b in self.model.buffers():
+            self.comm.broadcast(b)
+
     def _place_params(self) -> None:
         """Sync each bucket from rank 0, keep this rank's slice (or all of a persistent bucket)."""
+        self._place_frozen()
         dtype = self.policy.param_dtype
         persistent = self._persistent_buckets()
         gathered = [b for b in self.layout.buckets if b not in persistent]
@@ -176,8 +232,10 @@ class Stage3Engine(ZeroEngine):
 
     def _make_unit(self, spec: UnitSpec) -> GatherUnit:
         buckets = [b for b in self.layout.buckets if self._unit_of[b.slots[0].param] == spec.index]
-        return GatherUnit(spec.index, spec.name, spec.module, buckets, self.layout, self._shard_views,
-                          self.gather_comm, self.policy.param_dtype, self.device, self.gather_pool)
+        frozen = [b for b in self.frozen_layout.buckets if self._unit_of[b.slots[0].param] == spec.index]
+        return GatherUnit(spec.index, spec.name, spec.module, [(b, self._shard_views[b.index]) for b in buckets],
+                          [(b, self._frozen_views[b.index]) for b in frozen], self.gather_comm,
+                          self.policy.param_dtype, self.device, self.gather_pool)
 
     def _gather_pool_limit(self) -> int:
         """Bytes the gather pool may hold: the root, the largest other unit and the prefetch budget
@@ -216,13 +274,48 @@ class Stage3Engine(ZeroEngine):
         roles = super().memory_by_role()
         element = self.param_shard.element_size()
         extra = {
-            MemoryRole.PARAM_SHARD: self.param_shard.numel() * element,
+            MemoryRole.PARAM_SHARD: (self.param_shard.numel() + self.frozen_shard.numel()) * element,
             MemoryRole.PARAM_FULL: roles.get(MemoryRole.PARAM_FULL, 0) + self.persistent_flat.numel() * element,
             MemoryRole.PARAM_GATHERED: sum(u.resident_bytes() for u in self.units),
             MemoryRole.COMM_BUFFER: roles.get(MemoryRole.COMM_BUFFER, 0) + self.gather_pool.idle_bytes(),
         }
         roles.update(extra)
         return {role: size for role, size in roles.items() if size}
+
+    def frozen_shape(self, param: nn.Parameter) -> torch.Size | None:
+        """The whole shape of a partitioned frozen parameter (None for any other tensor)."""
+        slot = self.frozen_layout.slots.get(param)
+        return slot.shape if slot is not None else None
+
+    def load_frozen(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Write this rank's slice of ``value`` (the whole parameter) into the frozen shard."""
+        slot = self.frozen_layout.slots[param]
+        bucket = self.frozen_layout.buckets[slot.bucket]
+        lo, hi = bucket.owned(self.rank)
+        start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if start < stop:
+            flat = value.reshape(-1)[start - slot.offset: stop - slot.offset]
+            self._frozen_views[bucket.index][start - lo: stop - lo].copy_(flat)
+
+    def gather_frozen(self, keep: bool) -> dict[nn.Parameter, torch.Tensor]:
+        """CPU copies of the partitioned frozen parameters, gathered one unit at a time (a collective;
+        only ranks with ``keep`` get the copies)."""
+        whole: dict[nn.Parameter, torch.Tensor] = {}
+        for unit in self.units:
+            if not unit.has_frozen:
+                continue
+            was_sharded = unit.state is UnitState.SHARDED
+            self.scheduler.gather_now(unit)
+            if keep:
+                whole.update((p, p.detach().to("cpu", copy=True)) for p in unit.params if p in self.frozen_layout.slots)
+            if was_sharded:
+                unit.release()
+        return whole
+
+    def full_numel(self, param: nn.Parameter) -> int:
+        """Elements of ``param`` when whole (a partitioned parameter is a 0-element tensor between uses)."""
+        slot = self.layout.slots.get(param) or self.frozen_layout.slots.get(param)
+        return slot.numel if slot is not None else param.numel()
 
     def trace(self, enabled: bool = True) -> list[tuple[str, str]] | None:
         """Record gather/release events (see UnitScheduler.events); returns the live event list."""

@@ -38,7 +38,8 @@ OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 def from_pretrained_sharded(model_dir_or_config, optimizer_factory: OptimizerFactory, zero_config: ZeroConfig, *,
                             process_group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None,
                             device: torch.device | str | None = None, units: Sequence[str] | None = None,
-                            seed: int = 0, verify_gather_order: bool = True) -> tuple[nn.Module, ZeroOptimizer]:
+                            seed: int = 0, verify_gather_order: bool = True,
+                            wrap: Callable[[nn.Module], nn.Module] | None = None) -> tuple[nn.Module, ZeroOptimizer]:
     """Build ``AutoModelForCausalLM`` sharded over ``process_group`` and return ``(model, optimizer)``.
 
     ``model_dir_or_config``: a ``save_pretrained`` directory (``model.safetensors`` or a sharded save
@@ -49,6 +50,10 @@ def from_pretrained_sharded(model_dir_or_config, optimizer_factory: OptimizerFac
     ``dtype``: the dtype the model is built in (default float32; ``zero_config.dtype`` still decides
     the parameters' dtype as in ``hfzero.prepare``). ``device``: where the shard and the buffers live
     (default: the process group's device, CPU for gloo). Collective: every rank must call it.
+    ``wrap(model) -> model`` (checkpoint directories only) wraps the model built on meta before the
+    optimizer is built, e.g. ``lambda m: peft.get_peft_model(m, LoraConfig(...))``: the base weights are
+    found in the checkpoint by parameter identity (whatever the wrapper renamed them to) and the
+    parameters it adds are initialized on the CPU (see ``_init_added``), then sharded like the others.
     """
     if not isinstance(zero_config, ZeroConfig) or zero_config.stage != 3:
         raise ConfigError("hfzero: sharded construction needs ZeroConfig(stage=3); at stages 0-2 every rank "
@@ -59,6 +64,9 @@ def from_pretrained_sharded(model_dir_or_config, optimizer_factory: OptimizerFac
         device = torch.device(device or "cpu")
     config, model_dir = _config_of(model_dir_or_config)
     checkpoint = CheckpointSource(model_dir, device) if model_dir is not None else None  # fails early
+    if wrap is not None and checkpoint is None:
+        raise ConfigError("hfzero: wrap= needs a save_pretrained directory (its weights); a fresh initialization "
+                          "from a config cannot be wrapped yet")
     model = _build_on_meta(config, dtype, device)
     source: WeightSource = checkpoint or InitSource(model, list(units or default_unit_names(model)), device, seed)
     try:
@@ -67,11 +75,13 @@ def from_pretrained_sharded(model_dir_or_config, optimizer_factory: OptimizerFac
             _load_persistent_buffers(model, checkpoint)
             _load_generation_config(model, model_dir)
             model.eval()  # as from_pretrained returns it
+        if wrap is not None:
+            model = _wrap(model, wrap, checkpoint, seed)
         optimizer = optimizer_factory(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"hfzero: optimizer_factory must return a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
-        _materialize_frozen(model, optimizer, source, dtype)
+        _materialize_whole(model, optimizer, source, dtype, zero_config.param_persistence_threshold)
         model, zero_optimizer = prepare(model, optimizer, zero_config, process_group, units=units,
                                         verify_gather_order=verify_gather_order, weights=source)
     finally:
@@ -140,11 +150,59 @@ def _load_generation_config(model: nn.Module, model_dir: str) -> None:
         model.generation_config = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
 
 
-def _materialize_frozen(model: nn.Module, optimizer: torch.optim.Optimizer, source: WeightSource,
-                        dtype: torch.dtype | None) -> None:
-    """Parameters outside the engine's layout (frozen, or not in the optimizer) are loaded whole."""
+def _wrap(model: nn.Module, wrap: Callable[[nn.Module], nn.Module], source: CheckpointSource, seed: int) -> nn.Module:
+    """Apply ``wrap`` to the meta model; map its renamed parameters back to the checkpoint by identity."""
+    base = {p: name for name, p in model.named_parameters()}
+    wrapped = wrap(model)
+    renamed, added = {}, []
+    for name, p in wrapped.named_parameters():
+        if p in base:
+            renamed[name] = base[p]
+        else:
+            added.append((name, p))
+    source.adopt_wrapped(renamed, _init_added(wrapped, added, seed))
+    logger.info("stage 3: wrapped as %s; %d parameter(s) added by the wrapper", type(wrapped).__name__, len(added))
+    return wrapped
+
+
+def _init_added(model: nn.Module, added: list[tuple[str, nn.Parameter]], seed: int) -> dict[str, torch.Tensor]:
+    """Initial values (CPU) of parameters a wrapper added on meta, computed by their own initializers:
+    each owning module is materialized alone and re-initialized (peft's ``reset_lora_parameters`` for LoRA
+    layers, else the module's ``reset_parameters``) under ``seed``; the parameters stay on meta."""
+    wanted = {p: name for name, p in added}
+    # by (module, attribute): to_empty replaces the parameter objects
+    slots = [(m, key, wanted[p]) for m in model.modules() for key, p in m._parameters.items() if p in wanted]
+    owners = list({id(m): m for m, _, _ in slots}.values())
+    torch.manual_seed(seed)
+    for module in owners:
+        module.to_empty(device="cpu", recurse=False)
+    config = getattr(model, "peft_config", {})
+    done: set[int] = set()
+    for layer in model.modules():  # LoRA layers initialize their A/B pairs themselves (B = 0)
+        if hasattr(layer, "reset_lora_parameters") and hasattr(layer, "lora_A"):
+            for adapter in list(layer.lora_A.keys()):
+                layer.reset_lora_parameters(adapter, getattr(config.get(adapter), "init_lora_weights", True))
+            done.update(id(m) for m in layer.modules())
+    for module in owners:
+        if id(module) not in done and hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    values = {}
+    for module, key, name in slots:
+        p = module._parameters[key]
+        values[name] = p.detach().clone()
+        module._parameters[key] = type(p)(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                          requires_grad=p.requires_grad)
+    return values
+
+
+def _materialize_whole(model: nn.Module, optimizer: torch.optim.Optimizer, source: WeightSource,
+                       dtype: torch.dtype | None, threshold: int) -> None:
+    """Parameters the engine keeps whole are loaded whole: frozen ones below the persistence threshold
+    and trainable ones outside the optimizer. Larger frozen parameters stay on meta: the engine fills
+    only this rank's slice (see [Note: stage-3 frozen parameters])."""
     in_optimizer = {p for group in optimizer.param_groups for p in group["params"]}
     for name, p in model.named_parameters():
-        if p.device.type == "meta" and (not p.requires_grad or p not in in_optimizer):
+        whole = p.numel() < threshold if not p.requires_grad else p not in in_optimizer
+        if p.device.type == "meta" and whole:
             value = source.read_whole(name, p.shape).to(source.device, dtype or p.dtype)
             torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))  # keeps ties

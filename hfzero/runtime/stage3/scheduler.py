@@ -12,6 +12,9 @@ pass of the same kind are prefetched, within ``allgather_bucket_size`` elements 
 gathered units. A pass that departs from the recorded order stops prefetching (the rest is gathered
 on demand) and becomes the new recorded order; prefetched units it did not use are released when
 the pass ends.
+A submodule of a unit called on its own (``model.get_encoder()(...)``, ``lm_head(h)``, an embedding
+called by ``generate``) gathers its unit around that call through the same path (same order check),
+so a unit is gathered whenever any part of it runs, not only through the root's forward.
 With ``verify=True`` the order is checked without a host synchronization on the hot path: while an
 order is being recorded (the first pass of each kind) every gather is preceded by a tiny all-gather
 of the unit's index, and every pass ends with an all-gather of a signature of the units it gathered
@@ -88,10 +91,14 @@ class UnitScheduler:
         self.events: list[tuple[str, str]] | None = None
         """When a list (``trace(True)``), ("gather"|"wait"|"release"|"forward"|"forward_end"|
         "backward", unit name) events are appended in the order they happen."""
+        self._entered: list[nn.Module] = []  # submodules that gathered their unit on demand (a stack)
         self._handles = []
         for unit in units:
-            self._handles.append(unit.module.register_forward_pre_hook(self._hook_pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(self._hook_post_forward(unit)))
+            for module in _entry_modules(unit, units):
+                self._handles.append(module.register_forward_pre_hook(self._hook_pre_submodule(unit), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(self._hook_post_submodule(unit)))
 
     # ---- public ---------------------------------------------------------------------------------
     def trace(self, enabled: bool) -> None:
@@ -122,7 +129,7 @@ class UnitScheduler:
 
     # ---- hooks ----------------------------------------------------------------------------------
     def _hook_pre_forward(self, unit: GatherUnit) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             if unit is self.root and self.phase is Phase.FORWARD and self.root.index in self._in_use:
                 logger.warning("stage 3: the previous forward pass raised before its end; its gathered units "
                                "are released and this forward starts afresh")
@@ -130,27 +137,51 @@ class UnitScheduler:
             if unit is self.root and self.phase is Phase.IDLE:
                 self.phase = Phase.FORWARD
                 self._pass = _Pass(self.orders[Phase.FORWARD])
-            self._log("forward", unit)
-            self._use(unit, forward=True)
-            self._in_use.append(unit.index)
+            self._enter(unit)
         return hook
 
     def _hook_post_forward(self, unit: GatherUnit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self._in_use and self._in_use[-1] == unit.index:
-                self._in_use.pop()
-            if self.phase is Phase.BACKWARD:
-                return  # activation-checkpoint recomputation: the backward pass owns the unit
-            if torch.is_grad_enabled():
-                for t in iter_tensors(output):
-                    if t.requires_grad:
-                        t.register_hook(self._hook_pre_backward(unit))
-            self._log("forward_end", unit)
-            if unit.index not in self._in_use and not self.keep_gathered:
-                unit.release()
+            self._leave(unit, output)
             if unit is self.root and self.phase is Phase.FORWARD:
                 self._end_pass(Phase.FORWARD, _END_FORWARD)
         return hook
+
+    def _hook_pre_submodule(self, unit: GatherUnit) -> Callable[..., None]:
+        """A submodule of ``unit`` called on its own (``get_encoder()(...)``, ``lm_head(h)``): gather the
+        unit around it, as the unit's own forward would; nothing to do inside the unit's forward."""
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+            if unit.index in self._in_use:
+                return None
+            self._enter(unit)
+            self._entered.append(module)
+            return None
+        return hook
+
+    def _hook_post_submodule(self, unit: GatherUnit) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._entered and self._entered[-1] is module:
+                self._entered.pop()
+                self._leave(unit, output)
+        return hook
+
+    def _enter(self, unit: GatherUnit) -> None:
+        self._log("forward", unit)
+        self._use(unit, forward=True)
+        self._in_use.append(unit.index)
+
+    def _leave(self, unit: GatherUnit, output: Any) -> None:
+        if self._in_use and self._in_use[-1] == unit.index:
+            self._in_use.pop()
+        if self.phase is Phase.BACKWARD:
+            return  # activation-checkpoint recomputation: the backward pass owns the unit
+        if torch.is_grad_enabled():
+            for t in iter_tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._hook_pre_backward(unit))
+        self._log("forward_end", unit)
+        if unit.index not in self._in_use and not self.keep_gathered:
+            unit.release()
 
     def _hook_pre_backward(self, unit: GatherUnit) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -312,3 +343,23 @@ class UnitScheduler:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _entry_modules(unit: GatherUnit, units: list[GatherUnit]) -> list[nn.Module]:
+    """Submodules of ``unit`` (not inside another unit) holding some of its gathered parameters: any of
+    them may be called on its own, so each gathers the unit when it runs outside the unit's forward."""
+    others = {id(u.module) for u in units if u is not unit}
+    owned = set(unit.params)
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if id(child) in others:
+                continue
+            if any(p in owned for p in child.parameters()):
+                found.append(child)
+                visit(child)
+
+    if owned:
+        visit(unit.module)
+    return found

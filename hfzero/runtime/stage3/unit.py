@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hfzero.comm import Communicator, Handle
-from hfzero.runtime.layout import Bucket, FlatLayout
+from hfzero.runtime.layout import Bucket
 from hfzero.runtime.stage3.buffers import GatherBufferPool
 
 
@@ -41,26 +41,32 @@ class UnitState(enum.Enum):
 class GatherUnit:
     """The gathered (non-persistent) buckets of one unit; see [Note: stage-3 release]."""
 
-    def __init__(self, index: int, name: str, module: nn.Module, buckets: list[Bucket], layout: FlatLayout,
-                 shard_views: dict[int, torch.Tensor], comm: Communicator, dtype: torch.dtype,
+    def __init__(self, index: int, name: str, module: nn.Module, buckets: list[tuple[Bucket, torch.Tensor]],
+                 frozen: list[tuple[Bucket, torch.Tensor]], comm: Communicator, dtype: torch.dtype,
                  device: torch.device, pool: GatherBufferPool | None = None):
+        """``buckets``/``frozen``: (bucket, this rank's shard slice of it) for the unit's trainable and
+        frozen buckets; both are gathered into one full buffer (see [Note: stage-3 frozen parameters]).
+        ``pool``: where the full buffer's memory is borrowed from per gather (see [Note: stage-3 gather
+        buffers]); None keeps today's storage resize."""
         self.index = index
         self.name = name
         self.module = module
-        self.buckets = buckets
+        self.buckets = [b for b, _ in buckets]
+        """The trainable buckets: their reductions launch when the backward pass is done with the unit."""
+        self.has_frozen = bool(frozen)
         self.comm = comm
         self.state = UnitState.SHARDED
         self.pool = pool
         self._borrowed: torch.UntypedStorage | None = None  # the pool buffer whose memory the unit holds
-        self.numel = sum(b.padded for b in buckets)
+        self.numel = sum(b.padded for b, _ in buckets + frozen)
         self.full = torch.empty(self.numel, dtype=dtype, device=device)
         self._nbytes = self.numel * self.full.element_size()
         self._empty = torch.empty(0, dtype=dtype, device=device)
         self._targets: list[tuple[torch.Tensor, torch.Tensor]] = []  # (full bucket view, shard slice)
         self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
         start = 0
-        for bucket in buckets:
-            self._targets.append((self.full[start: start + bucket.padded], shard_views[bucket.index]))
+        for bucket, shard in buckets + frozen:
+            self._targets.append((self.full[start: start + bucket.padded], shard))
             for slot in bucket.slots:
                 view = self.full[start + slot.offset: start + slot.offset + slot.numel].view(slot.shape)
                 self._views.append((slot.param, view))

@@ -3,7 +3,8 @@
 [Note: stage-3 units]
 A unit is a module whose parameters are gathered together before its forward (and backward) and
 released after. By default the units are the children of the model's largest ``nn.ModuleList`` (the
-decoder blocks of a Hugging Face model: ``transformer.h``, ``model.layers``), plus the root unit: the
+decoder blocks of a Hugging Face model: ``transformer.h``, ``model.layers``) and of any other block
+stack of comparable size (an encoder-decoder's encoder blocks), plus the root unit: the
 model itself, owning every parameter outside those blocks (embeddings, final norm, lm_head). A
 parameter shared by two units (tied weights) belongs to the root unit, which stays gathered for the
 whole forward and the whole backward, so every use of it sees the full tensor. Units must not nest.
@@ -41,18 +42,26 @@ def _param_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+BLOCK_LIST_FRACTION = 4
+"""A ModuleList is a stack of blocks when it holds at least 1/this of the largest list's parameters."""
+
+
 def default_unit_names(model: nn.Module) -> list[str]:
-    """Children of the ModuleList holding the most parameters (decoder blocks); [] if there is none."""
-    best, best_count = None, 0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            count = _param_count(module)
-            if count > best_count:
-                best, best_count = name, count
-    if best is None:
+    """Children of the block stacks: the ModuleList holding the most parameters (decoder blocks), and
+    every other ModuleList outside it holding at least 1/BLOCK_LIST_FRACTION as many (an encoder-
+    decoder's encoder blocks); [] if there is none."""
+    lists = sorted(((_param_count(m), name) for name, m in model.named_modules()
+                    if isinstance(m, nn.ModuleList) and len(m) > 0), key=lambda t: -t[0])
+    if not lists or lists[0][0] == 0:
         return []
-    holder = model.get_submodule(best)
-    return [f"{best}.{child}" for child, _ in holder.named_children()]
+    chosen: list[str] = []
+    for count, name in lists:
+        nested = any(name.startswith(c + ".") or c.startswith(name + ".") for c in chosen)
+        if count * BLOCK_LIST_FRACTION >= lists[0][0] and not nested:
+            chosen.append(name)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return [f"{name}.{child}" for name in sorted(chosen, key=order.__getitem__)
+            for child, _ in model.get_submodule(name).named_children()]
 
 
 def resolve_units(model: nn.Module, names: Sequence[str] | None, trainable: set[nn.Parameter]) -> list[UnitSpec]:

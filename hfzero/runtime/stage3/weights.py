@@ -151,6 +151,9 @@ class CheckpointSource(WeightSource):
         self._files: dict[str, SafetensorsFile] = {}
         self.resolved: dict[str, str] = {}
         """Canonical parameter name -> the checkpoint key it is read from (set by ``check``)."""
+        self.added: dict[str, torch.Tensor] = {}
+        """Parameters the checkpoint does not hold, by canonical name, with their initial values (CPU):
+        adapters a ``wrap`` added (e.g. peft's LoRA matrices); see ``adopt_wrapped``."""
 
     def _file(self, key: str) -> SafetensorsFile:
         filename = self.weight_map[key]
@@ -201,7 +204,16 @@ class CheckpointSource(WeightSource):
     def has(self, key: str) -> bool:
         return key in self.weight_map
 
+    def adopt_wrapped(self, renamed: dict[str, str], added: dict[str, torch.Tensor]) -> None:
+        """After a wrapper renamed the model's parameters (peft: ``base_model.model.<name>``, ``.base_layer``):
+        ``renamed`` maps each new canonical name to the name ``check`` resolved; ``added`` holds the values
+        of parameters the wrapper created."""
+        self.resolved.update({new: self.resolved[old] for new, old in renamed.items() if old in self.resolved})
+        self.added.update(added)
+
     def read(self, name: str, shape: torch.Size, lo: int, hi: int) -> torch.Tensor:
+        if name in self.added:
+            return self.added[name].reshape(-1)[lo:hi]
         key = self.resolved.get(name, name)
         return self._file(key).read(key, lo, hi)
 

@@ -1,0 +1,104 @@
+"""``--zero_stage auto``: pick the lowest ZeRO stage whose per-rank memory fits, once the model is known.
+
+``resolve_auto_stage(config, model, optimizer, ...)`` measures the budget (``memory_budget_bytes``, else
+free CUDA memory, or on a CPU the available RAM divided by the ranks on the host, less
+``DEFAULT_HEADROOM``), builds the estimator's table for this model (``hfzero.estimate.stage_table``:
+model states with frozen and persistent parameters, the accumulation policy's buffer, an activation
+estimate for the batch), logs it, and returns the config with ``stage`` an int. No stage fitting is an
+EstimateError holding the table. The Trainer and accelerate integrations call it before
+``hfzero.prepare``; so can a custom loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from hfzero import estimate as est
+from hfzero.config import STAGE_AUTO, ZeroConfig
+from hfzero.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def device_budget_bytes(device: torch.device, ranks_per_host: int) -> float:
+    """Bytes one rank may use, before headroom: free CUDA memory, or available RAM / ranks per host."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free)
+    import psutil
+
+    return psutil.virtual_memory().available / max(1, ranks_per_host)
+
+
+def _activation_bytes(model: nn.Module, batch: tuple[int, int] | None, dtype_bytes: int) -> float:
+    config = getattr(model, "config", None)
+    if config is None or batch is None:
+        return 0.0
+    try:
+        shape = est.TransformerShape.from_hf_config(config)
+    except est.EstimateError as err:
+        logger.info("auto stage: no activation estimate for %s (%s)", type(model).__name__, err)
+        return 0.0
+    return est.activation_bytes(shape, batch[1], batch[0], dtype_bytes=dtype_bytes).total
+
+
+def default_seq_len(model: nn.Module) -> int | None:
+    """The model's longest sequence (its position limit), an upper bound when the data's is unknown."""
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def resolve_auto_stage(config: ZeroConfig, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                       world_size: int, ranks_per_host: int | None = None, accumulation_steps: int = 1,
+                       batch: tuple[int, int] | None = None, device: torch.device | None = None) -> ZeroConfig:
+    """``config`` with ``stage="auto"`` replaced by the stage the estimator's table picks (else unchanged).
+
+    ``batch``: (micro-batch size, sequence length) per rank for the activation estimate (None: no
+    activations counted). ``accumulation_steps`` > 1 counts the "local" accumulation buffer where the
+    policy keeps one (``ZeroConfig.accumulation`` when present, else "auto").
+    """
+    if config.stage != STAGE_AUTO:
+        return config
+    from hfzero.profiler.header import optimizer_kind
+
+    params = list(dict.fromkeys(model.parameters()))
+    in_optimizer = {p for group in optimizer.param_groups for p in group["params"]}
+    trainable = sum(p.numel() for p in params if p.requires_grad and p in in_optimizer)
+    frozen = sum(p.numel() for p in params if not (p.requires_grad and p in in_optimizer))
+    persistent = sum(p.numel() for p in params if p.numel() < config.param_persistence_threshold)
+    p_bytes, g_bytes, k = est.precision_bytes(config.dtype, optimizer_kind(optimizer) or "adam")
+    device = device or (params[0].device if params else torch.device("cpu"))
+    ranks = ranks_per_host or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if config.memory_budget_bytes:
+        budget, source = float(config.memory_budget_bytes), "memory_budget_bytes"
+    else:
+        budget = (1 - est.DEFAULT_HEADROOM) * device_budget_bytes(device, ranks)
+        source = f"{device.type} memory of {ranks} rank(s) per host, less {est.DEFAULT_HEADROOM:.0%} headroom"
+    activations = _activation_bytes(model, batch, p_bytes)
+    rows = est.stage_table(trainable, world_size, budget, activation_bytes=activations,
+                           accumulation=getattr(config, "accumulation", "auto"), accumulation_steps=accumulation_steps,
+                           param_bytes=p_bytes, grad_bytes=g_bytes, optimizer_k=k, persistent_params=persistent,
+                           frozen_params=frozen, offload_optimizer=config.offload_optimizer)
+    table = est.format_stage_table(rows, budget)
+    stage = est.pick_stage(rows, budget)
+    logger.info("zero_stage auto: stage %d for Ψ=%s trainable + %s frozen parameters on %d rank(s), batch %s "
+                "(budget from %s)\n%s", stage, f"{trainable:,}", f"{frozen:,}", world_size, batch, source, table)
+    return dataclasses.replace(config, stage=stage)
+
+
+def auto_batch_from(objects: Any) -> int | None:
+    """The batch size of the first DataLoader among ``objects`` (accelerate's prepare arguments), if any."""
+    for obj in objects:
+        size = getattr(obj, "batch_size", None) if isinstance(obj, torch.utils.data.DataLoader) else None
+        if isinstance(size, int) and size > 0:
+            return size
+    return None

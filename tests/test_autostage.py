@@ -1,0 +1,73 @@
+"""`zero_stage="auto"`: the lowest stage whose per-rank memory fits the budget, as the estimator's table says
+(three model sizes, an explicit budget), the accumulation buffer and activations counted, and a clear error
+with every stage's figures when nothing fits. In process, no ranks: the world size is an argument."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from hfzero import estimate as est
+from hfzero.autostage import resolve_auto_stage
+from hfzero.config import ConfigError, ZeroConfig
+from hfzero.estimate import EstimateError
+from hfzero.testing.models import tiny_causal_lm
+
+BUDGET = 500_000  # bytes per rank: fp32 + AdamW GPT-2s of 1, 2 and 4 layers need stages 0, 1 and 3 at world 2
+
+
+def _resolve(model: torch.nn.Module, budget: int, **kwargs) -> ZeroConfig:
+    optimizer = torch.optim.AdamW(model.parameters())
+    config = ZeroConfig(stage="auto", memory_budget_bytes=budget, param_persistence_threshold=0)
+    return resolve_auto_stage(config, model, optimizer, world_size=2, **kwargs)
+
+
+@pytest.mark.parametrize("layers, stage", [(1, 0), (2, 1), (4, 3)])
+def test_auto_picks_the_estimators_stage(layers: int, stage: int, caplog: pytest.LogCaptureFixture) -> None:
+    model = tiny_causal_lm("gpt2", layers=layers)
+    psi = sum(p.numel() for p in set(model.parameters()))
+    rows = est.stage_table(psi, 2, BUDGET, param_bytes=4, grad_bytes=4, optimizer_k=8)
+    assert est.pick_stage(rows, BUDGET) == stage
+    with caplog.at_level(logging.INFO, logger="hfzero"):
+        config = _resolve(model, BUDGET)
+    assert config.stage == stage and isinstance(config.stage, int)
+    assert f"zero_stage auto: stage {stage}" in caplog.text and "budget 0.5 MB per rank" in caplog.text
+
+
+def test_auto_counts_activations_and_frozen_parameters() -> None:
+    model = tiny_causal_lm("gpt2", layers=1)
+    assert _resolve(model, BUDGET).stage == 0
+    assert _resolve(model, BUDGET, batch=(2, 32)).stage > 0  # the activation estimate takes room
+    frozen_model = tiny_causal_lm("gpt2", layers=4)
+    for p in frozen_model.transformer.h.parameters():
+        p.requires_grad_(False)  # frozen: parameter bytes only, no gradient or optimizer state
+    optimizer = torch.optim.AdamW([p for p in frozen_model.parameters() if p.requires_grad])
+    config = resolve_auto_stage(ZeroConfig(stage="auto", memory_budget_bytes=BUDGET), frozen_model, optimizer,
+                                world_size=2)
+    assert config.stage == 0  # the 4-layer model needs stage 3 when everything trains
+
+
+def test_accumulation_buffer_is_counted_under_local_policy() -> None:
+    # the engine holds the whole accumulator beside the shard (tests/test_memory_and_comm.py measures it)
+    assert est.accumulation_bytes(1000, 2, 2, grad_bytes=2, accumulation="local", accumulation_steps=4) == 2000
+    assert est.accumulation_bytes(1000, 2, 2, grad_bytes=2, accumulation="auto", accumulation_steps=4) == 0
+    assert est.accumulation_bytes(1000, 2, 1, grad_bytes=2, accumulation="local", accumulation_steps=4) == 0
+    assert est.accumulation_bytes(1000, 2, 3, grad_bytes=2, accumulation="local", accumulation_steps=1) == 0
+
+
+def test_auto_errors_with_the_numbers_when_nothing_fits() -> None:
+    with pytest.raises(EstimateError, match=r"no ZeRO stage fits(.|\n)*stage 3: model states 0\.2 MB"):
+        _resolve(tiny_causal_lm("gpt2", layers=1), 10_000)
+
+
+def test_auto_in_config_and_prepare() -> None:
+    assert ZeroConfig.from_strings({"stage": "auto", "memory_budget_bytes": "1000"}).stage == "auto"
+    with pytest.raises(ConfigError, match="stage must be 0, 1, 2, 3 or \"auto\""):
+        ZeroConfig(stage="best")
+    import hfzero
+
+    model = tiny_causal_lm("gpt2", layers=1)
+    with pytest.raises(ConfigError, match="must be resolved first"):
+        hfzero.prepare(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage="auto"))
