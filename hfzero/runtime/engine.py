@@ -57,6 +57,8 @@ class ZeroEngine:
         self.overflow = False
         self._untracked_param_bytes: int | None = None
         self.unused_ranges: list[tuple[int, int, int]] = []
+        self.norm_group: Communicator | None = None
+        """The tensor-parallel group (set by prepare with a dp x tp mesh): the gradient norm spans it too."""
 
         self.layout = self._build_layout(param_groups)
         self.num_params = self.layout.num_params
