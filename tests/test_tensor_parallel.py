@@ -113,3 +113,17 @@ def test_partitioned_checkpoints_are_one_tp_th(results) -> None:
         assert full > 0
         # Each layer input is (B/dp) x T x h fp32, split in TP equal chunks (no padding here).
         assert partitioned == full // TP
+
+
+def test_bad_tensor_parallel_input_is_a_clear_error() -> None:
+    from hfzero.config import ConfigError
+    from hfzero.parallel.tensor import check_heads, check_tp_size, tp_plan
+    from hfzero.testing.models import tiny_causal_lm
+
+    with pytest.raises(ConfigError, match="does not divide the world size 4"):
+        check_tp_size(4, 3)
+    with pytest.raises(ConfigError, match="num_key_value_heads=2"):
+        check_heads(_llama(), 4)
+    with pytest.raises(ConfigError, match="no tensor-parallel plan.*base_model_tp_plan = .*parallelize_module"):
+        tp_plan(tiny_causal_lm("gpt2"))
+    assert tp_plan(_llama())["model.layers.*.self_attn.o_proj"] == "rowwise"

@@ -47,15 +47,21 @@ class TensorMesh:
     tp_group: dist.ProcessGroup
 
 
+def check_tp_size(world_size: int, tp_size: int) -> int:
+    """The dp size for ``tp_size`` over ``world_size`` ranks; a clear error when it does not divide."""
+    if world_size % tp_size:
+        raise ConfigError(f"hfzero: tp_size={tp_size} does not divide the world size {world_size}; use a divisor "
+                          f"of {world_size} (the data-parallel size is world / tp_size)")
+    return world_size // tp_size
+
+
 def build_tp_mesh(tp_size: int) -> TensorMesh:
     """The dp x tp mesh over the whole world (collective: every rank calls it)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("hfzero tensor parallelism: torch.distributed is not initialized; launch with "
                            "`hfzero run` or torchrun and call torch.distributed.init_process_group first")
     world = dist.get_world_size()
-    if world % tp_size:
-        raise ConfigError(f"hfzero: tp_size={tp_size} does not divide the world size {world}; use a divisor of "
-                          f"{world} (the data-parallel size is world / tp_size)")
+    check_tp_size(world, tp_size)
     device_type = _default_device(str(dist.get_backend())).type
     mesh = init_device_mesh(device_type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
     dp_rank, tp_rank = mesh.get_coordinate()
