@@ -87,9 +87,7 @@ class HfzeroCheckpoint:
         self.policy = policy
         self.tp_comm = tp_comm
         self.inner = inner or functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-        if getattr(self.inner, "keywords", {}).get("use_reentrant", False):
-            raise ConfigError("hfzero: reentrant activation checkpointing fires gradient hooks twice; pass "
-                              "gradient_checkpointing_kwargs={'use_reentrant': False}")
+        _refuse_reentrant(self.inner)
         self.stored = LiveBytes()
         self._buffers: list[torch.Tensor] = []
         self._index = 0
@@ -97,9 +95,7 @@ class HfzeroCheckpoint:
 
     def with_inner(self, inner: Callable[..., Any]) -> "HfzeroCheckpoint":
         """The same policy, measurement and buffers around another checkpoint function."""
-        if getattr(inner, "keywords", {}).get("use_reentrant", False):
-            raise ConfigError("hfzero: reentrant activation checkpointing fires gradient hooks twice; pass "
-                              "gradient_checkpointing_kwargs={'use_reentrant': False}")
+        _refuse_reentrant(inner)
         self.inner = inner
         return self
 
@@ -169,6 +165,12 @@ class HfzeroCheckpoint:
             return data
         host = torch.empty(data.shape, dtype=data.dtype, device="cpu", pin_memory=True)
         return host.copy_(data, non_blocking=True)
+
+
+def _refuse_reentrant(function: Callable[..., Any]) -> None:
+    if getattr(function, "keywords", {}).get("use_reentrant", False):
+        raise ConfigError("hfzero: reentrant activation checkpointing fires gradient hooks twice; pass "
+                          "gradient_checkpointing_kwargs={'use_reentrant': False}")
 
 
 _NOTHING_TO_PARTITION = (
