@@ -20,8 +20,6 @@ set during recomputation" is not measured by this accounting).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
@@ -171,7 +169,3 @@ def _decoder_layers(model: nn.Module) -> dict[str, nn.Module]:
     name, blocks = max(lists, key=lambda item: len(item[1]))
     return {f"{name}.{i}": block for i, block in enumerate(blocks)}
 
-
-def iter_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(name, module) of the decoder blocks, in order."""
-    return iter(_decoder_layers(model).items())
