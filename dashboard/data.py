@@ -164,7 +164,8 @@ def _memory_columns(record: dict[str, Any]) -> dict[str, float]:
         row.setdefault(f"role:{key}", _number(value))
     row["model_state_bytes"] = _number(record.get("model_state_bytes"))
     row["transient_bytes"] = float(sum(_number(v) for k, v in roles.items() if k not in MODEL_STATE_KEYS))
-    row["activation_bytes"] = float(roles.get(MemoryRole.ACT_CHECKPOINT.value, 0))
+    row["activation_bytes"] = float(roles.get(MemoryRole.ACT_CHECKPOINT.value, 0)
+                                    + roles.get(MemoryRole.ACTIVATIONS.value, 0))
     return row
 
 

@@ -32,7 +32,7 @@ TIMELINE_METRICS: tuple[tuple[str, str], ...] = (
     ("rss", "RSS (process resident)"),
     ("model_state_bytes", "model states"),
     ("transient_bytes", "transient roles (buckets, gathered, buffers)"),
-    ("activation_bytes", "activation checkpoints"),
+    ("activation_bytes", "activations (saved for backward + checkpoints)"),
 )
 """(column, label) of the timeline's candidate panels; a panel is drawn when its column has data."""
 

@@ -120,6 +120,21 @@ class ZeroConfig:
     min_loss_scale: float = 1.0
     """fp16 dynamic scaling: the scale never drops below this."""
 
+    tp_size: int = 1
+    """Tensor-parallel degree: ZeRO runs over the data-parallel group of a (world / tp_size) x tp_size
+    mesh; the model's parameters are sharded over the TP group by transformers' tp_plan or
+    parallelize_module (see hfzero/parallel/tensor.py). 1: data parallelism alone."""
+
+    partition_activations: bool = False
+    """ZeRO-R P_a: keep each activation checkpoint as a 1/tp_size slice on each TP rank and all-gather it
+    for the recomputation in backward (needs tp_size > 1 and activation checkpointing)."""
+
+    cpu_checkpointing: bool = False
+    """ZeRO-R P_a+cpu: keep the activation checkpoints in host memory (pinned, asynchronous copies)."""
+
+    contiguous_checkpoints: bool = False
+    """ZeRO-R MD: copy activation checkpoints into per-layer buffers allocated once and reused every step."""
+
     def __post_init__(self) -> None:
         _check((_is_int(self.stage) and self.stage in (0, 1, 2, 3)) or self.stage == STAGE_AUTO, "stage", self.stage,
                'must be 0, 1, 2, 3 or "auto"')
@@ -151,6 +166,13 @@ class ZeroConfig:
         _check(self.loss_scale >= 0, "loss_scale", self.loss_scale, "must be >= 0 (0 = dynamic)")
         _check(self.initial_loss_scale > 0, "initial_loss_scale", self.initial_loss_scale, "must be > 0")
         _check(self.min_loss_scale > 0, "min_loss_scale", self.min_loss_scale, "must be > 0")
+        for name in ("partition_activations", "cpu_checkpointing", "contiguous_checkpoints"):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be true or false")
+        _check(_is_int(self.tp_size) and self.tp_size > 0, "tp_size", self.tp_size, "must be a positive integer")
+        _check(not self.partition_activations or self.tp_size > 1, "partition_activations", True,
+               "partitions activation checkpoints over the tensor-parallel group, where every rank holds the same "
+               "checkpoint; with tp_size=1 (data parallelism alone) each rank's checkpoints are of its own batch, "
+               "so there is nothing to partition: set tp_size > 1 or drop partition_activations")
         _check(self.min_loss_scale <= self.initial_loss_scale, "min_loss_scale", self.min_loss_scale,
                f"must not exceed initial_loss_scale ({self.initial_loss_scale})")
 

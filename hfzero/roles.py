@@ -32,7 +32,11 @@ class MemoryRole(str, enum.Enum):
             accumulation and the optimizer step (transient).
         PARAM_GATHERED: stage-3 units gathered for compute (transient).
         COMM_BUFFER: communication scratch buffers (transient).
-        ACT_CHECKPOINT: activation checkpoints kept for the backward pass (transient).
+        ACT_CHECKPOINT: activation checkpoints kept for the backward pass, as stored (a 1/tp slice
+            with partition_activations, in host memory with cpu_checkpointing); measured by hfzero's
+            checkpoint function (transient).
+        ACTIVATIONS: other tensors saved for the backward pass (autograd's saved tensors, parameters
+            and checkpoints excluded), measured with saved-tensor hooks (transient).
     """
 
     PARAM_FULL = "param_full"
@@ -47,6 +51,7 @@ class MemoryRole(str, enum.Enum):
     PARAM_GATHERED = "param_gathered"
     COMM_BUFFER = "comm_buffer"
     ACT_CHECKPOINT = "act_checkpoint"
+    ACTIVATIONS = "activations"
 
 
 MODEL_STATE_ROLES: frozenset[MemoryRole] = frozenset(

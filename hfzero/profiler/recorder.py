@@ -48,6 +48,7 @@ from hfzero.profiler.format import EVENT_CUDA_SNAPSHOT, EVENT_START, EVENT_STOP,
 from hfzero.profiler.header import build_header
 from hfzero.profiler.writer import RankWriter, remove_stale_rank_files, write_header
 from hfzero.roles import MODEL_STATE_ROLES
+from hfzero.runtime.activations.accounting import ActivationAccounting
 
 logger = get_logger(__name__)
 
@@ -93,10 +94,14 @@ class ZeroProfiler:
         every_n_steps: record steps 0, n, 2n, ... only.
         cuda_snapshot: on CUDA, take one allocator snapshot per recorded step (at its end) for
             fragmentation figures. Expensive; off by default.
+        activations: measure the bytes saved for backward (role ``activations``) with saved-tensor
+            hooks (see [Note: activation accounting]); hfzero's checkpoint function, when the model
+            uses it, reports ``act_checkpoint``. Costs one Python call per saved tensor.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_dir: str | Path, *,
-                 every_n_steps: int = 1, cuda_snapshot: bool = False, accumulation_steps: int = 1) -> None:
+                 every_n_steps: int = 1, cuda_snapshot: bool = False, accumulation_steps: int = 1,
+                 activations: bool = True) -> None:
         for name, value in (("every_n_steps", every_n_steps), ("accumulation_steps", accumulation_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -119,6 +124,8 @@ class ZeroProfiler:
         """CPU time of the threads running those hooks: the same cost, not inflated by other processes."""
         self._writer: RankWriter | None = None
         self._handles: list[Any] = []
+        self.activations = ActivationAccounting(model) if activations else None
+        self._checkpoint = getattr(model, "hfzero_checkpoint", None)
         self._active = False
         self._step_depth = 0
 
@@ -185,6 +192,9 @@ class ZeroProfiler:
         handle = self.engine.add_backward_end_hook(self._on_backward_end)
         if hasattr(handle, "remove"):
             self._handles.append(handle)
+        if self.activations is not None:
+            self.activations.attach()
+            self._handles.append(types.SimpleNamespace(remove=self.activations.detach))
 
     def _recording(self) -> bool:
         return self._active and self.step % self.every_n_steps == 0
@@ -301,7 +311,11 @@ class ZeroProfiler:
     def _record(self, kind: str, *, phase: str | None = None, **extra: Any) -> dict[str, Any]:
         """A record of the engine's state now: roles, model-state bytes, allocator, comm since the last record."""
         now = time.perf_counter()
-        roles = {getattr(role, "value", role): int(nbytes) for role, nbytes in self.engine.memory_by_role().items()}
+        held = dict(self.engine.memory_by_role())
+        for source in (self.activations, self._checkpoint):
+            if source is not None:
+                held.update(source.memory_by_role())
+        roles = {getattr(role, "value", role): int(nbytes) for role, nbytes in held.items()}
         comm = self.engine.comm.stats()
         record = {
             "kind": kind, "step": self.step, "phase": phase, "t": round(now - self._t0, _ROUND),

@@ -29,6 +29,7 @@ from hfzero.runtime.agreement import StepAgreement
 from hfzero.runtime.layout import FlatLayout
 from hfzero.runtime.precision import LossScaler, PrecisionPolicy
 from hfzero.runtime.reducer import GradientReducer
+from hfzero.runtime.tensors import is_replicated_over_tp, local_tensor
 
 logger = get_logger(__name__)
 
@@ -57,6 +58,8 @@ class ZeroEngine:
         self.overflow = False
         self._untracked_param_bytes: int | None = None
         self.unused_ranges: list[tuple[int, int, int]] = []
+        self.norm_group: Communicator | None = None
+        """The tensor-parallel group (set by prepare with a dp x tp mesh): the gradient norm spans it too."""
 
         self.layout = self._build_layout(param_groups)
         self.num_params = self.layout.num_params
@@ -119,8 +122,9 @@ class ZeroEngine:
         for slot in self.layout.slots.values():
             bucket = self.layout.buckets[slot.bucket]
             view = self.param_flat[bucket.offset + slot.offset: bucket.offset + slot.offset + slot.numel]
-            view.copy_(slot.param.data.reshape(-1))
-            slot.param.data = view.view(slot.shape)
+            local = local_tensor(slot.param)  # See [Note: tensor-parallel parameters] in parallel/tensor.py
+            view.copy_(local.detach().reshape(-1))
+            local.data = view.view(slot.shape)
         self._broadcast_initial_state()
 
     # ---- views ----------------------------------------------------------------------------------
@@ -288,27 +292,50 @@ class ZeroEngine:
 
         Equal to ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradient: each rank sums
         its slice and one small all-reduce combines them (none at stage 0, where slices are whole).
+        With tensor parallelism (``norm_group``) the sum also spans the TP group, each parameter
+        replicated over it counted once (by TP rank 0).
         """
         self.materialize_grads()
         grads = [m.grad for m in self.master_views]
         norm_type = float(norm_type)
         device = grads[0].device if grads else self.policy.master_device
+        tp = self.norm_group is not None and self.norm_group.world_size > 1
         if norm_type == float("inf"):
             local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
             total = local.to(self.comm_device, torch.float32).reshape(1)
             if self.layout.shard_world > 1:
                 self.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
+            if tp:
+                self.norm_group.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
             total = total[0]
         else:
             local = sum((torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type for g in grads),
                         torch.zeros((), device=device))
+            if tp and self.norm_group.rank > 0:
+                local = local - self._replicated_norm_power(norm_type, device)
             total = local.to(self.comm_device, torch.float32).reshape(1)
             if self.layout.shard_world > 1:
                 self.comm.all_reduce(total)
+            if tp:
+                self.norm_group.all_reduce(total)
             total = total[0].pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.device, g.dtype))
+        return total
+
+    def _replicated_norm_power(self, norm_type: float, device: torch.device) -> torch.Tensor:
+        """Sum of |g|^p over this rank's slice of the parameters replicated over the TP group."""
+        total = torch.zeros((), device=device, dtype=torch.float32)
+        for slot in self.layout.slots.values():
+            if not is_replicated_over_tp(slot.param):
+                continue
+            bucket = self.layout.buckets[slot.bucket]
+            lo, hi = bucket.owned(self.rank) if self.layout.shard_world > 1 else (0, bucket.padded)
+            start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+            if start < end:
+                g = self.master_views[bucket.index].grad[start - lo: end - lo]
+                total = total + torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
         return total
 
     def publish_params(self) -> None:

@@ -26,6 +26,8 @@ from collections.abc import Callable, Hashable
 import torch
 from torch import nn
 
+from hfzero.runtime.tensors import local_tensor
+
 ALIGN = 8
 """Chunk sizes are multiples of this many elements (16-byte aligned slices in 16-bit dtypes)."""
 
@@ -91,7 +93,7 @@ class FlatLayout:
                     current, size = [], 0
                 previous = position
                 current.append((name, param))
-                size += param.numel()
+                size += local_tensor(param).numel()
                 if size >= bucket_size:
                     drafts.append((position, group_index, current))
                     current, size = [], 0
@@ -102,15 +104,16 @@ class FlatLayout:
         self.slots: dict[nn.Parameter, ParamSlot] = {}
         offset = shard_offset = 0
         for index, (_, group_index, params) in enumerate(drafts):
-            numel = sum(p.numel() for _, p in params)
+            numel = sum(local_tensor(p).numel() for _, p in params)
             padded = math.ceil(numel / (shard_world * ALIGN)) * shard_world * ALIGN
             bucket = Bucket(index, group_index, [], offset, numel, padded, padded // shard_world, shard_offset)
             inner = 0
             for name, param in params:
-                slot = ParamSlot(param, name, index, inner, param.numel(), param.shape)
+                local = local_tensor(param)  # See [Note: tensor-parallel parameters] in parallel/tensor.py
+                slot = ParamSlot(param, name, index, inner, local.numel(), local.shape)
                 bucket.slots.append(slot)
                 self.slots[param] = slot
-                inner += param.numel()
+                inner += local.numel()
             self.buckets.append(bucket)
             offset += padded
             shard_offset += bucket.chunk

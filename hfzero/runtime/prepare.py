@@ -15,6 +15,7 @@ from torch import nn
 from hfzero.comm import Communicator
 from hfzero.config import STAGE_AUTO, ConfigError, ZeroConfig
 from hfzero.logging import get_logger
+from hfzero.runtime.activations.checkpoint import CheckpointPolicy, enable_checkpointing
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.hostmem import configure_host_allocator
 from hfzero.runtime.optimizer import ZeroOptimizer
@@ -35,7 +36,8 @@ def prepared_count() -> int:
 
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
             process_group: dist.ProcessGroup | None = None, *, units: Sequence[str] | None = None,
-            verify_gather_order: bool = True, weights: WeightSource | None = None) -> tuple[nn.Module, ZeroOptimizer]:
+            verify_gather_order: bool = True, weights: WeightSource | None = None,
+            tp_group: dist.ProcessGroup | None = None) -> tuple[nn.Module, ZeroOptimizer]:
     """Apply ZeRO to ``model`` and ``optimizer`` over ``process_group`` (default: the world group).
 
     The model keeps its class; its trainable parameters become views into one flat buffer (cast to
@@ -48,6 +50,12 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     the same unit (a tiny extra collective), raising GatherOrderError instead of hanging.
     ``weights`` (a stage-3 WeightSource) fills each rank's shard directly, for a model whose trainable
     parameters are on the meta device (see stage3/init.py, ``from_pretrained_sharded``).
+    ``tp_group``: the tensor-parallel group of a dp x tp mesh (``process_group`` is then its dp group);
+    build both with ``hfzero.parallel.tensor.prepare_tensor_parallel`` rather than by hand.
+
+    A transformers model's activation checkpointing (enabled before or after this call) runs through
+    hfzero's checkpoint function, which measures the checkpoints and applies ``partition_activations``,
+    ``cpu_checkpointing`` and ``contiguous_checkpoints`` (see runtime/activations/checkpoint.py).
     """
     config = config or ZeroConfig()
     if not isinstance(config, ZeroConfig):
@@ -70,6 +78,13 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         raise ConfigError("hfzero.prepare: units must be a list of module names, e.g. ['model.layers.0']")
     if weights is not None and config.stage != 3:
         raise ConfigError("hfzero.prepare: weights= (sharded construction) applies to ZeroConfig(stage=3) only")
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    if config.tp_size != tp_size:
+        raise ConfigError(f"hfzero.prepare: config.tp_size={config.tp_size} but the tensor-parallel group has {tp_size} "
+                          "rank(s); build the dp x tp mesh and the TP model with "
+                          "hfzero.parallel.tensor.prepare_tensor_parallel(model, optimizer, config)")
+    if tp_group is not None and config.stage == 3:
+        raise ConfigError("hfzero.prepare: tensor parallelism (tp_group) is supported at stages 0-2; stage 3 is not yet")
     groups = _optimizer_groups(model, optimizer)
     device = _single_device(groups) if weights is None else _meta_device(groups, weights.device)
     if config.mixed_precision:
@@ -86,6 +101,12 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
                               verify_gather_order=verify_gather_order, weights=weights)
     else:
         engine = ZeroEngine(model, groups, config, comm, device)
+    if tp_group is not None:
+        engine.norm_group = Communicator(tp_group, device=device)
+    if hasattr(model, "_set_gradient_checkpointing"):
+        policy = CheckpointPolicy(partition=config.partition_activations, cpu=config.cpu_checkpointing,
+                                  contiguous=config.contiguous_checkpoints)
+        enable_checkpointing(model, policy, engine.norm_group)
     zero_optimizer = ZeroOptimizer(engine, optimizer)
     setattr(model, _ENGINE_ATTR, engine)
     global _prepared_count

@@ -50,7 +50,7 @@ from torch import nn
 
 from hfzero.comm import Communicator, Handle
 from hfzero.logging import get_logger
-from hfzero.runtime.tensors import iter_tensors
+from hfzero.runtime.tensors import iter_tensors, local_tensor
 from hfzero.runtime.layout import Bucket, FlatLayout, ParamSlot
 
 logger = get_logger(__name__)
@@ -171,7 +171,7 @@ class GradientReducer:
 
     # ---- hooks ----------------------------------------------------------------------------------
     def _on_grad(self, param: nn.Parameter) -> None:
-        grad = param.grad
+        grad = None if param.grad is None else local_tensor(param.grad)
         param.grad = None
         if grad is None:
             return

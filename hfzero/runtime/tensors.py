@@ -1,4 +1,5 @@
-"""Walking nested module outputs (tensors inside tuples, lists and dicts such as ModelOutput)."""
+"""Walking nested module outputs (tensors inside tuples, lists and dicts such as ModelOutput), and the
+local tensor of a DTensor parameter (tensor parallelism)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -18,3 +20,23 @@ def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for v in value.values():
             yield from iter_tensors(v)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard (tensor parallelism), else the tensor itself.
+
+    The engine flattens, shards and updates local tensors only; see [Note: tensor-parallel parameters]
+    in hfzero/parallel/tensor.py. Under no_grad this is the DTensor's own local tensor object, so
+    setting its ``.data`` re-points the DTensor's storage.
+    """
+    if isinstance(tensor, DTensor):
+        return tensor._local_tensor
+    return tensor
+
+
+def is_replicated_over_tp(param: torch.Tensor) -> bool:
+    """True when every rank of the tensor-parallel group holds the whole parameter (a plain tensor, or
+    a DTensor replicated on every mesh dimension): its gradient is counted once in the global norm."""
+    if isinstance(param, DTensor):
+        return all(p.is_replicate() for p in param.placements)
+    return True

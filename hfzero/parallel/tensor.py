@@ -1,0 +1,134 @@
+"""Tensor parallelism x ZeRO: a dp x tp mesh, a model sharded over "tp" with its transformers tp_plan,
+and ZeRO over "dp".
+
+[Note: tensor-parallel parameters]
+A TP-sharded parameter is a DTensor whose local tensor is this rank's shard; parameters the plan does
+not name (norms, embeddings) stay plain tensors replicated over the TP group. The ZeRO engine never
+sees a DTensor's global shape: the layout sizes every parameter by its local tensor, the engine copies
+the local tensor into its flat buffer and re-points the local tensor's ``.data`` at its view, and the
+reducer takes the local tensor of each gradient (``runtime.tensors.local_tensor``). So each rank's ZeRO
+shards its local TP shard over the dp group, exactly as it would a smaller model. The global gradient
+norm adds the TP group's sums, counting parameters replicated over TP once (TP rank 0's). Activations
+between layers are plain replicated tensors (``use_local_output``), which is what P_a partitions.
+
+Rank layout: ``rank = dp_rank * tp_size + tp_rank`` (TP ranks are neighbours, as on a node).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hfzero.comm import _default_device
+from hfzero.config import ConfigError, ZeroConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMesh:
+    """The calling rank's place in a dp x tp mesh.
+
+    Attributes:
+        mesh: the DeviceMesh with dimensions ("dp", "tp").
+        dp_size: data-parallel replicas; tp_size: ranks sharing one model replica.
+        dp_rank, tp_rank: this rank's coordinates.
+        dp_group: ranks with the same tp_rank (ZeRO runs here); tp_group: ranks of one replica.
+    """
+
+    mesh: DeviceMesh
+    dp_size: int
+    tp_size: int
+    dp_rank: int
+    tp_rank: int
+    dp_group: dist.ProcessGroup
+    tp_group: dist.ProcessGroup
+
+
+def check_tp_size(world_size: int, tp_size: int) -> int:
+    """The dp size for ``tp_size`` over ``world_size`` ranks; a clear error when it does not divide."""
+    if world_size % tp_size:
+        raise ConfigError(f"hfzero: tp_size={tp_size} does not divide the world size {world_size}; use a divisor "
+                          f"of {world_size} (the data-parallel size is world / tp_size)")
+    return world_size // tp_size
+
+
+def build_tp_mesh(tp_size: int) -> TensorMesh:
+    """The dp x tp mesh over the whole world (collective: every rank calls it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("hfzero tensor parallelism: torch.distributed is not initialized; launch with "
+                           "`hfzero run` or torchrun and call torch.distributed.init_process_group first")
+    world = dist.get_world_size()
+    check_tp_size(world, tp_size)
+    device_type = _default_device(str(dist.get_backend())).type
+    mesh = init_device_mesh(device_type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    dp_rank, tp_rank = mesh.get_coordinate()
+    return TensorMesh(mesh, world // tp_size, tp_size, dp_rank, tp_rank, mesh.get_group("dp"), mesh.get_group("tp"))
+
+
+def tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's transformers TP plan as {module path pattern: style}, paths from the top module.
+
+    The decoder's ``base_model_tp_plan`` (config) is prefixed with the base model's attribute. The
+    output layer's plan (``colwise_gather_output``) is left out: ``lm_head`` stays replicated, so
+    logits and the loss are whole on every TP rank.
+    """
+    config = getattr(model, "config", None)
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not plan:
+        raise ConfigError(
+            f"hfzero: {type(model).__name__} has no tensor-parallel plan (config.base_model_tp_plan is empty). "
+            "Give one: config.base_model_tp_plan = {'layers.*.self_attn.q_proj': 'colwise', "
+            "'layers.*.self_attn.o_proj': 'rowwise', ...} (styles 'colwise' and 'rowwise'), or shard the model "
+            "yourself with torch.distributed.tensor.parallel.parallelize_module and pass tp_group to hfzero.prepare")
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and hasattr(model, prefix):
+        plan = {f"{prefix}.{path}": style for path, style in plan.items()}
+    return plan
+
+
+def check_heads(model: nn.Module, tp_size: int) -> None:
+    """Attention heads (and key/value heads) must split evenly over the TP group."""
+    config = getattr(model, "config", None)
+    for attr in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, attr, None)
+        if isinstance(heads, int) and heads % tp_size:
+            raise ConfigError(f"hfzero: tp_size={tp_size} does not divide {attr}={heads} of "
+                              f"{type(model).__name__}; choose a tp_size that divides it")
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: TensorMesh) -> nn.Module:
+    """Shard ``model``'s planned linear layers over ``mesh``'s "tp" dimension (in place; returns it).
+
+    Every TP rank must hold the same full weights beforehand (same seed or the same checkpoint).
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    check_heads(model, mesh.tp_size)
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {}
+    for path, style in tp_plan(model).items():
+        if style not in styles:
+            raise ConfigError(f"hfzero: TP style {style!r} of {path!r} is not supported; use 'colwise' or 'rowwise'")
+        plan[path] = styles[style]()
+    return parallelize_module(model, mesh.mesh["tp"], plan)
+
+
+def prepare_tensor_parallel(model: nn.Module, optimizer_factory, config: ZeroConfig):
+    """Build the dp x tp mesh, shard ``model`` over tp and prepare ZeRO over dp.
+
+    ``optimizer_factory(params)`` builds the optimizer over the TP-sharded parameters (it must be built
+    after sharding, which replaces them). Returns (model, optimizer, mesh).
+    """
+    import hfzero
+
+    if config.stage == 3:
+        raise ConfigError("hfzero: tensor parallelism is supported at ZeRO stages 0-2 for now (stage 3 is not)")
+    mesh = build_tp_mesh(config.tp_size)
+    apply_tensor_parallel(model, mesh)
+    optimizer = optimizer_factory(model.parameters())
+    model, optimizer = hfzero.prepare(model, optimizer, config, process_group=mesh.dp_group, tp_group=mesh.tp_group)
+    return model, optimizer, mesh
+
