@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
