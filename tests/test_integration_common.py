@@ -32,10 +32,14 @@ def clm_args(out: Path, per_device_batch: int = 2) -> list[str]:
             "--report_to", "none", "--disable_tqdm", "true", "--seed", "0"]
 
 
-def launch(cmd: list[str]) -> str:
+REFERENCE_ENV = Path(__file__).resolve().parent / "reference_env"
+"""Holds the sitecustomize.py the plain-torchrun reference runs start with (the gloo teardown exit hook)."""
+
+
+def launch(cmd: list[str], env: dict[str, str] | None = None) -> str:
     """Run a launcher command, return its output; plain torchrun on a CPU host gets ACCELERATE_USE_CPU (as
     `hfzero run` sets)."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=launch_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env or launch_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stdout + proc.stderr
 
@@ -55,7 +59,9 @@ def _torchrun_options(nproc: int) -> list[str]:
 
 
 def torchrun(nproc: int, args: list[str]) -> str:
-    return launch([sys.executable, "-m", "torch.distributed.run", *_torchrun_options(nproc), *args])
+    env = launch_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REFERENCE_ENV), env.get("PYTHONPATH")]))
+    return launch([sys.executable, "-m", "torch.distributed.run", *_torchrun_options(nproc), *args], env=env)
 
 
 def hfzero_run(nproc: int, args: list[str]) -> str:

@@ -8,12 +8,7 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser, Seq2SeqTrainer, Seq2SeqTrainingArguments
 
-from hfzero import gloo_exit
 from hfzero.testing.models import tiny_seq2seq  # a model built from a config, nothing else
-
-# The plain-torchrun reference run uses no hfzero engine, so nothing installed the exit hook that keeps
-# gloo's worker thread from aborting the interpreter's teardown (see [Note: gloo teardown abort]).
-gloo_exit.install()
 
 (args,) = HfArgumentParser((Seq2SeqTrainingArguments,)).parse_args_into_dataclasses()
 g = torch.Generator().manual_seed(0)
