@@ -86,6 +86,7 @@ class GradientReducer:
         self.comm = comm
         self.stage = stage
         self.dtype = dtype
+        self._element = torch.empty(0, dtype=dtype).element_size()
         self.device = device
         self.overlap = overlap
         self.max_inflight = max_inflight
@@ -203,11 +204,9 @@ class GradientReducer:
             if late is None:
                 late = self._late[bucket.index] = self._take_buffer(bucket.padded)
             late[slot.offset: slot.offset + slot.numel].add_(grad.reshape(-1))
-            self._note_staging()
             return
         dest = self._fill_target(bucket)
         dest[slot.offset: slot.offset + slot.numel].add_(grad.reshape(-1))
-        self._note_staging()
         if not counted:
             self._mark_filled(bucket.index, 1)
 
@@ -280,6 +279,8 @@ class GradientReducer:
             live = len(self._staging) + len(self._late) + 1
             del self._pool[max(0, self.max_inflight + 1 - live):]
             flat = torch.empty(numel, dtype=self.dtype, device=self.device)
+            # only a fresh allocation raises the footprint (a pooled buffer was already counted)
+            self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes() + numel * self._element)
         return flat[:numel].zero_()
 
     def _give_back(self, buffer: torch.Tensor) -> None:
@@ -309,9 +310,6 @@ class GradientReducer:
         live = len(self._staging) + len(self._late)
         self._pool.sort(key=torch.Tensor.numel, reverse=True)
         del self._pool[max(0, self.max_inflight + 1 - live):]
-
-    def _note_staging(self) -> None:
-        self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes())
 
     # ---- reduction ------------------------------------------------------------------------------
     def _launch_ready(self) -> None:
@@ -461,9 +459,8 @@ class GradientReducer:
 
     def staging_bytes(self) -> int:
         """Bytes of staging buffers: pooled, open and late (GRAD_BUCKET)."""
-        element = torch.empty(0, dtype=self.dtype).element_size()
         live = [t._base if t._base is not None else t for t in (*self._staging.values(), *self._late.values())]
-        return sum(t.numel() for t in [*self._pool, *live]) * element
+        return sum(t.numel() for t in [*self._pool, *live]) * self._element
 
     def accumulator_bytes(self) -> int:
         """Bytes of the full local accumulator held across micro-batches (GRAD_ACCUM), if any."""
