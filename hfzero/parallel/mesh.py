@@ -53,14 +53,24 @@ def check_sizes(world_size: int, pp_size: int) -> int:
     return world_size // pp_size
 
 
+def initialized_world_size(what: str) -> int:
+    """The world size; a clear error naming the feature ``what`` when torch.distributed is not initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"hfzero {what}: torch.distributed is not initialized; launch with `hfzero run` or "
+                           "torchrun and call torch.distributed.init_process_group first")
+    return dist.get_world_size()
+
+
+def world_mesh(sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """A device mesh of ``sizes`` (dims ``names``) over the whole world, on the backend's device type
+    (collective: every rank calls it, in the same order)."""
+    device_type = _default_device(str(dist.get_backend())).type
+    return init_device_mesh(device_type, sizes, mesh_dim_names=names)
+
+
 def build_mesh(pp_size: int) -> PipelineMesh:
     """The pp x dp mesh over the whole world (collective: every rank calls it, in the same order)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("hfzero pipeline: torch.distributed is not initialized; launch with `hfzero run` or "
-                           "torchrun and call torch.distributed.init_process_group first")
-    world = dist.get_world_size()
-    dp_size = check_sizes(world, pp_size)
-    device_type = _default_device(str(dist.get_backend())).type
-    mesh = init_device_mesh(device_type, (pp_size, dp_size), mesh_dim_names=("pp", "dp"))
+    dp_size = check_sizes(initialized_world_size("pipeline"), pp_size)
+    mesh = world_mesh((pp_size, dp_size), ("pp", "dp"))
     coords = mesh.get_coordinate()
     return PipelineMesh(mesh, pp_size, dp_size, coords[0], coords[1], mesh.get_group("pp"), mesh.get_group("dp"))

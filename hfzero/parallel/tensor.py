@@ -20,10 +20,10 @@ import dataclasses
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-from hfzero.comm import _default_device
 from hfzero.config import ConfigError, ZeroConfig
+from hfzero.parallel.mesh import initialized_world_size, world_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +56,9 @@ def check_tp_size(world_size: int, tp_size: int) -> int:
 
 def build_tp_mesh(tp_size: int) -> TensorMesh:
     """The dp x tp mesh over the whole world (collective: every rank calls it)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("hfzero tensor parallelism: torch.distributed is not initialized; launch with "
-                           "`hfzero run` or torchrun and call torch.distributed.init_process_group first")
-    world = dist.get_world_size()
+    world = initialized_world_size("tensor parallelism")
     check_tp_size(world, tp_size)
-    device_type = _default_device(str(dist.get_backend())).type
-    mesh = init_device_mesh(device_type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    mesh = world_mesh((world // tp_size, tp_size), ("dp", "tp"))
     dp_rank, tp_rank = mesh.get_coordinate()
     return TensorMesh(mesh, world // tp_size, tp_size, dp_rank, tp_rank, mesh.get_group("dp"), mesh.get_group("tp"))
 
