@@ -6,10 +6,16 @@ the release guarantee ([Note: stage-3 gather buffers]). One 2-rank spawn.
 
 Without the fix (glibc's dynamic mmap threshold, fresh storage per gather) the same run grew by
 3-8% (stage 2) and 12-27% (stage 3): see [Note: host allocator].
+
+With gradient accumulation (4 micro-batches under no_sync, 6 steps) the real peak is checked too: flat
+over steps for both policies, and at stage 2 the "local" run's peak RSS stands above the "sharded" run's
+by at least half the full accumulator the engine reports as a model state (GRAD_ACCUM, 4Ψ bytes in
+fp32), so the role bytes and the process's memory tell the same story.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 
 import pytest
@@ -32,18 +38,25 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def _run(rank: int, stage: int) -> dict:
+def _run(rank: int, stage: int, policy: str = "auto", micro: int = 1, steps: int = STEPS) -> dict:
     model = tiny_causal_lm("gpt2", hidden=256, layers=4, vocab=VOCAB, positions=128)  # 5.3M parameters
-    model, opt = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), hfzero.ZeroConfig(stage=stage))
+    config = hfzero.ZeroConfig(stage=stage, accumulation=policy)
+    model, opt = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
     engine = hfzero.get_engine(model)
     gc.collect()
     with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
         f.write("5")  # VmHWM := VmRSS now
     g = torch.Generator().manual_seed(rank)
-    peaks, allocations, idle_after_step = [], [], 0
-    for _ in range(STEPS):
-        batch = torch.randint(0, VOCAB, (2, 64), generator=g)  # (B, T) per rank
-        model(input_ids=batch, labels=batch).loss.backward()
+    peaks, allocations, idle_after_step, accumulator = [], [], 0, 0
+    for _ in range(steps):
+        for index in range(micro):
+            batch = torch.randint(0, VOCAB, (2, 64), generator=g)  # (B, T) per rank
+            if index < micro - 1:
+                with opt.no_sync():
+                    opt.backward(model(input_ids=batch, labels=batch).loss / micro)
+                accumulator = max(accumulator, engine.memory_by_role().get(MemoryRole.GRAD_ACCUM, 0))
+            else:
+                opt.backward(model(input_ids=batch, labels=batch).loss / micro)
         opt.step()
         opt.zero_grad()
         peaks.append(_status("VmHWM"))
@@ -52,7 +65,10 @@ def _run(rank: int, stage: int) -> dict:
             roles = engine.memory_by_role()
             idle_after_step = roles.get(MemoryRole.COMM_BUFFER, 0)
             assert roles.get(MemoryRole.PARAM_GATHERED, 0) == 0
-    return {"peaks": peaks, "allocations": allocations, "idle": idle_after_step}
+    return {"peaks": peaks, "allocations": allocations, "idle": idle_after_step, "accumulator": accumulator}
+
+
+ACCUMULATION_CASES = [(2, "sharded"), (2, "local"), (3, "sharded")]
 
 
 def _case(rank: int, world: int) -> dict:
@@ -60,12 +76,20 @@ def _case(rank: int, world: int) -> dict:
     for stage in (2, 3):
         out[stage] = _run(rank, stage)
         gc.collect()
+    for stage, policy in ACCUMULATION_CASES:
+        out[(stage, policy)] = _run(rank, stage, policy, micro=4, steps=6)
+        gc.collect()
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _results() -> list[dict]:
+    return run_distributed(_case, 2)
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="needs Linux /proc")
 def test_peak_flat_over_steps():
-    for rank, result in enumerate(run_distributed(_case, 2)):
+    for rank, result in enumerate(_results()):
         for stage in (2, 3):
             peaks = result[stage]["peaks"]
             growth = peaks[-1] / peaks[1]
@@ -74,3 +98,31 @@ def test_peak_flat_over_steps():
         allocations = result[3]["allocations"]
         assert allocations[1] > 0 and allocations[-1] == allocations[1], allocations  # reused, not reallocated
         assert result[3]["idle"] > 0  # the pooled buffers are reported (COMM_BUFFER) between steps
+
+
+def _assert_flat(key: tuple[int, str]) -> None:
+    for rank, result in enumerate(_results()):
+        peaks = result[key]["peaks"]
+        assert peaks[-1] / peaks[1] <= 1.05, (rank, key, [round(p / 1e6) for p in peaks])
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="needs Linux /proc")
+@pytest.mark.xfail(strict=True, reason="stage-3 peak grows with several micro-batches per step (issue 14, open)")
+def test_stage3_peak_with_accumulation_is_flat():
+    """Known leak, found by this test (issue 14): at stage 3 with several backward passes per step the
+    peak grows ~12 MB per step on this model (1-D fp32 tensors of gradient-bucket sizes, held from C++,
+    one set per step; +2.9 MB/step already before this session). strict: the test fails once it is fixed."""
+    _assert_flat((3, "sharded"))
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="needs Linux /proc")
+def test_real_peak_with_accumulation_follows_the_policy():
+    for key in ACCUMULATION_CASES[:2]:
+        _assert_flat(key)
+    for rank, result in enumerate(_results()):
+        sharded, local = result[(2, "sharded")], result[(2, "local")]
+        assert sharded["accumulator"] == 0 and local["accumulator"] > 0
+        extra = local["peaks"][-1] - sharded["peaks"][-1]
+        assert extra >= local["accumulator"] / 2, (
+            f"rank {rank}: local peak exceeds sharded by {extra / 1e6:.1f} MB, accumulator "
+            f"{local['accumulator'] / 1e6:.1f} MB")
