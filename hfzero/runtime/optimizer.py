@@ -17,6 +17,7 @@ import torch
 from hfzero.config import ConfigError
 from hfzero.logging import get_logger
 from hfzero.runtime.engine import ZeroEngine
+from hfzero.runtime.hostmem import trim_host_heap
 
 logger = get_logger(__name__)
 
@@ -111,6 +112,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             engine.publish_params()
         engine.scaler.update(engine.overflow)
         engine.finish_step()
+        if engine.device.type == "cpu" and engine.config.host_trim:
+            trim_host_heap()  # the step's transient memory is free now: see [Note: host allocator]
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
