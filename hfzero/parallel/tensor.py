@@ -119,8 +119,6 @@ def prepare_tensor_parallel(model: nn.Module, optimizer_factory, config: ZeroCon
     """
     import hfzero
 
-    if config.stage == 3:
-        raise ConfigError("hfzero: tensor parallelism is supported at ZeRO stages 0-2 for now (stage 3 is not)")
     mesh = build_tp_mesh(config.tp_size)
     apply_tensor_parallel(model, mesh)
     optimizer = optimizer_factory(model.parameters())
