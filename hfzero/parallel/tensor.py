@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from hfzero.config import ConfigError, ZeroConfig
+from hfzero.logging import get_logger
 from hfzero.parallel.mesh import initialized_world_size, world_mesh
+
+logger = get_logger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,17 +116,52 @@ def apply_tensor_parallel(model: nn.Module, mesh: TensorMesh) -> nn.Module:
     return parallelize_module(model, mesh.mesh["tp"], plan)
 
 
+def repoint_optimizer(optimizer: torch.optim.Optimizer, before: dict[int, str], model: nn.Module) -> None:
+    """Point ``optimizer``'s param groups at ``model``'s parameters of the same names (in place).
+
+    ``before`` maps ``id(parameter)`` to its name before ``parallelize_module`` replaced the parameters
+    with DTensor ones; the optimizer must not have stepped (its state is keyed by the old objects).
+    """
+    if any(optimizer.state.values()):
+        raise ConfigError("hfzero tensor parallelism: the optimizer already has state (it has stepped); build it "
+                          "fresh over the model, shard over TP, then load saved state into the prepared optimizer")
+    now = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        missing = [p for p in group["params"] if id(p) not in before]
+        if missing:
+            raise ConfigError("hfzero tensor parallelism: the optimizer holds a tensor that is not a parameter of "
+                              "the model; build the optimizer from model.parameters()")
+        group["params"] = [now[before[id(p)]] for p in group["params"]]
+
+
+def shard_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: TensorMesh) -> None:
+    """Shard ``model`` over ``mesh``'s "tp" dimension and re-point ``optimizer`` (built over the unsharded
+    model, not stepped yet) at the new DTensor parameters: how the Trainer and ZeroAccelerator, which
+    build the optimizer before preparing, get TP."""
+    before = {id(p): name for name, p in model.named_parameters()}
+    apply_tensor_parallel(model, mesh)
+    repoint_optimizer(optimizer, before, model)
+
+
 def prepare_tensor_parallel(model: nn.Module, optimizer_factory, config: ZeroConfig):
-    """Build the dp x tp mesh, shard ``model`` over tp and prepare ZeRO over dp.
+    """Build the dp x tp mesh, shard ``model`` over tp and prepare ZeRO over dp (stages 0-3).
 
     ``optimizer_factory(params)`` builds the optimizer over the TP-sharded parameters (it must be built
-    after sharding, which replaces them). Returns (model, optimizer, mesh).
+    after sharding, which replaces them); an optimizer already built over the unsharded model is taken
+    too (re-pointed at the sharded parameters). Returns (model, optimizer, mesh).
     """
     import hfzero
 
     mesh = build_tp_mesh(config.tp_size)
-    apply_tensor_parallel(model, mesh)
-    optimizer = optimizer_factory(model.parameters())
+    if isinstance(optimizer_factory, torch.optim.Optimizer):
+        optimizer = optimizer_factory
+        shard_model_and_optimizer(model, optimizer, mesh)
+    else:
+        apply_tensor_parallel(model, mesh)
+        optimizer = optimizer_factory(model.parameters())
     model, optimizer = hfzero.prepare(model, optimizer, config, process_group=mesh.dp_group, tp_group=mesh.tp_group)
+    sharded = sum(isinstance(p, DTensor) for p in model.parameters())
+    logger.info("tensor parallelism: dp=%d x tp=%d, %d parameter(s) sharded over tp, ZeRO stage %s over dp%s",
+                mesh.dp_size, mesh.tp_size, sharded, config.stage,
+                ", P_a (checkpoints partitioned over tp)" if config.partition_activations else "")
     return model, optimizer, mesh
-

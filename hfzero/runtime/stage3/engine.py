@@ -34,6 +34,7 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hfzero.comm import Communicator
 from hfzero.config import ZeroConfig
@@ -314,7 +315,10 @@ class Stage3Engine(ZeroEngine):
         return whole
 
     def full_numel(self, param: nn.Parameter) -> int:
-        """Elements of ``param`` when whole (a partitioned parameter is a 0-element tensor between uses)."""
+        """Elements of ``param`` when whole (a partitioned parameter is a 0-element tensor between uses;
+        a DTensor's ``numel()`` is its global size already)."""
+        if isinstance(param, DTensor):
+            return param.numel()
         slot = self.layout.slots.get(param) or self.frozen_layout.slots.get(param)
         return slot.numel if slot is not None else param.numel()
 
