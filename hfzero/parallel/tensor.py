@@ -106,10 +106,11 @@ def apply_tensor_parallel(model: nn.Module, mesh: TensorMesh) -> nn.Module:
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    planned = tp_plan(model)
     check_heads(model, mesh.tp_size)
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = {}
-    for path, style in tp_plan(model).items():
+    for path, style in planned.items():
         if style not in styles:
             raise ConfigError(f"hfzero: TP style {style!r} of {path!r} is not supported; use 'colwise' or 'rowwise'")
         plan[path] = styles[style]()
