@@ -106,6 +106,8 @@ def test_tensor_parallel_bad_input_is_a_clear_error():
     with pytest.raises(hfzero.ConfigError, match="tp_size=3 does not divide the world size 4; use a divisor"):
         plan(["--nproc_per_node", "4", script, "--zero_tp_size", "3"], environ={})
     assert plan(["--nproc_per_node", "4", script, "--zero_tp_size", "2"], environ={}).env["HFZERO_TP_SIZE"] == "2"
+    with pytest.raises(hfzero.ConfigError, match="--zero_tp_size and --zero_pp_size cannot be combined yet"):
+        plan(["--nproc_per_node", "4", script, "--zero_tp_size", "2", "--zero_pp_size", "2"], environ={})
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=24, intermediate_size=48, num_hidden_layers=1,
                                          num_attention_heads=6, num_key_value_heads=2))
     with pytest.raises(hfzero.ConfigError, match="tp_size=4 does not divide num_attention_heads=6 of LlamaForCausalLM"):

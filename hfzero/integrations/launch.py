@@ -42,6 +42,8 @@ _MODULE_FLAG = "--hfzero-module"
 _CONFLICTS = ("--deepspeed", "--fsdp")
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 NOT_APPLIED_EXIT = 3
+_TP_WITH_PP = ("--zero_tp_size and --zero_pp_size cannot be combined yet (pipeline x tensor parallelism is not "
+               "built); use one of them")
 """Exit status of a worker (and of ``hfzero run``) whose script prepared no model with hfzero."""
 
 
@@ -181,6 +183,8 @@ def _check_tp_size(options: Mapping[str, str], args: argparse.Namespace) -> None
     from hfzero.parallel.tensor import check_tp_size
 
     tp = int(options.get("tp_size", "1"))
+    if tp > 1 and int(options.get("pp_size", "1")) > 1:
+        raise ConfigError(_TP_WITH_PP)
     nproc, nnodes = str(args.nproc_per_node), str(args.nnodes).split(":")  # nnodes: "2" or "MIN:MAX"
     if tp > 1 and nproc.isdigit() and len(set(nnodes)) == 1 and nnodes[0].isdigit():
         check_tp_size(int(nproc) * int(nnodes[0]), tp)
