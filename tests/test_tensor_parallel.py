@@ -1,7 +1,7 @@
 """TP x ZeRO and P_a: dp=2 x tp=2 on 4 gloo ranks against a single-process reference (one spawn).
 
 A Llama from config is sharded over tp with its transformers tp_plan (DTensor parameters) and ZeRO runs
-over dp, at stages 1, 2 and 3 (stage 3 shards each rank's local TP shard over dp; the persistence
+over dp, at stages 0, 1, 2 and 3 (stage 3 shards each rank's local TP shard over dp; the persistence
 threshold is 0 so every parameter is partitioned and gathered as a DTensor's local shard), with and
 without activation checkpointing, with P_a (partitioned checkpoints) and P_a+cpu. Losses and all
 parameters after 10 fp32 AdamW steps, with gradient-norm clipping (which spans tp x dp), equal the
@@ -29,6 +29,7 @@ from hfzero.testing.spawn import run_distributed
 STEPS, BATCH, SEQ, TP, DP, CLIP = 10, 4, 8, 2, 2, 0.5
 LR = 1e-3
 CASES = {  # name: (stage, checkpointing, partition_activations, cpu_checkpointing)
+    "s0": (0, False, False, False),
     "s1": (1, False, False, False),
     "s2_ckpt": (2, True, False, False),
     "s2_pa": (2, True, True, False),
@@ -56,22 +57,22 @@ def _batches() -> list[torch.Tensor]:
     return [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def _reference() -> tuple[list[float], torch.Tensor]:
+def _reference() -> tuple[list[float], list[float], torch.Tensor]:
     """One process, the dp halves of each batch accumulated; see [Note: the AdamW reference sums the dp halves]."""
     model = _llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
+    losses, norms = [], []
     for ids in _batches():
         total = 0.0
         for half in ids.chunk(DP):  # (B / dp, T) each
             loss = model(input_ids=half, labels=half).loss / DP
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)
-    return losses, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return losses, norms, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -93,14 +94,14 @@ def _worker(rank: int, world: int) -> dict:
                 warnings.simplefilter("ignore", FutureWarning)
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         checkpoint = model.hfzero_checkpoint
-        losses, peaks = [], []
+        losses, peaks, norms = [], [], []
         for ids in _batches():
             mine = ids.chunk(mesh.dp_size)[mesh.dp_rank]  # (B / dp, T), the same on the TP ranks of a replica
             checkpoint.stored.reset_peak()
             loss = model(input_ids=mine, labels=mine).loss
             peaks.append(checkpoint.stored.peak)
             loss.backward()
-            optimizer.clip_grad_norm_(CLIP)
+            norms.append(optimizer.clip_grad_norm_(CLIP).item())  # over tp x dp, replicated parameters once
             optimizer.step()
             optimizer.zero_grad()
             total = loss.detach().clone()
@@ -110,21 +111,23 @@ def _worker(rank: int, world: int) -> dict:
         released = sum(local_tensor(p).numel() == 0 for p in model.parameters())
         whole = hfzero.full_state_dict(model, rank0_only=False)  # gathers over dp, full_tensor() over tp
         params = torch.cat([whole[n].reshape(-1) for n, _ in model.named_parameters()])
-        out[name] = {"losses": losses, "params": params, "peak": max(peaks), "released": released,
+        out[name] = {"losses": losses, "norms": norms, "params": params, "peak": max(peaks), "released": released,
                      "dtensors": sum(hasattr(p, "full_tensor") for p in model.parameters())}
     return out
 
 
 @pytest.fixture(scope="module")
-def results() -> tuple[list[dict], tuple[list[float], torch.Tensor]]:
+def results() -> tuple[list[dict], tuple[list[float], list[float], torch.Tensor]]:
     return run_distributed(_worker, 4, timeout=600), _reference()
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp_zero_matches_single_process(results, case: str) -> None:
-    ranks, (ref_losses, ref_params) = results
+    ranks, (ref_losses, ref_norms, ref_params) = results
+    assert min(ref_norms) > CLIP  # clipping acts at every step
     for rank in ranks:
         assert rank[case]["losses"] == pytest.approx(ref_losses, abs=1e-5)
+        assert rank[case]["norms"] == pytest.approx(ref_norms, abs=1e-5)
         torch.testing.assert_close(rank[case]["params"], ref_params, rtol=0, atol=1e-5)
 
 
