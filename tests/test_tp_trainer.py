@@ -32,7 +32,8 @@ def _args(out: Path) -> list[str]:
     return [SCRIPT, "--output_dir", str(out), "--max_steps", str(STEPS), "--per_device_train_batch_size", "2",
             "--gradient_accumulation_steps", "2", "--learning_rate", "1e-3", "--max_grad_norm", "0.5",
             "--logging_steps", "1", "--save_steps", "2", "--report_to", "none", "--disable_tqdm", "true",
-            "--seed", "0", "--gradient_checkpointing"]
+            "--seed", "0", "--gradient_checkpointing", "--eval_strategy", "steps", "--eval_steps", "2",
+            "--per_device_eval_batch_size", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     return root / "ddp", root / "tp", log
 
 
-def _steps(out: Path) -> dict[int, tuple[float, float]]:
-    return {h["step"]: (h["loss"], h["epoch"]) for h in log_history(out) if "loss" in h}
+def _steps(out: Path, key: str = "loss") -> dict[int, tuple[float, float]]:
+    return {h["step"]: (h[key], h["epoch"]) for h in log_history(out) if key in h}
 
 
 def test_losses_match_ddp_on_the_dp_replicas(runs: tuple[Path, Path, str]) -> None:
@@ -56,6 +57,12 @@ def test_losses_match_ddp_on_the_dp_replicas(runs: tuple[Path, Path, str]) -> No
     for step, (loss, epoch) in want.items():
         assert abs(got[step][0] - loss) <= 2e-4, (step, got, want)
         assert got[step][1] == epoch  # 64 examples / (2 per replica x 2 accumulation x dp 2) = 8 steps an epoch
+    # evaluation: 12 sequences over dp=2 in batches of 4 (the last one short: the remainder is dropped at
+    # the right place only when gather_for_metrics keeps one TP rank per replica)
+    want, got = _steps(ddp, "eval_loss"), _steps(tp, "eval_loss")
+    assert sorted(want) == sorted(got) == [2, STEPS]
+    for step, (loss, _) in want.items():
+        assert abs(got[step][0] - loss) <= 2e-4, (step, got, want)
 
 
 @pytest.mark.parametrize("sub", ["", "checkpoint-2"])

@@ -14,6 +14,7 @@ from transformers import (HfArgumentParser, LlamaConfig, LlamaForCausalLM, Train
 @dataclass
 class ScriptArguments:
     examples: int = field(default=64, metadata={"help": "training sequences"})
+    eval_examples: int = field(default=12, metadata={"help": "evaluation sequences"})
     seq_len: int = field(default=16, metadata={"help": "tokens per sequence"})
 
 
@@ -25,9 +26,10 @@ def main() -> None:
                          tie_word_embeddings=False, use_cache=False)
     model = LlamaForCausalLM(config)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, config.vocab_size, (sargs.examples, sargs.seq_len), generator=g)
+    ids = torch.randint(0, config.vocab_size, (sargs.examples + sargs.eval_examples, sargs.seq_len), generator=g)
     data = [{"input_ids": row, "labels": row.clone()} for row in ids]
-    trainer = Trainer(model=model, args=targs, train_dataset=data, data_collator=default_data_collator)
+    trainer = Trainer(model=model, args=targs, train_dataset=data[:sargs.examples],
+                      eval_dataset=data[sargs.examples:], data_collator=default_data_collator)
     trainer.train()
     trainer.save_model()
     trainer.save_state()
