@@ -24,7 +24,6 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from hfzero.checkpoint.errors import CheckpointError
@@ -102,8 +101,3 @@ def refuse_sharded_frozen(model: Any) -> None:
     if sharded:
         raise CheckpointError(f"frozen parameters sharded over tensor parallelism ({sharded[:3]}) cannot be "
                               "checkpointed yet; keep frozen parameters out of the TP plan")
-
-
-def world_rank() -> tuple[int, int]:
-    """(global rank, world size)."""
-    return dist.get_rank(), dist.get_world_size()

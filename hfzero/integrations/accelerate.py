@@ -246,11 +246,11 @@ class ZeroAccelerator(Accelerator):
     # ---- data under pipeline or tensor parallelism ----------------------------------------------
     @property
     def num_processes(self) -> int:
-        return self.pipeline_config_dp[0] if self._data_parallel_view else super().num_processes
+        return self.data_parallel_coords[0] if self._data_parallel_view else super().num_processes
 
     @property
     def process_index(self) -> int:
-        return self.pipeline_config_dp[1] if self._data_parallel_view else super().process_index
+        return self.data_parallel_coords[1] if self._data_parallel_view else super().process_index
 
     @property
     def _replicated(self) -> bool:
@@ -258,7 +258,7 @@ class ZeroAccelerator(Accelerator):
         return self.pipeline_config is not None or self.zero_config.tp_size > 1
 
     @property
-    def pipeline_config_dp(self) -> tuple[int, int]:
+    def data_parallel_coords(self) -> tuple[int, int]:
         """(dp size, dp rank) of this rank: under ``pipeline_config`` rank = pp_rank * dp + dp_rank; under
         tensor parallelism rank = dp_rank * tp + tp_rank (see hfzero/parallel/tensor.py)."""
         world, rank = super().num_processes, super().process_index

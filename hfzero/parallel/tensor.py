@@ -10,6 +10,10 @@ reducer takes the local tensor of each gradient (``runtime.tensors.local_tensor`
 shards its local TP shard over the dp group, exactly as it would a smaller model. The global gradient
 norm adds the TP group's sums, counting parameters replicated over TP once (TP rank 0's). Activations
 between layers are plain replicated tensors (``use_local_output``), which is what P_a partitions.
+At stage 3 the same holds for the partitioned parameters: each rank's PARAM_SHARD is 1/dp of its local TP
+shards, a unit's gather fills the DTensor's local tensor (PARAM_GATHERED: the unit's local shards, 1/tp of
+the unit) and between uses the local tensor is 0-element while the DTensor keeps its global shape.
+``hfzero.full_state_dict`` and the checkpoints (hfzero/checkpoint/tensor_parallel.py) make shards whole.
 
 Rank layout: ``rank = dp_rank * tp_size + tp_rank`` (TP ranks are neighbours, as on a node).
 """
@@ -17,6 +21,8 @@ Rank layout: ``rank = dp_rank * tp_size + tp_rank`` (TP ranks are neighbours, as
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,6 +33,9 @@ from torch.distributed.tensor import DTensor
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.logging import get_logger
 from hfzero.parallel.mesh import initialized_world_size, world_mesh
+
+if TYPE_CHECKING:
+    from hfzero.runtime.optimizer import ZeroOptimizer
 
 logger = get_logger(__name__)
 
@@ -144,7 +153,10 @@ def shard_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer
     repoint_optimizer(optimizer, before, model)
 
 
-def prepare_tensor_parallel(model: nn.Module, optimizer_factory, config: ZeroConfig):
+def prepare_tensor_parallel(
+        model: nn.Module,
+        optimizer_factory: Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer] | torch.optim.Optimizer,
+        config: ZeroConfig) -> tuple[nn.Module, ZeroOptimizer, TensorMesh]:
     """Build the dp x tp mesh, shard ``model`` over tp and prepare ZeRO over dp (stages 0-3).
 
     ``optimizer_factory(params)`` builds the optimizer over the TP-sharded parameters (it must be built
