@@ -14,7 +14,8 @@ dp reduction. Against a reference that runs the whole batch at once, one embeddi
 column 23: a token whose gradient nearly cancels, so Adam's m / sqrt(v) turns its fp32 rounding noise into
 full-size updates) ends 1.3e-5 away; that is noise, not a bug: the whole-batch fp32 reference is itself
 2.7e-5 from a float64 run at that element and the distributed run only 1.4e-5, while against the
-dp-halves reference the largest difference is 6.9e-6 (measured with torch 2.13 on CPU).
+dp-halves reference the largest difference is 6.9e-6 (measured with torch 2.13 on CPU;
+benchmarks/tp_adamw_reference.py prints these figures).
 """
 
 from __future__ import annotations
