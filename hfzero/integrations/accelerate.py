@@ -155,8 +155,8 @@ class ZeroAccelerator(Accelerator):
         self.pipeline_config = pipeline_config if pipeline_config is not None and pipeline_config.pp_size > 1 \
             else None
         if self.pipeline_config is not None and self.zero_config.tp_size > 1:
-            raise ConfigError("ZeroAccelerator: tensor parallelism (tp_size > 1) and pipeline parallelism (pp_size > 1) "
-                              "cannot be combined yet; use one of them")
+            raise ConfigError("ZeroAccelerator: tensor parallelism (tp_size > 1) and pipeline parallelism "
+                              "(pp_size > 1) cannot be combined yet; use one of them")
         self.pipeline: Pipeline | None = None
         """The Pipeline of this rank, once prepare built it (with ``pipeline_config``)."""
         self._data_parallel_view = False
