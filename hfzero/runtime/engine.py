@@ -151,7 +151,7 @@ class ZeroEngine:
         in_layout = set(self.layout.slots)
         for p in self.model.parameters():
             if p not in in_layout:
-                self.comm.broadcast(p.data)
+                self.comm.broadcast(local_tensor(p).data)
         for b in self.model.buffers():
             self.comm.broadcast(b)
 
