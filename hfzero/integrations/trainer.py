@@ -285,6 +285,15 @@ class ZeroTrainer(Trainer):
         with _in_trainer_module("get_model_param_count", model_param_count):
             return super().train(*args, **kwargs)
 
+    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
+        """The Trainer's global batch (per-device batch x accumulation x data-parallel replicas); under
+        pipeline parallelism a replica is one whole pipeline, so the replicas are world / pp_size, not the
+        world (the figure the Trainer logs and derives its sample counts from)."""
+        config = getattr(self, "pipeline_config", None)
+        if config is None:
+            return super().get_total_train_batch_size(args)
+        return self._train_batch_size * args.gradient_accumulation_steps * (args.world_size // config.pp_size)
+
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """The Trainer's 6 * tokens * non-embedding parameters, with stage-3 parameters counted whole."""
         main = getattr(self.model, "main_input_name", "input_ids")
