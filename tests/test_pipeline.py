@@ -189,7 +189,11 @@ def test_profile_per_stage_figures(spec):
         assert header["ranks"][pp_rank]["model_states_by_role"] == {k: round(v) for k, v in roles.items() if v}
         padding = (outs[rank]["num_params_padded"] - outs[rank]["num_params"]) * 4 + 4 * 64
         for role, value in roles.items():
-            assert abs(table[pp_rank]["roles_peak"].get(role, 0) - value) <= padding, (rank, role, table[pp_rank])
+            measured = table[pp_rank]["roles_peak"].get(role, 0)
+            if role == "param_gathered" and spec.stage3_gather == "micro":  # transient: units gathered in a pass
+                assert 0 < measured <= 4 * params + padding, (rank, measured)
+                continue
+            assert abs(measured - value) <= padding, (rank, role, table[pp_rank])
         elements = comm_elements(params, dp, spec.stage, spec.n_micro, accumulation=spec.accumulation,
                                  stage3_gather=spec.stage3_gather, tied=tied)
         steps = log.of_kind("step")
