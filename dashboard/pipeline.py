@@ -83,7 +83,7 @@ def pipeline_figure(run: Run) -> go.Figure:
         fig.add_bar(x=pair_x, y=y, name=kind, legendgroup="comm", legendgrouptitle_text="dp collectives",
                     hovertemplate=f"{kind}<br>%{{x}}<br>%{{y:,.0f}} elements<extra></extra>", row=2, col=1)
     ways = (("sent", "p2p_bytes_per_step", "send", "#17becf"), ("received", "p2p_bytes_per_step", "recv", "#bcbd22"),
-            ("cost model (each way)", "p2p_estimate", "send", "lightgray"))
+            ("cost model", "p2p_estimate", "send", "lightgray"))
     for name, key, way, color in ways:
         fig.add_bar(x=[labels, [name] * len(labels)], y=[(row[key] or {}).get(way) for row in table],
                     name=f"P2P {name}", legendgroup="p2p", legendgrouptitle_text="P2P", marker_color=color,
