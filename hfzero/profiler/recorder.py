@@ -428,7 +428,12 @@ def _find_pipeline(model: Any, optimizer: torch.optim.Optimizer | None) -> Any:
     if optimizer is None:
         raise ValueError("ZeroProfiler: optimizer is None; pass the optimizer returned by hfzero.prepare "
                          "(None only with a hfzero.pipeline Pipeline as the model)")
-    return pipeline_of(optimizer)
+    for _ in range(4):  # through wrappers (accelerate's AcceleratedOptimizer) to the pipeline's optimizer
+        found = pipeline_of(optimizer)
+        if found is not None or getattr(optimizer, "optimizer", None) is None:
+            return found
+        optimizer = optimizer.optimizer
+    return None
 
 
 def _find_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
