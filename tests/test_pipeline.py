@@ -220,3 +220,17 @@ def test_profile_per_stage_figures(spec):
                         and r["edge"] == "begin"]
             assert sorted((r["stage"], r["micro"]) for r in forwards) == sorted(
                 (s, m) for s in by_rank[pp_rank] for m in range(1, spec.n_micro + 1))
+
+
+@pytest.mark.parametrize("spec", [s for s in FP32_CASES + OTHER_CASES if s.stage == 3], ids=_id)
+def test_stage3_prefetch_across_micro_batches(spec):
+    """Per-micro-batch gathering prefetches, at each pass's last unit, the next pass's first sharded unit: every
+    pass transition of every step after the first (the plan is the previous step's passes), when the stage has two
+    blocks or more (one block: the next pass's only unit is the one in use, nothing to prefetch). Parity and the
+    all-gather volume (2M x Ψ_s) are asserted by the tests above on the same runs."""
+    blocks_per_stage = spec.layers // spec.pp
+    for out in results(4)[spec]:
+        if spec.stage3_gather == "micro" and blocks_per_stage >= 2:
+            assert out["cross_prefetches"] == (spec.steps - 1) * (2 * spec.n_micro - 1), out["coords"]
+        else:
+            assert out["cross_prefetches"] == 0, out["coords"]

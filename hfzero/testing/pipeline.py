@@ -157,6 +157,7 @@ def _train_pipeline(spec: PipeSpec, stack: contextlib.ExitStack, profile_dir: st
         "step_seconds": times,
         "num_params": engine.num_params,
         "num_params_padded": engine.num_params_padded,
+        "cross_prefetches": getattr(getattr(engine, "scheduler", None), "cross_prefetches", 0),
     }
 
 

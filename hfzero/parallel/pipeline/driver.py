@@ -113,6 +113,9 @@ class Pipeline:
         """Times this rank's stage actions and counts its P2P bytes in each training step; ``clock.last``
         is the last step's summary (the profiler's ``pipeline`` figures; see [Note: measuring the bubble])."""
         self._losses_computed = 0
+        self._pass_plans: dict[Any, list] = {}
+        """Per schedule, the kinds of the stage-3 passes its last step ran (see [Note: prefetch across
+        micro-batches])."""
         self.micro_shape: tuple[int, int] | None = None
         """(rows, seq) of one micro-batch of the last batch run."""
         self.step_roles: dict[Any, int] = {}
@@ -242,16 +245,28 @@ class Pipeline:
         self._reduced_stages = 0
         self._losses_computed = 0
         self.step_roles = {}
+        planned = self._planned_scheduler()
+        if planned is not None:  # See [Note: prefetch across micro-batches]
+            planned.begin_planned_step(self._pass_plans.get(schedule))
         with self.engine.no_sync(), self._scaled():  # defers only under the "local" policy
             self.clock.begin()
             try:
                 schedule.step(*args, target=target, losses=losses if self.holds_last else None)
             finally:
                 self.clock.end(n_micro=self._n_micro, micro_shape=self.micro_shape)
+                if planned is not None:
+                    self._pass_plans[schedule] = planned.end_planned_step()
         self.engine.materialize_grads()
         self._sample_roles()
         self._vote_overflow()
         return self._global_loss(losses)
+
+    def _planned_scheduler(self) -> Any:
+        """The stage-3 unit scheduler when it gathers per micro-batch on a single-stage rank (the units'
+        passes follow the schedule: it prefetches across micro-batches), else None."""
+        if self.zero_config.stage != 3 or self.config.stage3_gather != "micro" or len(self.stages) > 1:
+            return None
+        return self.engine.scheduler
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, over_dp: bool = True,
