@@ -51,7 +51,7 @@ from hfzero.integrations.state import (has_shards, is_partitioned, load_optimize
                                       needs_gathered_weights, save_optimizer_shards, scheduler_state_for_stage,
                                       scheduler_state_for_user_groups, unwrap_optimizer)
 from hfzero.logging import get_logger
-from hfzero.parallel.pipeline import PipelineConfig, pipeline_of
+from hfzero.parallel.pipeline import PipelineConfig
 from hfzero.runtime.stage3 import full_state_dict
 
 logger = get_logger(__name__)
@@ -202,7 +202,8 @@ def _pipeline_batch(batches: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.
 
 
 class ZeroProfilerCallback(TrainerCallback):
-    """Runs ``hfzero.profiler.ZeroProfiler`` over training, writing into ``run_dir``."""
+    """Runs ``hfzero.profiler.ZeroProfiler`` over training, writing into ``run_dir`` (under pipeline
+    parallelism each rank records its stage: see docs/profile-format.md)."""
 
     def __init__(self, run_dir: str | os.PathLike[str]):
         self.run_dir = Path(run_dir)
@@ -219,10 +220,8 @@ class ZeroProfilerCallback(TrainerCallback):
         zero = unwrap_optimizer(optimizer)
         if zero is None:
             raise ConfigError("ZeroProfilerCallback: the Trainer's optimizer was not prepared by hfzero")
-        if pipeline_of(zero) is not None:
-            logger.warning("zero_profile_dir=%s: the profiler does not record pipeline-parallel runs yet (see "
-                           "docs/pipeline.md, Not done); training runs without profiling", self.run_dir)
-            return
+        # under pipeline parallelism the profiler finds the Pipeline from its optimizer and records this
+        # rank's stage(s) (the Trainer's model object stays whole; the stage modules are what runs)
         self.profiler = ZeroProfiler(model, zero, self.run_dir,
                                      accumulation_steps=int(args.gradient_accumulation_steps)).start()
 
@@ -288,6 +287,15 @@ class ZeroTrainer(Trainer):
                 self.accelerator.zero_auto_batch = (self.args.per_device_train_batch_size, seq)
         with _in_trainer_module("get_model_param_count", model_param_count):
             return super().train(*args, **kwargs)
+
+    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
+        """The Trainer's global batch (per-device batch x accumulation x data-parallel replicas); under
+        pipeline parallelism a replica is one whole pipeline, so the replicas are world / pp_size, not the
+        world (the figure the Trainer logs and derives its sample counts from)."""
+        config = getattr(self, "pipeline_config", None)
+        if config is None:
+            return super().get_total_train_batch_size(args)
+        return self._train_batch_size * args.gradient_accumulation_steps * (args.world_size // config.pp_size)
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """The Trainer's 6 * tokens * non-embedding parameters, with stage-3 parameters counted whole."""

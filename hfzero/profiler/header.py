@@ -96,15 +96,22 @@ def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: i
 
 def build_header(*, run_id: str, engine: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  global_world_size: int, device: torch.device, every_n_steps: int,
-                 cuda_snapshot: bool, accumulation_steps: int = 1) -> dict[str, Any]:
-    """The contents of ``header.json`` (see docs/profile-format.md for every key)."""
+                 cuda_snapshot: bool, accumulation_steps: int = 1,
+                 pipeline: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The contents of ``header.json`` (see docs/profile-format.md for every key).
+
+    ``pipeline``: under pipeline parallelism, the header's ``pipeline`` section
+    (``hfzero.profiler.pipeline.header_section``); the top-level ``prediction`` is then null, since
+    each stage has its own (``pipeline.ranks[i].model_state_bytes``).
+    """
     import transformers
 
     import hfzero
 
     config = engine.config
     now = time.time()
-    return {
+    extra = {} if pipeline is None else {"pipeline": pipeline}
+    return {**extra,
         "format_version": FORMAT_VERSION,
         "run_id": run_id,
         "start_time": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
@@ -131,5 +138,5 @@ def build_header(*, run_id: str, engine: Any, model: torch.nn.Module, optimizer:
                      "transformers": transformers.__version__, "python": platform.python_version()},
         "host": {"hostname": socket.gethostname(), "platform": sys.platform},
         "profiler": {"every_n_steps": every_n_steps, "cuda_snapshot": cuda_snapshot},
-        "prediction": predict(engine, optimizer, accumulation_steps),
+        "prediction": predict(engine, optimizer, accumulation_steps) if pipeline is None else None,
     }
