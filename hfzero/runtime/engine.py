@@ -377,6 +377,12 @@ class ZeroEngine:
         for handle in handles:
             handle.wait()
 
+    def wait_host_copies(self) -> None:
+        """Offloaded: block until the asynchronous copies issued so far are done, before the host writes
+        master weights outside a step (loading a state dict or checkpoint). No-op otherwise."""
+        if self.offload is not None:
+            self.offload.wait_uploads()
+
     def finish_step(self) -> None:
         """Drop this step's gradients (the step consumed them) and the transient fp32 gradients."""
         for master in self.master_views:

@@ -167,6 +167,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(diffs.items()))
             raise ConfigError(f"hfzero: optimizer state was saved with another layout ({detail}); use "
                               "hfzero.checkpoint.load_checkpoint, which reshards across world sizes and stages")
+        self.engine.wait_host_copies()
         self.inner.load_state_dict(state_dict["inner"])
         if self.engine.master_flat is not None:
             self.engine.master_flat.copy_(state_dict["master"])
