@@ -78,7 +78,8 @@ def bench(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         host = sum(v for k, v in engine.host_memory_by_role().items() if k in MODEL_STATE_ROLES)
         out[name] = {"median_s": statistics.median(times[name]), "model_states": engine.model_state_bytes(),
                      "host_model_states": host, "num_params": engine.num_params, "peak_allocated": peaks[name],
-                     "offloaded": engine.offload is not None}
+                     "offloaded": engine.offload is not None,
+                     "persistent": int(getattr(engine, "num_persistent_params", 0))}
     return out
 
 
@@ -109,7 +110,8 @@ def main() -> None:
     base = figures["plain"]["median_s"]
     for name, fig in figures.items():
         psi, offloaded = fig["num_params"], fig["offloaded"]
-        kwargs = dict(param_bytes=p, grad_bytes=g, optimizer_k=k, offload_optimizer=offloaded)
+        kwargs = dict(param_bytes=p, grad_bytes=g, optimizer_k=k, offload_optimizer=offloaded,
+                      persistent_params=fig["persistent"])
         row = {"variant": name, "median_step_s": round(fig["median_s"], 4), "ratio_vs_plain": round(fig["median_s"] / base, 3),
                "device_MB": round((fig["model_states"] - fig["host_model_states"]) / 1e6, 3),
                "device_estimate_MB": round(model_states_bytes(psi, args.world, args.stage, **kwargs) / 1e6, 3),

@@ -187,6 +187,7 @@ def test_profile_counts_host_resident_states_and_meets_the_estimate(outputs):
     # fp32 + AdamW offloaded at stage 2: host 16Ψ/N (master 4, moments 8, fp32 gradients 4), device 4Ψ
     assert prediction["host_model_state_bytes"] == pytest.approx(16 * model["num_params"] / n)
     assert prediction["device_model_state_bytes"] == pytest.approx(4 * model["num_params"])
+    assert prediction["model_state_bytes"] == prediction["device_model_state_bytes"] + prediction["host_model_state_bytes"]
     for log in run.ranks.values():
         steps = log.of_kind("step")
         assert len(steps) == 2

@@ -59,8 +59,8 @@ def frozen_param_count(engine: Any) -> int:
 def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: int = 1) -> dict[str, Any] | None:
     """The estimator's model-state bytes per rank for this run, with the formula and its inputs.
 
-    ``model_state_bytes`` counts every model state wherever it lives, as the estimator's formula
-    (what the profile's ``model_state_bytes`` measures without offload); with the optimizer offloaded
+    ``model_state_bytes`` counts every model state wherever it lives (what the profile's
+    ``model_state_bytes`` measures): the estimator's formula, or with the optimizer offloaded
     (the engine's ``offload``: not on a CPU device, where there is nothing to offload)
     ``device_model_state_bytes`` and ``host_model_state_bytes`` say where they live, what the records'
     ``model_state_bytes`` minus ``host_model_state_bytes`` and ``host_model_state_bytes`` measure.
@@ -89,11 +89,16 @@ def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: i
     if accumulator_held(inputs["stage"], config.accumulation_policy, accumulation_steps):
         formula += f" + {g}Ψ (local accumulator)"
     offloaded = offload_placement(engine)["offloaded"]
+    if offloaded:
+        formula += " with the K part" + (" and 4Ψ/N_d fp32 gradients" if inputs["stage"] >= 2 else "") + " on the host"
     host_inputs = {k: v for k, v in inputs.items() if k != "frozen_params"}
+    device = model_states_bytes(**inputs, offload_optimizer=offloaded)
+    host = model_states_cpu_bytes(**host_inputs, offload_optimizer=offloaded)
     return {
-        "model_state_bytes": model_states_bytes(**inputs),
-        "device_model_state_bytes": model_states_bytes(**inputs, offload_optimizer=offloaded),
-        "host_model_state_bytes": model_states_cpu_bytes(**host_inputs, offload_optimizer=offloaded),
+        # offloaded, the host holds gradients in fp32 (and an fp32 master in fp32 runs): the sum of both sides
+        "model_state_bytes": device + host if offloaded else model_states_bytes(**inputs),
+        "device_model_state_bytes": device,
+        "host_model_state_bytes": host,
         "formula": formula,
         "optimizer": kind,
         "inputs": inputs,
