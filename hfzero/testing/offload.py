@@ -52,6 +52,7 @@ def train_case(rank: int, world_size: int, case: OffloadCase, device: str = "cpu
     options = {} if case.fused is None else {"fused": case.fused}
     model, optimizer = hfzero.prepare(model, torch.optim.AdamW(param_groups(model), lr=1e-3, **options), config)
     engine = hfzero.get_engine(model)
+    early = _count_early_pushes(engine)
     losses, norms, skipped = [], [], []
     for step, batch in enumerate(token_batches(case.steps, 8, 16)):
         micro = micro_batches(batch.to(device), rank, world_size, case.accumulation)
@@ -75,6 +76,7 @@ def train_case(rank: int, world_size: int, case: OffloadCase, device: str = "cpu
         "losses": losses, "norms": norms, "skipped": skipped, "params": params,
         "offloaded": offload is not None,
         "pushed": offload.pushed if offload is not None else 0,
+        "early_pushes": early[0],
         "device_grad_shard": engine.reducer.grad_shard is not None,
         "host_roles": {k.value: v for k, v in engine.host_memory_by_role().items()},
         "fused": [g.get("fused") for g in optimizer.inner.param_groups],
@@ -86,6 +88,23 @@ def train_case(rank: int, world_size: int, case: OffloadCase, device: str = "cpu
         },
         "copy_stream": offload is not None and offload.copy_stream is not None,
     }
+
+
+def _count_early_pushes(engine: hfzero.ZeroEngine) -> list[int]:
+    """Count gradient copies issued while backward still had gradients to compute (overlap with backward):
+    pushes made before every parameter of the pass had received its gradient."""
+    early = [0]
+    if engine.offload is None:
+        return early
+    push, total = engine.offload.push, len(engine.layout.slots)
+
+    def counting(bucket, reduced):
+        if len(engine.reducer._fired) < total:
+            early[0] += 1
+        return push(bucket, reduced)
+
+    engine.offload.push = counting
+    return early
 
 
 def train_cases(rank: int, world_size: int, cases: list[OffloadCase], device: str = "cpu") -> list[dict[str, Any]]:
