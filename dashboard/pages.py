@@ -192,7 +192,8 @@ def view_estimator(settings: dict[str, int]) -> None:
     with right:
         dtype = st.selectbox("parameter / gradient dtype", ["bf16", "fp16", "fp32"], key="est_dtype")
         optimizer = st.selectbox("optimizer", ["adam", "adamw", "sgd_momentum", "sgd"], key="est_optimizer")
-        offload = st.checkbox("optimizer states offloaded to CPU (device bytes only)", key="est_offload")
+        offload = st.checkbox("ZeRO-Offload (device bytes only: optimizer states, and gradients from stage 2, on the host)",
+                              key="est_offload")
         stage = st.selectbox("stage", list(est.STAGES), index=3, key="est_stage",
                              format_func=lambda s: f"{s} ({est.STAGE_NAMES[s]})")
         memory_gb = st.number_input("device memory (GB = 1e9 bytes)", min_value=0.1, value=32.0, key="est_memory")

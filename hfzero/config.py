@@ -108,7 +108,11 @@ class ZeroConfig:
     several backward passes per step it did, by ~2% per step). See [Note: host allocator]."""
 
     offload_optimizer: bool = False
-    """Keep fp32 master weights and optimizer states on the CPU (the parameters stay on their device)."""
+    """ZeRO-Offload: keep the shard's fp32 master weights, optimizer states and (stages 2-3) fp32
+    gradients in host memory, pinned, with asynchronous copies overlapped with backward and the
+    all-gather, and step on the host (fused CPU AdamW where torch has it); the parameters stay on their
+    device. On a CPU device there is nothing to offload: said once, the ordinary path runs. See
+    docs/engine.md, "ZeRO-Offload"."""
 
     loss_scale: float = 0.0
     """fp16 only: a fixed loss scale, or 0 for dynamic loss scaling."""

@@ -303,6 +303,7 @@ def _fill(plan: _Plan, scope: Scope, optimizer: ZeroOptimizer, engine: ZeroEngin
     keys = manifest["optimizer"]["state_keys"]
     inner = engine.optimizer
     optimizer.zero_grad()
+    engine.wait_host_copies()  # offload: the host writes master weights and states below
     states: list[dict[str, Any]] = []
     for bucket, view in zip(engine.layout.buckets, engine.master_views):
         old = inner.state.get(view, {})

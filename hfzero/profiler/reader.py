@@ -204,7 +204,7 @@ def _header_problem(header: dict[str, Any]) -> str | None:
     if prediction is not None:
         if not isinstance(prediction, dict):
             return f"prediction is {_short(prediction)}, not an object"
-        for key in ("model_state_bytes", "device_model_state_bytes"):
+        for key in ("model_state_bytes", "device_model_state_bytes", "host_model_state_bytes"):
             if prediction.get(key) is not None and not _is_number(prediction[key]):
                 return f"prediction.{key} is {_short(prediction[key])}, not a number"
         if prediction.get("formula") is not None and not isinstance(prediction["formula"], str):
@@ -288,16 +288,17 @@ def _parse_record(path: Path, number: int, raw: bytes) -> Record:
 
 def _record_problem(record: Record) -> str | None:
     """What is wrong with the types of the record's keys the readers use, or None (unknown keys pass)."""
-    for key in ("roles", "allocator", "allocator_max", "comm", "phase_seconds"):
+    for key in ("roles", "host_roles", "allocator", "allocator_max", "comm", "phase_seconds"):
         if record.get(key) is not None and not isinstance(record[key], dict):
             return f"{key} is {_short(record[key])}, not an object"
-    for key, value in (record.get("roles") or {}).items():
-        if not _is_number(value):
-            return f"roles.{key} is {_short(value)}, not a number"
+    for part in ("roles", "host_roles"):
+        for key, value in (record.get(part) or {}).items():
+            if not _is_number(value):
+                return f"{part}.{key} is {_short(value)}, not a number"
     for kind, stats in (record.get("comm") or {}).items():
         if not isinstance(stats, dict) or not all(_is_number(stats.get(f, 0)) for f in COMM_FIELDS):
             return f"comm.{kind} is {_short(stats)}, not an object of numbers {list(COMM_FIELDS)}"
-    for key in ("model_state_bytes", "seconds"):
+    for key in ("model_state_bytes", "host_model_state_bytes", "seconds"):
         if record.get(key) is not None and not _is_number(record[key]):
             return f"{key} is {_short(record[key])}, not a number"
     for key in ("phase", "edge", "event"):
@@ -352,7 +353,8 @@ def summarize(run: Run) -> dict[str, Any]:
     Returns a dict with top-level ``stage``, ``world_size``, ``run_id``, ``model_class``,
     ``num_params``, ``prediction`` (or None), ``warnings`` and ``ranks``: one entry per rank file with
     ``model_state_bytes`` (peak over all records of the sum of the model-state roles),
-    ``predicted_model_state_bytes`` and ``ratio`` (measured / predicted, None without a prediction),
+    ``host_model_state_bytes`` (the same for the part offloaded to host memory; None in profiles that
+    predate it), ``predicted_model_state_bytes`` and ``ratio`` (measured / predicted, None without a prediction),
     ``roles_peak`` (per role maximum), ``allocator_peak`` (maximum of each numeric allocator field),
     ``comm_per_step`` (mean per step record, per collective kind), ``comm_elements_per_step`` (all
     kinds), ``steps`` (step records), ``step_seconds`` (median), ``truncated`` and ``stopped``.
@@ -384,6 +386,7 @@ def summarize(run: Run) -> dict[str, Any]:
 
 def _summarize_rank(log: RankLog, predicted: float | None) -> dict[str, Any]:
     measured = _max_or_none(r.get("model_state_bytes") for r in log.records)
+    host = _max_or_none(r.get("host_model_state_bytes") for r in log.records)
     steps = log.of_kind("step")
     roles_peak: dict[str, int] = {}
     allocator_peak: dict[str, float] = {}
@@ -402,6 +405,7 @@ def _summarize_rank(log: RankLog, predicted: float | None) -> dict[str, Any]:
         "dp_rank": (log.start or {}).get("dp_rank"),
         "steps": len(steps),
         "model_state_bytes": measured,
+        "host_model_state_bytes": host,
         "predicted_model_state_bytes": predicted,
         "ratio": ratio,
         "roles_peak": roles_peak,

@@ -304,6 +304,8 @@ class ZeroProfiler:
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._roles_max: dict[str, int] = {}
         self._model_state_max = 0
+        self._host_roles_max: dict[str, int] = {}
+        self._host_model_state_max = 0
         self._allocator_max: dict[str, float] = {}
         self._peak: dict[str, Any] | None = None
 
@@ -321,7 +323,11 @@ class ZeroProfiler:
         for role, nbytes in record["roles"].items():
             self._roles_max[role] = max(self._roles_max.get(role, 0), nbytes)
         self._model_state_max = max(self._model_state_max, record["model_state_bytes"])
-        split = decompose(record["roles"], record["allocator"], _MODEL_STATE_KEYS)  # See [Note: peak decomposition]
+        for role, nbytes in record["host_roles"].items():
+            self._host_roles_max[role] = max(self._host_roles_max.get(role, 0), nbytes)
+        self._host_model_state_max = max(self._host_model_state_max, record["host_model_state_bytes"])
+        # See [Note: peak decomposition]
+        split = decompose(record["roles"], record["allocator"], _MODEL_STATE_KEYS, record["host_roles"])
         if split is not None and (self._peak is None or split["total"] > self._peak["total"]):
             self._peak = {**split, "phase": phase, "edge": edge}
         for key, value in record["allocator"].items():
@@ -350,6 +356,8 @@ class ZeroProfiler:
             "micro_batches": max(self._micro.values(), default=0),
             "roles": dict(self._roles_max),
             "model_state_bytes": self._model_state_max,
+            "host_roles": dict(self._host_roles_max),
+            "host_model_state_bytes": self._host_model_state_max,
             "allocator": allocator,
             "allocator_max": dict(self._allocator_max),
             "peak": self._peak_record(allocator),
@@ -371,12 +379,16 @@ class ZeroProfiler:
             if source is not None:
                 held.update(source.memory_by_role())
         roles = {getattr(role, "value", role): int(nbytes) for role, nbytes in held.items()}
+        host_held = getattr(self.engine, "host_memory_by_role", dict)()  # offloaded states (see runtime/offload.py)
+        host_roles = {getattr(role, "value", role): int(nbytes) for role, nbytes in host_held.items()}
         comm = self.engine.comm.stats()
         record = {
             "kind": kind, "step": self.step, "phase": phase, "t": round(now - self._t0, _ROUND), **self._coords,
             **extra,
             "roles": roles,
             "model_state_bytes": sum(b for r, b in roles.items() if r in _MODEL_STATE_KEYS),
+            "host_roles": host_roles,
+            "host_model_state_bytes": sum(b for r, b in host_roles.items() if r in _MODEL_STATE_KEYS),
             "allocator": self.probe.sample(),
             "comm": _comm_delta(comm, self._comm_last),
         }

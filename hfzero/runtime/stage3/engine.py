@@ -259,10 +259,16 @@ class Stage3Engine(ZeroEngine):
     def publish_params(self) -> None:
         """Copy master slices into the parameter shard; all-gather only the persistent parameters.
 
-        Partitioned parameters stay sharded after the step: the next forward gathers them.
+        Partitioned parameters stay sharded after the step: the next forward gathers them. Offloaded,
+        the copies into the shard are asynchronous and every later gather is ordered after them (see
+        [Note: offload copies]).
         """
         self.scheduler.release_all()
-        if self.policy.separate_master:
+        if self.offload is not None:
+            self.offload.begin_upload()
+            for bucket, master in zip(self.layout.buckets, self.master_views):
+                self.offload.upload(bucket, master, self._owned_param(bucket))
+        elif self.policy.separate_master:
             for bucket, master in zip(self.layout.buckets, self.master_views):
                 self._owned_param(bucket).copy_(master)
         handles = [self.comm.all_gather(self._persistent_full[b.index], self._shard_views[b.index], async_op=True)
