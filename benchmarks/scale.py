@@ -108,17 +108,41 @@ def _formula_saving(num_params: int, world: int, stage: int) -> float:
 
 
 def _largest(rows: list[dict], world: int, memory: float) -> dict[str, float]:
-    """Per system: peak = a + b Ψ fitted over the sizes run; the Ψ at which world ranks fill ``memory``."""
+    """Per system: peak = a + b Psi through its two largest sizes run (the slope where the model states
+    dominate: hfzero's transient buffers grow with Psi up to their cap, so a line through the smallest
+    size overstates its slope); the Psi at which ``world`` ranks fill ``memory``."""
     out = {}
     for system in dict.fromkeys(r["system"] for r in rows):
-        points = [(r["num_params"], r["peak_by_step"][-1]) for r in rows if r["system"] == system]
+        points = sorted((r["num_params"], r["peak_by_step"][-1]) for r in rows if r["system"] == system)
         if len(points) < 2:
             continue
-        (x0, y0), (x1, y1) = points[0], points[-1]
+        (x0, y0), (x1, y1) = points[-2], points[-1]
         b = (y1 - y0) / (x1 - x0)
         a = y0 - b * x0
-        out[system] = {"bytes_per_param": b, "fixed_bytes": a, "largest_params": (memory / world - a) / b}
+        out[system] = {"bytes_per_param": b, "fixed_bytes": a, "largest_params": (memory / world - a) / b,
+                       "fitted_sizes": [x0, x1]}
     return out
+
+
+def _fits(rows: list[dict], system: str, size: str, world: int) -> tuple[bool, float]:
+    """Whether ``system`` at ``size`` is predicted (from its sizes measured so far) to fit in the memory
+    available now; (True, 0) when there is nothing to predict from."""
+    points = sorted((r["num_params"], r["peak_by_step"][-1]) for r in rows if r["system"] == system)
+    if len(points) < 2:
+        return True, 0.0
+    hidden, layers = SIZES[size]
+    params = VOCAB * hidden + 128 * hidden + layers * 12 * hidden * hidden
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    need = world * (y1 + (y1 - y0) / (x1 - x0) * (params - x1))
+    return need < 0.9 * _status_meminfo("MemAvailable"), need
+
+
+def _status_meminfo(key: str) -> int:
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _check(rank: int, world: int, num_params: float) -> dict[str, Any]:
@@ -151,11 +175,31 @@ def main() -> None:
     parser.add_argument("--memory-gib", type=float, default=24.0, help="host memory for the largest-model table")
     parser.add_argument("--check-largest", type=float, default=0.0,
                         help="run hfzero stage 3 at this fraction of its predicted largest model (0: skip)")
+    parser.add_argument("--check-params", type=float, default=0.0,
+                        help="run hfzero stage 3 (init_sharded) at this many parameters instead (0: skip)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
+    parser.add_argument("--reuse", nargs="*", default=[],
+                        help="JSON files of earlier runs (same world and steps): their rows are reused, not re-run")
     args = parser.parse_args()
     rows = []
+    for path in args.reuse:
+        with open(path, encoding="utf-8") as f:
+            earlier = json.load(f)
+        if (earlier["args"]["world"], earlier["args"]["steps"]) != (args.world, args.steps):
+            raise SystemExit(f"{path}: measured with world {earlier['args']['world']}, steps "
+                             f"{earlier['args']['steps']}; this run uses {args.world}, {args.steps}")
+        rows += [r for r in earlier["rows"] if not any((q["system"], q["size"]) == (r["system"], r["size"]) for q in rows)]
+    args.sizes = list(dict.fromkeys([r["size"] for r in rows] + args.sizes))
+    args.sizes.sort(key=lambda size: SIZES[size][0] ** 2 * SIZES[size][1])
     for size in args.sizes:
         for system in args.systems:
+            if any((r["system"], r["size"]) == (system, size) for r in rows):
+                continue
+            fits, need = _fits(rows, system, size, args.world)
+            if not fits:
+                print(f"{size} {system}: skipped, predicted {need / 2**30:.1f} GiB for {args.world} ranks is more "
+                      f"than 90% of the memory available now", flush=True)
+                continue
             row = _measure(system, size, args.world, args.steps)
             if row is None:
                 print(f"{system}: not installed, skipped", flush=True)
@@ -187,16 +231,17 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
     memory = args.memory_gib * 2**30
     largest = _largest(rows, args.world, memory)
     if largest:
-        print(f"\nlargest model on {args.memory_gib:g} GiB with {args.world} ranks (peak = a + b Psi fitted over "
-              f"{', '.join(args.sizes)}; activations as above)")
+        print(f"\nlargest model on {args.memory_gib:g} GiB with {args.world} ranks (peak = a + b Psi through each "
+              f"system's two largest sizes; activations as above)")
         ddp = largest.get("ddp", {}).get("largest_params")
         for system, fit in largest.items():
             ratio = f"{fit['largest_params'] / ddp:5.2f}x DDP" if ddp else ""
+            sizes = "-".join(f"{x / 1e6:.0f}M" for x in fit["fitted_sizes"])
             print(f"  {system:<11} {fit['bytes_per_param']:6.2f} B/param + {fit['fixed_bytes'] / 1e6:6.0f} MB "
-                  f"-> {fit['largest_params'] / 1e6:8.0f}M parameters {ratio}")
+                  f"-> {fit['largest_params'] / 1e6:8.0f}M parameters {ratio} (fit {sizes})")
     check = None
-    if args.check_largest and "zero3" in largest:
-        target = args.check_largest * largest["zero3"]["largest_params"]
+    if args.check_params or (args.check_largest and "zero3" in largest):
+        target = args.check_params or args.check_largest * largest["zero3"]["largest_params"]
         check = run_distributed(_check, args.world, target, timeout=3600)
         worst = max(c["peak_rss"] for c in check)
         print(f"\ncheck: hfzero stage 3 (init_sharded) at {check[0]['num_params'] / 1e6:.0f}M parameters: "
