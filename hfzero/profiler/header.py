@@ -133,3 +133,33 @@ def build_header(*, run_id: str, engine: Any, model: torch.nn.Module, optimizer:
         "profiler": {"every_n_steps": every_n_steps, "cuda_snapshot": cuda_snapshot},
         "prediction": predict(engine, optimizer, accumulation_steps),
     }
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def activation_prediction(model: torch.nn.Module, engine: Any, batch_size: int, seq_len: int,
+                          device: torch.device) -> dict[str, Any] | None:
+    """The activation model's figures for this run (``hfzero.estimate.decoder_activation_bytes``) at
+    the first recorded forward's (batch, sequence), or None (logged) when the model is not a
+    transformers decoder the model knows. Reads attributes only."""
+    from hfzero import estimate as est
+
+    config = getattr(model, "config", None)
+    dtype = next((_DTYPE_NAMES.get(p.dtype) for p in model.parameters() if p.is_floating_point()), None)
+    if config is None or dtype is None:
+        logger.debug("no activation prediction: %s has no config or no floating-point parameter", type(model).__name__)
+        return None
+    zero = engine.config
+    checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
+    try:
+        shape = est.DecoderShape.from_hf_config(config)
+        estimate = est.decoder_activation_bytes(
+            shape, seq_len, batch_size, dtype=dtype, attention=getattr(config, "_attn_implementation", None),
+            checkpointing=checkpointing, tp=int(getattr(zero, "tp_size", 1) or 1),
+            partition=checkpointing and bool(getattr(zero, "partition_activations", False)),
+            cpu=checkpointing and bool(getattr(zero, "cpu_checkpointing", False)), device=device.type)
+    except est.EstimateError as err:
+        logger.info("no activation prediction for %s: %s", type(model).__name__, err)
+        return None
+    return estimate.to_dict()
