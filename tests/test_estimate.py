@@ -307,9 +307,21 @@ def test_cli_config_and_activations(capsys, tmp_path) -> None:
     out = _run_json(capsys, "--config", str(tmp_path), "--dp", "2", "--seq-len", "64", "--batch-size", "4",
                     "--checkpointing")
     assert out["params"] == est.params_from_config(tmp_path)
-    expected = est.activation_bytes(est.TransformerShape.from_hf_config(tmp_path), 64, 4, checkpointing=True)
+    shape = est.DecoderShape.from_hf_config(tmp_path)
+    expected = est.decoder_activation_bytes(shape, 64, 4, checkpointing=True)
     assert out["activations"]["total_bytes"] == pytest.approx(expected.total)
     assert out["activations"]["checkpointing"] is True
+    paper = est.activation_bytes(est.TransformerShape.from_hf_config(tmp_path), 64, 4, checkpointing=True,
+                                 fused_attention=True)  # sdpa, the default attention
+    assert out["activations"]["korthikanti_total_bytes"] == pytest.approx(paper.total)
+    out = _run_json(capsys, "--config", str(tmp_path), "--seq-len", "64", "--batch-size", "4", "--checkpointing",
+                    "--tp", "2", "--partition-activations", "--cpu-checkpointing", "--attention", "eager")
+    expected = est.decoder_activation_bytes(shape, 64, 4, checkpointing=True, tp=2, partition=True, cpu=True,
+                                            attention="eager")
+    assert out["activations"]["checkpoint_bytes"] == 0
+    assert expected.checkpoints_host > 0
+    assert out["activations"]["checkpoint_host_bytes"] == pytest.approx(expected.checkpoints_host)
+    assert out["activations"]["total_bytes"] == pytest.approx(expected.total)
 
 
 def test_cli_table(capsys) -> None:
