@@ -105,3 +105,50 @@ def test_estimator_checkpoint_policies() -> None:
         est.decoder_activation_bytes(shape, seq, batch, checkpointing=True, partition=True)
     with pytest.raises(est.EstimateError, match="enable checkpointing"):
         est.decoder_activation_bytes(shape, seq, batch, tp=2, cpu=True)
+
+
+def _tp_worker(rank: int, world: int, root: str) -> dict:
+    """tp=2 (dp=1) Llama, stage 2: one profiled step without checkpointing, with, and with P_a."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hfzero.parallel.tensor import prepare_tensor_parallel
+
+    out = {}
+    for name, checkpointing, partition in (("plain", False, False), ("ckpt", True, False), ("pa", True, True)):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+        model = LlamaForCausalLM(config).float().train()
+        model.config.use_cache = False
+        zero = hfzero.ZeroConfig(stage=2, tp_size=2, partition_activations=partition)
+        model, optimizer, _ = prepare_tensor_parallel(model, lambda params: torch.optim.SGD(params, lr=0.1), zero)
+        if checkpointing:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+        with ZeroProfiler(model, optimizer, f"{root}/{name}"):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.distributed.barrier()  # both rank files are complete
+        if rank == 0:
+            run = load_run(f"{root}/{name}")
+            out[name] = {"roles": [log.of_kind("step")[0]["roles"] for log in run.ranks.values()],
+                         "predicted": run.header["activation_prediction"]}
+    return out
+
+
+@pytest.mark.slow  # one spawn of 2 ranks: ~10 s on 2 cores
+def test_tensor_parallel_activations_and_partitioned_checkpoints(tmp_path) -> None:
+    """At tp=2 the measured activations follow the estimator's /tp split, and P_a halves the checkpoints."""
+    from hfzero.testing.spawn import run_distributed
+
+    out = run_distributed(_tp_worker, 2, str(tmp_path), timeout=300)[0]
+    for name, case in out.items():
+        assert case["predicted"]["inputs"]["tp"] == 2 and case["predicted"]["inputs"]["partition"] == (name == "pa")
+        for roles in case["roles"]:  # both TP ranks
+            measured = roles.get("activations", 0) + roles.get("act_checkpoint", 0)
+            assert measured == pytest.approx(case["predicted"]["saved"], rel=0.10), (name, roles)
+    full, part = out["ckpt"]["roles"][0]["act_checkpoint"], out["pa"]["roles"][0]["act_checkpoint"]
+    assert full == LAYERS * 4 * SEQ * BATCH * 64 and part == full // 2

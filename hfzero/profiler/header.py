@@ -151,7 +151,8 @@ def activation_prediction(model: torch.nn.Module, engine: Any, batch_size: int, 
         logger.debug("no activation prediction: %s has no config or no floating-point parameter", type(model).__name__)
         return None
     zero = engine.config
-    checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
+    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    checkpointing = bool(getattr(model, flag, False))  # transformers 5 renamed it (the old name warns)
     try:
         shape = est.DecoderShape.from_hf_config(config)
         estimate = est.decoder_activation_bytes(
