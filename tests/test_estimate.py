@@ -342,12 +342,24 @@ def test_cli_table(capsys) -> None:
     (["--config", "/no/such/dir"], "not found"),
     (["--params", "1e9", "--seq-len", "8", "--batch-size", "1"], "needs the model's shape"),
     (["--params", "1e9", "--dtype", "fp8"], "unknown dtype"),
+    (["--params", "1e9", "--partition-activations"], "need --seq-len and --batch-size"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv: list[str], message: str) -> None:
     assert main(["estimate", *argv]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.count("\n") == 1 and message in captured.err and "Traceback" not in captured.err
+
+
+def test_cli_activation_options_need_checkpointing_and_tp(capsys, tmp_path) -> None:
+    _tiny_gpt2().save_pretrained(tmp_path)
+    shape = ["--config", str(tmp_path), "--seq-len", "8", "--batch-size", "1"]
+    for extra, message in ((["--cpu-checkpointing"], "enable checkpointing too"),
+                           (["--checkpointing", "--partition-activations"], "nothing to partition"),
+                           (["--device", "tpu"], "--device must be cuda or cpu")):
+        assert main(["estimate", *shape, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
 
 
 def test_cli_corrupt_config_is_one_line_and_exit_2(capsys, tmp_path) -> None:
