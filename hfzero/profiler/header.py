@@ -141,14 +141,18 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 def activation_prediction(model: torch.nn.Module, engine: Any, batch_size: int, seq_len: int,
                           device: torch.device) -> dict[str, Any] | None:
     """The activation model's figures for this run (``hfzero.estimate.decoder_activation_bytes``) at
-    the first recorded forward's (batch, sequence), or None (logged) when the model is not a
-    transformers decoder the model knows. Reads attributes only."""
+    the first recorded forward's (batch, sequence), or None (logged) when the model is not a whole
+    transformers decoder the model knows (a pipeline stage holds only some layers). Reads attributes
+    only."""
+    from transformers import PreTrainedModel
+
     from hfzero import estimate as est
 
     config = getattr(model, "config", None)
     dtype = next((_DTYPE_NAMES.get(p.dtype) for p in model.parameters() if p.is_floating_point()), None)
-    if config is None or dtype is None:
-        logger.debug("no activation prediction: %s has no config or no floating-point parameter", type(model).__name__)
+    if not isinstance(model, PreTrainedModel) or config is None or dtype is None:
+        # e.g. a pipeline stage: it carries the whole model's config but holds some of its layers
+        logger.debug("no activation prediction: %s is not a whole transformers model", type(model).__name__)
         return None
     zero = engine.config
     flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
