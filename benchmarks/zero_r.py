@@ -10,7 +10,8 @@
    ``--steps`` steps in a fresh process per variant (the glibc mmap threshold is process-wide), with
    glibc's dynamic mmap threshold and with hfzero's fixed 1 MiB one (see [Note: host allocator]): peak
    RSS (VmHWM) growth from step 2 to the last step, RSS at the last step's end, and the heap's
-   free-but-held bytes and fraction (mallinfo2) at the last step's end.
+   free-but-held bytes and fraction of the arena (mallinfo2) in the last step at the forward's end
+   (checkpoints held) and at the step's end.
 
     python benchmarks/zero_r.py [--steps 12] [--seq 128] [--batch 4] [--json OUT]
 
@@ -158,12 +159,16 @@ def _md_worker(rank: int, world: int, threshold: int, contiguous: bool, args: di
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-    steps = load_run(run_dir).ranks[0].of_kind("step")
+    log = load_run(run_dir).ranks[0]
+    steps = log.of_kind("step")
     last = steps[-1]["allocator"]
+    live = [r for r in log.of_kind("phase") if r["step"] == steps[-1]["step"] and r["phase"] == "forward"
+            and r["edge"] == "end"][0]["allocator"]  # the checkpoints are held here
     return {"peak_rss_step2": steps[1]["allocator"]["rss_peak"], "peak_rss_last": last["rss_peak"],
             "rss_last": last["rss"], "heap_arena": last["heap_arena"], "heap_free": last["heap_free"],
-            "fragmentation": last["fragmentation"], "checkpoint_bytes": max(s["roles"].get("act_checkpoint", 0)
-                                                                           for s in steps)}
+            "fragmentation": last["fragmentation"], "heap_free_live": live["heap_free"],
+            "fragmentation_live": live["fragmentation"],
+            "checkpoint_bytes": max(s["roles"].get("act_checkpoint", 0) for s in steps)}
 
 
 def fragmentation_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -232,8 +237,9 @@ def main() -> None:
         print(_table(result["fragmentation"], [
             ("allocator", "host allocator"), ("MD", "MD"), ("checkpoint_bytes", "checkpoints"),
             ("peak_rss_step2", "peak RSS step 2"), ("peak_rss_last", "peak RSS last"),
-            ("peak_rss_growth", "growth"), ("rss_last", "RSS at end"), ("heap_free", "heap free"),
-            ("fragmentation", "heap free / arena")]))
+            ("peak_rss_growth", "growth"), ("rss_last", "RSS at end"), ("heap_free_live", "heap free, fwd end"),
+            ("fragmentation_live", "free / arena, fwd end"), ("heap_free", "heap free, step end"),
+            ("fragmentation", "free / arena, step end")]))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
 
