@@ -6,8 +6,9 @@ transient communication roles (gradient staging buckets ``grad_bucket``; at stag
 units ``param_gathered`` and the idle gather buffers ``comm_buffer``) must be equal within one bucket
 for both models, while the model states grow with Ψ. Roles are sampled at phase boundaries; the
 reducer's staging pool and the stage-3 gather pool keep their buffers for reuse (idle ones reported as
-``comm_buffer``), so the sum at a boundary is the high-water mark of what the gathers and buckets used. Depth, not width, is what grows here: a
-stage-3 unit is one layer, and a wider layer is a larger unit, which the gathered bytes cannot go below.
+``comm_buffer``), so the sum at a boundary is the high-water mark of what the gathers and buckets
+used. Depth, not width, is what grows here: a stage-3 unit is one layer, and a wider layer is a
+larger unit, which the gathered bytes cannot go below.
 One spawn for all four runs.
 """
 
@@ -74,6 +75,7 @@ def test_transient_comm_memory_is_constant_in_model_size(peaks, stage: int) -> N
     states = [sum(run.get(r, 0) for r in STATE_ROLES) for run in (small, large)]
     assert states[1] > 3 * states[0]  # model states grow with the model ...
     comm = [sum(run.get(r, 0) for r in COMM_ROLES) for run in (small, large)]
-    assert comm[0] > 0 and abs(comm[1] - comm[0]) <= 4 * BUCKET, (stage, small, large)  # ... buffers do not (one fp32 bucket)
+    # ... the buffers do not: equal within one fp32 bucket
+    assert comm[0] > 0 and abs(comm[1] - comm[0]) <= 4 * BUCKET, (stage, small, large)
     if stage == 3:
         assert small.get("param_gathered", 0) > 0 and large.get("param_gathered", 0) > 0
