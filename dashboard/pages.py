@@ -14,6 +14,7 @@ from pathlib import Path
 import streamlit as st
 
 from dashboard import data, estimator, figures
+from dashboard import pipeline as pipeline_view
 from dashboard.data import LoadedRun
 from hfzero import estimate as est
 from hfzero.logging import get_logger
@@ -154,6 +155,26 @@ def view_comm(loaded: LoadedRun, settings: dict[str, int]) -> None:
                "all-reduces (gradient clipping, overflow checks) come on top.")
 
 
+def view_pipeline(loaded: LoadedRun, settings: dict[str, int]) -> None:
+    """Per pipeline stage: memory by role, the bubble and the communication beside the cost model; one
+    step's schedule as busy spans per rank."""
+    assert loaded.run is not None
+    st.plotly_chart(pipeline_view.pipeline_figure(loaded.run), width="stretch")
+    frame = pipeline_view.stage_frame(loaded.run)
+    if frame.empty:
+        return
+    st.dataframe(frame, hide_index=True)
+    st.caption("Bubble: per stage, the time the rank waited inside the schedule (receives, sends, scheduling) "
+               "over the time it ran its own actions (forwards, loss, backwards, the end-of-step dp reduction), "
+               "median over steps and the stage's ranks; (P-1)/(vM) is the cost model's. Host wall times: on a "
+               "shared CPU machine contention inflates both. dp elements: the engine's collectives (the paper's "
+               "volume convention); P2P: the activations and gradients the stage sent / received.")
+    steps = pipeline_view.steps_with_spans(loaded.run)
+    if steps:
+        step = st.selectbox("Schedule of step", steps, index=len(steps) - 1, key="pipeline_step")
+        st.plotly_chart(pipeline_view.schedule_figure(loaded.run, step), width="stretch")
+
+
 def view_compare(runs: list[LoadedRun], settings: dict[str, int]) -> None:
     """Several runs side by side."""
     good = [r for r in runs if r.run is not None]
@@ -182,7 +203,8 @@ def view_estimator(settings: dict[str, int]) -> None:
     with right:
         dtype = st.selectbox("parameter / gradient dtype", ["bf16", "fp16", "fp32"], key="est_dtype")
         optimizer = st.selectbox("optimizer", ["adam", "adamw", "sgd_momentum", "sgd"], key="est_optimizer")
-        offload = st.checkbox("optimizer states offloaded to CPU (device bytes only)", key="est_offload")
+        offload = st.checkbox("ZeRO-Offload (device bytes only: optimizer states, and gradients from stage 2, on the host)",
+                              key="est_offload")
         stage = st.selectbox("stage", list(est.STAGES), index=3, key="est_stage",
                              format_func=lambda s: f"{s} ({est.STAGE_NAMES[s]})")
         memory_gb = st.number_input("device memory (GB = 1e9 bytes)", min_value=0.1, value=32.0, key="est_memory")
@@ -243,6 +265,7 @@ RUN_VIEWS: dict[str, Callable[[LoadedRun, dict[str, int]], None]] = {
     "Timeline": view_timeline,
     "Fragmentation": view_fragmentation,
     "Communication": view_comm,
+    "Pipeline stages": view_pipeline,
 }
 """Views of one run."""
 

@@ -87,7 +87,9 @@ def resolve_auto_stage(config: ZeroConfig, model: nn.Module, optimizer: torch.op
     rows = est.stage_table(trainable, world_size, budget, activation_bytes=activations,
                            accumulation=getattr(config, "accumulation", "auto"), accumulation_steps=accumulation_steps,
                            param_bytes=p_bytes, grad_bytes=g_bytes, optimizer_k=k, persistent_params=persistent,
-                           frozen_params=frozen, offload_optimizer=config.offload_optimizer)
+                           frozen_params=frozen,
+                           # on a CPU device nothing is offloaded (see runtime/offload.py): host memory is the budget
+                           offload_optimizer=config.offload_optimizer and device.type != "cpu")
     table = est.format_stage_table(rows, budget)
     stage = est.pick_stage(rows, budget)
     logger.info("zero_stage auto: stage %d for Ψ=%s trainable + %s frozen parameters on %d rank(s), batch %s "

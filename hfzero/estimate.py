@@ -239,15 +239,21 @@ def model_states_bytes(
     Stage 0 (p+g+K)Ψ, stage 1 (p+g)Ψ + KΨ/N_d, stage 2 pΨ + (g+K)Ψ/N_d, stage 3 (p+g+K)Ψ/N_d, with
     Ψ = num_params / mp and N_d = dp, plus p Ψ_f for frozen parameters (p Ψ_f / N_d at stage 3); see
     ``model_states_breakdown`` for ``persistent_params`` and ``frozen_params``.
-    With ``offload_optimizer`` the K part lives in CPU memory (``model_states_cpu_bytes``) and is
-    left out here.
+    With ``offload_optimizer`` (ZeRO-Offload, see runtime/offload.py) the K part lives in host memory
+    (``model_states_cpu_bytes``), and so do the gradients from stage 2 (accumulated there in fp32): the
+    device keeps the parameters, the full gradients at stages 0-1 and a "local" accumulator.
     """
     parts = model_states_breakdown(
         num_params, dp, stage, mp=mp, param_bytes=param_bytes, grad_bytes=grad_bytes,
         optimizer_k=optimizer_k, persistent_params=persistent_params, frozen_params=frozen_params,
         accumulation_steps=accumulation_steps, accumulation=accumulation,
     )
-    return parts.params + parts.grads + (0.0 if offload_optimizer else parts.optimizer)
+    if not offload_optimizer:
+        return parts.params + parts.grads + parts.optimizer
+    if stage < _SHARDED_FROM_STAGE["grads"]:
+        return parts.params + parts.grads
+    held = accumulator_held(stage, accumulation, accumulation_steps)
+    return parts.params + (grad_bytes * num_params / mp if held else 0.0)
 
 
 def model_states_cpu_bytes(
@@ -264,16 +270,23 @@ def model_states_cpu_bytes(
     accumulation_steps: int = 1,
     accumulation: str = "auto",
 ) -> float:
-    """CPU bytes per rank of model states: the K part (KΨ, or KΨ/N_d from stage 1) when
-    ``offload_optimizer`` is set, else 0. Same arguments as ``model_states_bytes`` (the accumulation
-    ones change nothing here: an accumulator lives with the gradients, on the device)."""
+    """Host bytes per rank of model states when ``offload_optimizer`` is set, else 0: the K part (KΨ,
+    or KΨ/N_d from stage 1), plus 4 bytes of fp32 master weights per element of the slice when K has
+    none (``param_bytes`` >= 4: an fp32 parameter is its own master on the device, but the host steps a
+    copy), plus from stage 2 the gradients, accumulated on the host in fp32 (4Ψ/N_d). What the engine
+    holds in host memory, ``ZeroEngine.host_memory_by_role()``, as model states. Same arguments as
+    ``model_states_bytes`` (the accumulation ones change nothing here: an accumulator stays on the device)."""
     if not offload_optimizer:
         _check_layout(dp, stage, mp)
         return 0.0
-    return model_states_breakdown(
+    parts = model_states_breakdown(
         num_params, dp, stage, mp=mp, param_bytes=param_bytes, grad_bytes=grad_bytes,
         optimizer_k=optimizer_k, persistent_params=persistent_params,
-    ).optimizer
+    )
+    psi = num_params / mp
+    master = 4.0 * psi / _shard_divisor("optimizer", stage, dp) if param_bytes >= 4 else 0.0
+    grads = 4.0 * psi / dp if stage >= _SHARDED_FROM_STAGE["grads"] else 0.0
+    return parts.optimizer + master + grads
 
 
 def max_params(

@@ -88,3 +88,33 @@ def test_mismatched_configs_across_ranks():
     messages = run_distributed(_mismatched, 2, timeout=120)
     for message in messages:
         assert "ranks disagree" in message and "stage=1 (rank 0: 2)" in message, message
+
+
+def test_tensor_parallel_bad_input_is_a_clear_error():
+    """tp not dividing the launch's world (refused before any process starts) or the (key/value) attention
+    heads; a model without a TP plan through the same path the Trainer takes (the message says how to give
+    one). P_a without TP: tests/test_activations.py."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hfzero.integrations.launch import plan
+    from hfzero.parallel.tensor import check_heads, shard_model_and_optimizer
+
+    script = str(Path(__file__).resolve().parent / "scripts" / "llama_trainer.py")
+    with pytest.raises(hfzero.ConfigError, match="tp_size=3 does not divide the world size 4; use a divisor"):
+        plan(["--nproc_per_node", "4", script, "--zero_tp_size", "3"], environ={})
+    assert plan(["--nproc_per_node", "4", script, "--zero_tp_size", "2"], environ={}).env["HFZERO_TP_SIZE"] == "2"
+    with pytest.raises(hfzero.ConfigError, match="--zero_tp_size and --zero_pp_size cannot be combined yet"):
+        plan(["--nproc_per_node", "4", script, "--zero_tp_size", "2", "--zero_pp_size", "2"], environ={})
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=24, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=6, num_key_value_heads=2))
+    with pytest.raises(hfzero.ConfigError, match="tp_size=4 does not divide num_attention_heads=6 of LlamaForCausalLM"):
+        check_heads(llama, 4)
+    with pytest.raises(hfzero.ConfigError, match="tp_size=3 does not divide num_key_value_heads=2"):
+        check_heads(llama, 3)
+    gpt2 = tiny_causal_lm("gpt2")
+    with pytest.raises(hfzero.ConfigError, match="GPT2LMHeadModel has no tensor-parallel plan.*Give one: "
+                                                 "config.base_model_tp_plan = .*parallelize_module"):
+        shard_model_and_optimizer(gpt2, torch.optim.SGD(gpt2.parameters(), lr=0.1), SimpleNamespace(tp_size=2))

@@ -340,6 +340,87 @@ def test_cli_command_line(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# The pipeline view (synthetic pp=2 x dp=1 profile, format 2, exact figures)
+# --------------------------------------------------------------------------------------------------
+
+PP_BUSY = {0: 0.8, 1: 0.6}
+"""Busy seconds per pp rank in every synthetic step; the window is 1 s, so idle = 1 - busy."""
+PP_P2P = 4096
+
+
+def write_pp_run(path: Path, steps: int = 2) -> Path:
+    """A synthetic pp=2 x dp=1 run (ZeRO-1 over a dp group of one: Ψ_s = PSI per stage)."""
+    path.mkdir(parents=True, exist_ok=True)
+    states = model_state_roles(1, 1)
+    header = {"format_version": 2, "run_id": "pp", "world_size": 1, "global_world_size": 2, "stage": 1,
+              "model": {"class": "Tiny", "num_params": PSI}, "prediction": None,
+              "pipeline": {"pp": 2, "dp": 1, "schedule": "1F1B", "n_micro": 4, "stages_per_rank": 1, "num_stages": 2,
+                           "zero_stage": 1, "accumulation": "local", "stage3_gather": None, "bubble_estimate": 0.25,
+                           "ranks": [{"pp_rank": r, "global_ranks": [r], "stages": [r], "params": PSI, "tied": 0,
+                                      "blocks": 1, "model_states_by_role": dict(states),
+                                      "model_state_bytes": sum(states.values()), "comm_elements_per_step": {}}
+                                     for r in (0, 1)]}}
+    (path / "header.json").write_text(json.dumps(header))
+    for rank in (0, 1):
+        coords = {"pp_rank": rank, "dp_rank": 0}
+        base = {"roles": states, "model_state_bytes": sum(states.values()), "comm": {}, **coords,
+                "allocator": _allocator(allocated_at(rank, 0, 0))}
+        records = [{"kind": "event", "step": 0, "phase": None, "t": 0.0, "event": "start", "format_version": 2,
+                    "run_id": "pp", "rank": rank, "global_world_size": 2, "dp_rank": 0, "world_size": 1,
+                    "stages": [rank], **base}]
+        for step in range(steps):
+            busy = PP_BUSY[rank]
+            spans = [["forward", rank, m, 0.1 * m, 0.1 * m + busy / 8] for m in range(4)]
+            spans += [["backward", rank, m, 0.5 + 0.1 * m, 0.5 + 0.1 * m + busy / 8] for m in range(4)]
+            clock = {"wall_seconds": 1.0, "busy_seconds": busy, "idle_seconds": 1.0 - busy,
+                     "bubble_fraction": (1.0 - busy) / busy, "idle_fraction": 1.0 - busy, "n_micro": 4,
+                     "micro_shape": [2, 16], "actions": {"forward": 4, "backward": 4}, "stages": [rank],
+                     "bubble_estimate": 0.25, "spans": spans,
+                     "p2p": {"send": {"calls": 4, "bytes": PP_P2P}, "recv": {"calls": 4, "bytes": PP_P2P}},
+                     "p2p_estimate": {"send": PP_P2P, "recv": PP_P2P}}
+            records.append({"kind": "step", "step": step, "phase": None, "t": step + 1.0, "seconds": 1.0,
+                            "micro_batches": 4, **base, "allocator_max": _allocator(1), "pipeline": clock})
+        records.append({"kind": "event", "step": steps, "phase": None, "t": steps + 1.0, "event": "stop", **base})
+        (path / f"rank-{rank}.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+def test_pipeline_view_tables_and_figures(tmp_path: Path) -> None:
+    from dashboard import pipeline as view
+
+    loaded = data.load(write_pp_run(tmp_path / "pp"))
+    assert loaded.error is None and loaded.run.warnings == []
+    frame = view.stage_frame(loaded.run)
+    assert list(frame["pp rank"]) == [0, 1] and list(frame["ranks"]) == ["0", "1"]
+    assert list(frame["bubble idle/busy"]) == pytest.approx([0.25, 0.4 / 0.6])
+    assert list(frame["(P-1)/(vM)"]) == [0.25, 0.25] and list(frame["idle/wall"]) == pytest.approx([0.2, 0.4])
+    states = sum(model_state_roles(1, 1).values())
+    assert list(frame["model states (B)"]) == [states, states] == list(frame["cost model (B)"])
+    assert list(frame["P2P sent (B)/step"]) == [PP_P2P] * 2 == list(frame["P2P cost model (B)"])
+    fig = view.pipeline_figure(loaded.run)
+    assert decode(trace(fig, "measured idle / busy (median)").y) == pytest.approx([0.25, 0.4 / 0.6])
+    assert list(decode(trace(fig, "(P - 1)/(vM)").y)) == [0.25, 0.25]
+    # measured beside the cost model, per stage: [pp0 measured, pp0 cost model, pp1 measured, pp1 cost model]
+    assert list(decode(trace(fig, "param_full").y)) == [2 * PSI] * 4
+    assert list(decode(trace(fig, "P2P sent").y)) == [PP_P2P] * 2
+    assert "pp=2 x dp=1, 1F1B, 4 micro-batches" in fig.layout.title.text
+    assert view.steps_with_spans(loaded.run) == [0, 1]
+    schedule = view.schedule_figure(loaded.run, 1)
+    forward = [t for t in schedule.data if t.name == "forward"]
+    assert len(forward) == 8 and sorted(round(float(t.x[0]), 6) for t in forward)[::4] == [0.075, 0.1]
+    # a run without pipeline: one explanatory figure, an empty table
+    plain = data.load(write_run(tmp_path / "plain"))
+    assert view.stage_frame(plain.run).empty
+    assert "not a pipeline-parallel run" in view.pipeline_figure(plain.run).layout.title.text
+
+
+def test_pipeline_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    app = run_page([write_pp_run(tmp_path / "pp")], "Pipeline stages", monkeypatch)
+    assert not app.error and "Pipeline stages: pp=2 x dp=1" in page_titles(app)
+    assert "Schedule of step 1" in page_titles(app) and len(app.dataframe) == 1
+
+
+# --------------------------------------------------------------------------------------------------
 # The Streamlit pages
 # --------------------------------------------------------------------------------------------------
 
@@ -365,6 +446,7 @@ def page_titles(app: Any) -> str:
 
 EXPECTED_TITLES = {"Memory by role": "Bytes by role", "Timeline": "Memory over steps", "Fragmentation":
                    "Fragmentation over time", "Communication": "Communication per step",
+                   "Pipeline stages": "Pipeline stages",
                    "Compare runs": "Runs side by side", "Estimator": "Per-device model-state memory"}
 
 
@@ -438,6 +520,13 @@ def _profile_tiny_model(rank: int, world_size: int, root: str) -> None:
                 model(input_ids=tokens, labels=tokens).loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
+    # pp=2 x dp=1: the custom-loop pipeline API under the profiler
+    model = tiny_causal_lm("llama", hidden=32, layers=2)
+    pipe = hfzero.pipeline(model, torch.optim.AdamW(model.parameters(), lr=1e-3), hfzero.ZeroConfig(stage=2),
+                           pp_size=2, n_microbatches=2)
+    with ZeroProfiler(pipe, None, f"{root}/pipeline"):
+        for batch in token_batches(2, 4, 16):
+            pipe.train_step(batch)
 
 
 @pytest.fixture(scope="module")
@@ -460,10 +549,17 @@ def test_real_profile_figures_and_pages(real_runs: Path, monkeypatch: pytest.Mon
                                   stage=stage)
         ratio = float(fig.layout.title.text.rsplit("=", 1)[1])
         assert 1.0 <= ratio < 1.1  # padding and the clipping all-reduce come on top of 2Ψ / 3Ψ
+    from dashboard import pipeline as pipeline_view
+
+    piped = data.load(real_runs / "pipeline")
+    assert piped.error is None and piped.run.warnings == [] and sorted(piped.run.ranks) == [0, 1]
+    frame = pipeline_view.stage_frame(piped.run)
+    assert list(frame["steps"]) == [2, 2] and list(frame["P2P sent (B)/step"]) == list(frame["P2P cost model (B)"])
+    assert list(frame["(P-1)/(vM)"]) == [0.5, 0.5] and (frame["bubble idle/busy"] >= 0).all()
     from dashboard.pages import VIEWS
 
     for view in VIEWS:
-        for index in (0, 1):
+        for index in (0, 1, 2):
             app = run_page([real_runs], view, monkeypatch, run_index=index)
             assert not app.error and EXPECTED_TITLES[view] in page_titles(app), view
 

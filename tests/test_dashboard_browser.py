@@ -29,6 +29,7 @@ VIEW_MARKERS: dict[str, str] = {
     "Timeline": "Memory over steps and phases",
     "Fragmentation": "Fragmentation over time",
     "Communication": "Communication per step",
+    "Pipeline stages": "Pipeline stages",
     "Compare runs": "Runs side by side",
     "Estimator": "Per-device model-state memory by data-parallel degree",
 }
@@ -36,10 +37,12 @@ VIEW_MARKERS: dict[str, str] = {
 
 SCREENSHOT_NAMES: dict[str, str] = {
     "Memory by role": "memory_by_role", "Timeline": "timeline", "Fragmentation": "fragmentation",
-    "Communication": "communication", "Compare runs": "compare_runs", "Estimator": "estimator",
+    "Communication": "communication", "Pipeline stages": "pipeline_stages", "Compare runs": "compare_runs",
+    "Estimator": "estimator",
 }
 
-VIEW_HEIGHTS: dict[str, int] = {"Timeline": 1900, "Fragmentation": 1300, "Compare runs": 1500, "Estimator": 1900}
+VIEW_HEIGHTS: dict[str, int] = {"Timeline": 1900, "Fragmentation": 1300, "Pipeline stages": 1700, "Compare runs": 1500,
+                                "Estimator": 1900}
 """Window heights for the screenshots (Streamlit scrolls inside its own container, so the window sets
 how much of a view a screenshot holds)."""
 
@@ -149,13 +152,17 @@ def page_problems(driver: Any) -> list[str]:
     return problems
 
 
-def capture(run_dirs: list[str], out_dir: Path, tools: tuple[str, str]) -> dict[str, list[str]]:
-    """Serve ``run_dirs``, visit every view, save ``<view>.png`` into ``out_dir``; problems per view."""
+def capture(run_dirs: list[str], out_dir: Path, tools: tuple[str, str],
+            views: list[str] | None = None) -> dict[str, list[str]]:
+    """Serve ``run_dirs``, visit every view (or ``views``), save ``<view>.png`` into ``out_dir``; problems
+    per view."""
     out_dir.mkdir(parents=True, exist_ok=True)
     found: dict[str, list[str]] = {}
     with serve(run_dirs) as url, chromium(tools) as driver:
         driver.get(url)
         for view, name in SCREENSHOT_NAMES.items():
+            if views is not None and view not in views:
+                continue
             driver.set_window_size(1500, VIEW_HEIGHTS.get(view, 1200))
             show_view(driver, view)
             found[view] = page_problems(driver)
@@ -168,7 +175,7 @@ def test_every_view_renders_in_chromium(tmp_path: Path) -> None:
     tools = browser_tools()
     if isinstance(tools, str):
         pytest.skip(tools)
-    from tests.test_dashboard import write_run
+    from tests.test_dashboard import write_pp_run, write_run
 
     parent = tmp_path / "runs"
     for stage in (0, 1, 2):
@@ -177,6 +184,10 @@ def test_every_view_renders_in_chromium(tmp_path: Path) -> None:
     assert problems == {view: [] for view in SCREENSHOT_NAMES}
     for name in SCREENSHOT_NAMES.values():
         assert (tmp_path / "shots" / f"{name}.png").stat().st_size > 10_000
+    # a pipeline-parallel run: the pipeline view's four panels and its schedule chart
+    pp = write_pp_run(tmp_path / "pp")
+    assert capture([str(pp)], tmp_path / "pp_shots", tools, views=["Pipeline stages"]) == {"Pipeline stages": []}
+    assert (tmp_path / "pp_shots" / "pipeline_stages.png").stat().st_size > 10_000
 
 
 if __name__ == "__main__":

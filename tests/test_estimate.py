@@ -140,12 +140,21 @@ def test_persistent_parameters_cost_full_parameter_bytes_at_stage3_only() -> Non
 
 
 @pytest.mark.parametrize("stage", est.STAGES)
-def test_offload_moves_exactly_the_k_part_to_cpu(stage: int) -> None:
-    device = est.model_states_bytes(7.5e9, 64, stage, offload_optimizer=True)
-    cpu = est.model_states_cpu_bytes(7.5e9, 64, stage, offload_optimizer=True)
-    assert device + cpu == pytest.approx(est.model_states_bytes(7.5e9, 64, stage), rel=1e-12)
-    assert cpu == pytest.approx(12 * 7.5e9 / (64 if stage >= 1 else 1))
-    assert est.model_states_cpu_bytes(7.5e9, 64, stage) == 0.0
+def test_offload_moves_the_k_part_and_from_stage_2_the_fp32_gradients_to_the_host(stage: int) -> None:
+    psi, n = 7.5e9, 64
+    device = est.model_states_bytes(psi, n, stage, offload_optimizer=True)
+    cpu = est.model_states_cpu_bytes(psi, n, stage, offload_optimizer=True)
+    grads_moved = 2 * psi / n if stage >= 2 else 0.0  # bf16 gradient shard leaves the device ...
+    assert device == pytest.approx(est.model_states_bytes(psi, n, stage) - 12 * psi / (n if stage >= 1 else 1)
+                                   - grads_moved, rel=1e-12)
+    assert cpu == pytest.approx(12 * psi / (n if stage >= 1 else 1) + 2 * grads_moved)  # ... and lands in fp32
+    assert est.model_states_cpu_bytes(psi, n, stage) == 0.0
+    # fp32: the device parameters were their own master; offloaded, the host steps an fp32 copy of the slice
+    fp32 = dict(param_bytes=4, grad_bytes=4, optimizer_k=8, offload_optimizer=True)
+    assert est.model_states_cpu_bytes(psi, n, 1, **fp32) == pytest.approx((8 + 4) * psi / n)
+    # a "local" accumulator stays on the device
+    local = est.model_states_bytes(psi, n, 2, offload_optimizer=True, accumulation="local", accumulation_steps=4)
+    assert local == pytest.approx(2 * psi + 2 * psi)
 
 
 def test_choose_stage_picks_the_smallest_stage_that_fits() -> None:
@@ -299,7 +308,8 @@ def test_cli_json_options(capsys) -> None:
                     "--offload-optimizer", "--memory", "40e9")
     assert out["bytes_per_param"] == {"param_bytes": 4, "grad_bytes": 4, "optimizer_k": 0}
     assert out["model_states_bytes"]["1"] == pytest.approx(4e9)  # (4 + 4) * 1e9 / 2
-    assert out["model_states_cpu_bytes"]["1"] == 0.0 and out["auto_stage"] == 0
+    # sgd has no state, but offloaded the host steps an fp32 master copy of the slice: 4 * 1e9 / 2 / 4
+    assert out["model_states_cpu_bytes"]["1"] == pytest.approx(0.5e9) and out["auto_stage"] == 0
 
 
 def test_cli_config_and_activations(capsys, tmp_path) -> None:

@@ -48,3 +48,27 @@ def test_bad_run_dir_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Captu
     assert captured.out == ""
     assert len(captured.err.strip().splitlines()) == 1
     assert captured.err.startswith("hfzero profile summary: error: ") and str(root) in captured.err
+
+
+def test_summary_of_a_pipeline_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A format-2 pp=2 x dp=1 run: per-rank predictions are the stage's, and a per-stage table follows."""
+    from test_dashboard import PP_P2P, write_pp_run
+
+    root = write_pp_run(tmp_path / "pp")
+    assert main(["profile", "summary", str(root), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(r["rank"], r["pp_rank"], r["ratio"]) for r in out["ranks"]] == [(0, 0, 1.0), (1, 1, 1.0)]
+    assert [s["bubble_fraction"] for s in out["pipeline"]] == pytest.approx([0.25, 0.4 / 0.6])
+    assert [s["p2p_bytes_per_step"] for s in out["pipeline"]] == [{"send": PP_P2P, "recv": PP_P2P}] * 2
+    assert main(["profile", "summary", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "per pipeline stage" in lines[1] and lines[-4].startswith("pipeline stages")
+    assert lines[-3].split()[:2] == ["pp", "rank"] and lines[-1].split()[6:8] == ["0.667", "0.250"]
+
+
+def test_version_1_profile_reads_as_a_run_without_pipeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = _write_run(tmp_path / "run", {0: _good_records(0), 1: _good_records(1)})
+    assert json.loads((root / "header.json").read_text())["format_version"] == 1
+    assert main(["profile", "summary", str(root), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pipeline"] is None and [r["pp_rank"] for r in out["ranks"]] == [0, 0]

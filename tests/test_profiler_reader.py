@@ -144,7 +144,7 @@ def test_malformed_header(tmp_path: Path) -> None:
         load_run(root)
 
 
-@pytest.mark.parametrize("version, message", [(None, "no format_version"), (2, "unknown format_version 2")])
+@pytest.mark.parametrize("version, message", [(None, "no format_version"), (3, "unknown format_version 3")])
 def test_foreign_or_future_header(tmp_path: Path, version: int | None, message: str) -> None:
     header = _header()
     if version is None:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hfzero.checkpoint.errors import CheckpointError
+from hfzero.checkpoint.tensor_parallel import refuse_sharded_frozen, replicated_names, tp_info
 from hfzero.comm import Communicator
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.prepare import get_engine
@@ -142,6 +143,8 @@ class Scope:
         configs: an object with the HF ``config`` / ``generation_config`` rank 0 writes.
         pipeline: this rank's pipeline coordinates for the manifest (None without a pipeline): pp and dp
             sizes, schedule, ``stages`` (the stage indices it runs).
+        tensor_parallel: tp and dp sizes for the manifest under tensor parallelism (None without); see
+            [Note: tensor-parallel checkpoints] in tensor_parallel.py.
     """
 
     module: nn.Module
@@ -158,6 +161,7 @@ class Scope:
     frozen_file: str = "frozen.safetensors"
     configs: Any = None
     pipeline: dict[str, Any] | None = None
+    tensor_parallel: dict[str, int] | None = None
 
     @property
     def spans_stages(self) -> bool:
@@ -169,10 +173,25 @@ def scope_of(model: Any, optimizer: torch.optim.Optimizer) -> tuple[ZeroEngine, 
     """The engine and the checkpoint scope of ``model``: a prepared model or a ``hfzero.pipeline`` Pipeline."""
     engine = engine_of(model, optimizer)
     groups = list(range(len(engine.optimizer.param_groups)))
-    if not _is_pipeline(model):
-        return engine, Scope(model, engine.comm, engine.rank, engine.world_size, lambda n: n, groups, len(groups),
-                             writes_frozen=engine.rank == 0, configs=model)
-    return engine, _pipeline_scope(model, engine, groups)
+    if _is_pipeline(model):
+        return engine, _pipeline_scope(model, engine, groups)
+    if tp_info(model) is not None:
+        return engine, _tensor_parallel_scope(model, engine, groups)
+    return engine, Scope(model, engine.comm, engine.rank, engine.world_size, lambda n: n, groups, len(groups),
+                         writes_frozen=engine.rank == 0, configs=model)
+
+
+def _tensor_parallel_scope(model: nn.Module, engine: ZeroEngine, groups: list[int]) -> Scope:
+    """See [Note: tensor-parallel checkpoints] in tensor_parallel.py: every rank of the dp x tp world writes a
+    file; parameters replicated over TP are written by TP rank 0's ranks only."""
+    import torch.distributed as dist
+
+    tp, tp_rank, dp = tp_info(model)
+    refuse_sharded_frozen(model)
+    world = engine.comm.on_group(dist.group.WORLD, share_stats=False)
+    skip = frozenset(replicated_names(engine)) if tp_rank > 0 else frozenset()
+    return Scope(model, world, dist.get_rank(), dist.get_world_size(), lambda n: n, groups, len(groups), skip=skip,
+                 writes_frozen=dist.get_rank() == 0, configs=model, tensor_parallel={"tp_size": tp, "dp_size": dp})
 
 
 def _pipeline_scope(pipe: Any, engine: ZeroEngine, groups: list[int]) -> Scope:

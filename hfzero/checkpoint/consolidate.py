@@ -24,7 +24,7 @@ import torch
 from hfzero.checkpoint import format as fmt
 from hfzero.checkpoint.errors import CheckpointError
 from hfzero.checkpoint.save import swap_into_place
-from hfzero.checkpoint.stream import (TensorEntry, dtype_from_name, dtype_name, fsync_dir, read_tensor,
+from hfzero.checkpoint.stream import (TensorEntry, dtype_from_name, dtype_name, fsync_dir, read_range, read_tensor,
                                       write_bytes_durably, write_safetensors)
 from hfzero.logging import get_logger
 
@@ -121,12 +121,14 @@ def _tensors(directory: Path, manifest: dict[str, Any], shard: list[_Source]) ->
         if source.name in manifest["params"]:
             pieces = manifest["params"][source.name]["pieces"]
             key = fmt.master_key(source.name)
-            if len(pieces) == 1:  # saved whole by one rank: no assembly buffer
+            if len(pieces) == 1 and not pieces[0].get("at"):  # saved whole by one rank: no assembly buffer
                 full = read_tensor(directory / pieces[0]["file"], key)
             else:
                 full = torch.empty(math.prod(source.entry.shape), dtype=master)  # (numel,) fp32
-                for piece in pieces:
-                    full[piece["start"]: piece["end"]] = read_tensor(directory / piece["file"], key)
+                for piece in pieces:  # a piece's data starts at its ``at`` in the file's tensor (TP runs)
+                    at = piece.get("at", 0)
+                    full[piece["start"]: piece["end"]] = read_range(directory / piece["file"], key, at,
+                                                                    at + piece["end"] - piece["start"])
             tensor = full.view(source.entry.shape)
         else:
             tensor = read_tensor(directory / manifest["frozen"][source.name]["file"], source.name)

@@ -261,6 +261,7 @@ def _check_param(name: str, p: dict[str, Any], files: dict[str, Any]) -> None:
         _typed(piece, dict, f"a piece of {name!r}")
         _int(piece["start"], f"a piece start of {name!r}")
         _int(piece["end"], f"a piece end of {name!r}")
+        _int(piece.get("at", 0), f"a piece's 'at' of {name!r}")
         if not isinstance(piece["file"], str) or piece["file"] not in files:
             raise ValueError(f"parameter {name!r} refers to unlisted file {_short(piece['file'])}")
     covered = 0
@@ -342,11 +343,11 @@ def expected_tensors(manifest: dict[str, Any]) -> dict[str, dict[str, tuple[int,
     out: dict[str, dict[str, tuple[int, ...]]] = {}
     keys = manifest["optimizer"]["state_keys"]
     for name, p in manifest["params"].items():
-        for piece in p["pieces"]:
+        for piece in p["pieces"]:  # a file's tensor of ``name`` ends where its last piece ends (``at``: TP runs)
             mine = out.setdefault(piece["file"], {})
-            mine[master_key(name)] = (piece["end"] - piece["start"],)
-            for key in keys:
-                mine[state_key(key, name)] = (piece["end"] - piece["start"],)
+            size = piece.get("at", 0) + piece["end"] - piece["start"]
+            for key in [master_key(name)] + [state_key(k, name) for k in keys]:
+                mine[key] = (max(size, mine.get(key, (0,))[0]),)
     for name, f in manifest["frozen"].items():
         out.setdefault(f["file"], {})[name] = tuple(f["shape"])
     return out

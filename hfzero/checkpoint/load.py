@@ -33,6 +33,7 @@ from hfzero.checkpoint.common import Inventory, Scope, agree, gather_json, inven
 from hfzero.checkpoint.errors import CheckpointError
 from hfzero.checkpoint.ranges import ParamRange, held_ranges
 from hfzero.checkpoint.stream import read_range, read_tensor
+from hfzero.checkpoint.tensor_parallel import Run, whole_runs, whole_shape
 from hfzero.logging import get_logger
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.optimizer import ZeroOptimizer
@@ -51,6 +52,7 @@ class _Plan:
     manifest: dict[str, Any]
     inventory: Inventory
     ranges: list[ParamRange]
+    runs: list[list[Run]]  # per range: where it sits in the whole parameter (see tensor_parallel.py)
     scalars: list[dict[str, Any]]  # per bucket: decoded scalar optimizer state
     hyper: list[dict[str, Any]]  # per param group: decoded hyper-parameters the optimizer has
     rng_tensors: dict[str, torch.Tensor] | None
@@ -158,9 +160,11 @@ def _validate(directory: Path, scope: Scope, inv: Inventory, held: dict[str, lis
         except Exception as exc:  # noqa: BLE001 - safetensors' own error types
             raise CheckpointError(f"{path}: cannot read its RNG states ({exc})") from exc
         rng.check(rng_tensors, manifest["ranks"][scope.rank]["rng"], engine.device)
-    ranges = [dataclasses.replace(r, name=_source(manifest, scope, r.name))
-              for r in held_ranges(engine.layout, engine.rank)]
-    return _Plan(resolved, manifest, inv, ranges, scalars, hyper, rng_tensors)
+    params = {slot.name: slot.param for slot in engine.layout.slots.values()}
+    held = held_ranges(engine.layout, engine.rank)
+    runs = [whole_runs(params[r.name], r.start, r.end) for r in held]
+    ranges = [dataclasses.replace(r, name=_source(manifest, scope, r.name)) for r in held]
+    return _Plan(resolved, manifest, inv, ranges, runs, scalars, hyper, rng_tensors)
 
 
 def _frozen_shape(engine: ZeroEngine, tensor: torch.Tensor) -> torch.Size:
@@ -185,7 +189,8 @@ def _match_model(directory: Path, manifest: dict[str, Any], inv: Inventory, held
         if unexpected:
             problems.append(f"{label} in the checkpoint the model does not have: {_listing(unexpected)}")
     # the layout's shape, not p.shape: a stage-3 parameter is a 0-element tensor between uses
-    logical = {_source(manifest, scope, n): tuple(engine.layout.slots[p].shape) for n, p in inv.trainable.items()}
+    logical = {_source(manifest, scope, n): tuple(whole_shape(p, engine.layout.slots[p].shape))
+               for n, p in inv.trainable.items()}
     shapes = [f"{n} (checkpoint {tuple(saved[n]['shape'])}, model {shape})"
               for n, shape in logical.items() if n in saved and tuple(saved[n]["shape"]) != shape]
     frozen_now = {_source(manifest, scope, n): tuple(_frozen_shape(engine, t)) for n, (t, _) in inv.frozen.items()}
@@ -282,12 +287,14 @@ def _check_scaler(directory: Path, manifest: dict[str, Any], engine: ZeroEngine)
 # ---- applying -------------------------------------------------------------------------------------
 def _read_into(target: torch.Tensor, directory: Path, pieces: list[dict[str, Any]], key: str, start: int,
                end: int) -> None:
-    """Fill ``target`` (elements [start, end) of a flattened parameter) from the saved pieces covering it."""
+    """Fill ``target`` (elements [start, end) of a flattened parameter) from the saved pieces covering it
+    (a piece's data starts at its ``at`` in the file's tensor; see [Note: tensor-parallel checkpoints])."""
     for piece in pieces:
         a, b = max(start, piece["start"]), min(end, piece["end"])
         if a >= b:
             continue
-        data = read_range(directory / piece["file"], key, a - piece["start"], b - piece["start"])
+        at = piece.get("at", 0) - piece["start"]
+        data = read_range(directory / piece["file"], key, at + a, at + b)
         target[a - start: b - start].copy_(data)
 
 
@@ -296,6 +303,7 @@ def _fill(plan: _Plan, scope: Scope, optimizer: ZeroOptimizer, engine: ZeroEngin
     keys = manifest["optimizer"]["state_keys"]
     inner = engine.optimizer
     optimizer.zero_grad()
+    engine.wait_host_copies()  # offload: the host writes master weights and states below
     states: list[dict[str, Any]] = []
     for bucket, view in zip(engine.layout.buckets, engine.master_views):
         old = inner.state.get(view, {})
@@ -308,14 +316,14 @@ def _fill(plan: _Plan, scope: Scope, optimizer: ZeroOptimizer, engine: ZeroEngin
         state.update(plan.scalars[bucket.index])
         states.append(state)
     with torch.no_grad():
-        for r in plan.ranges:
+        for r, runs in zip(plan.ranges, plan.runs):
             pieces = manifest["params"][r.name]["pieces"]
-            view = engine.master_views[r.bucket]
-            _read_into(view[r.view_start: r.view_start + r.numel], directory, pieces, fmt.master_key(r.name),
-                       r.start, r.end)
-            for key in keys:
-                _read_into(states[r.bucket][key][r.view_start: r.view_start + r.numel], directory, pieces,
-                           fmt.state_key(key, r.name), r.start, r.end)
+            targets = [(engine.master_views[r.bucket], fmt.master_key(r.name))]
+            targets += [(states[r.bucket][key], fmt.state_key(key, r.name)) for key in keys]
+            for flat, key in targets:
+                mine = flat[r.view_start: r.view_start + r.numel]
+                for start, end, at in runs:
+                    _read_into(mine[at: at + end - start], directory, pieces, key, start, end)
         for name, (tensor, _) in plan.inventory.frozen.items():
             name = _source(manifest, scope, name)
             value = read_tensor(directory / manifest["frozen"][name]["file"], name)

@@ -40,6 +40,7 @@ from hfzero.checkpoint.errors import CheckpointError
 from hfzero.checkpoint.ranges import written_ranges
 from hfzero.checkpoint.stream import (TensorEntry, dtype_name, fsync_dir, write_bytes_durably,
                                       write_safetensors)
+from hfzero.checkpoint.tensor_parallel import whole_runs, whole_shape
 from hfzero.logging import get_logger
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.optimizer import ZeroOptimizer
@@ -156,9 +157,12 @@ def _write_rank_file(tmp: Path, engine: ZeroEngine, scope: Scope, optimizer: Zer
     """Write this rank's file (and its stage's frozen tensors if it writes them); return its report for
     the manifest: pieces, scalars, RNG, digests, and its part of the model's description."""
     keys, scalars = _split_state(engine)
-    ranges = [dataclasses.replace(r, name=scope.name(r.name))
-              for r in written_ranges(engine.layout, engine.rank, engine.world_size)]
-    ranges = [r for r in ranges if r.name not in scope.skip]
+    params = {slot.name: slot.param for slot in engine.layout.slots.values()}
+    ranges, runs = [], []  # runs: where each range sits in the whole parameter (several under TP: tensor_parallel.py)
+    for r in written_ranges(engine.layout, engine.rank, engine.world_size):
+        if scope.name(r.name) not in scope.skip:
+            runs.append(whole_runs(params[r.name], r.start, r.end))
+            ranges.append(dataclasses.replace(r, name=scope.name(r.name)))
     rng_tensors, rng_meta = rng.capture(engine.device)
     entries: list[TensorEntry] = []
     sources: list[tuple[torch.Tensor, int, int]] = []  # (flat source, start, end) per entry
@@ -175,7 +179,7 @@ def _write_rank_file(tmp: Path, engine: ZeroEngine, scope: Scope, optimizer: Zer
     # views of the live tensors: nothing is copied until write_safetensors streams each one out
     tensors = (src.reshape(-1)[a:b].reshape(e.shape) for (src, a, b), e in zip(sources, entries))
     written = {r.name for r in ranges}
-    shapes = {scope.name(s.name): list(s.shape) for b in engine.layout.buckets for s in b.slots
+    shapes = {scope.name(s.name): list(whole_shape(s.param, s.shape)) for b in engine.layout.buckets for s in b.slots
               if scope.name(s.name) in written}
     metadata = {"format": "pt", "hfzero": fmt.FORMAT_NAME, fmt.SHAPES_METADATA: json.dumps(shapes)}
     digest = write_safetensors(tmp / name, entries, tensors, metadata=metadata)
@@ -185,8 +189,8 @@ def _write_rank_file(tmp: Path, engine: ZeroEngine, scope: Scope, optimizer: Zer
         files[scope.frozen_file] = frozen.pop("__file__")
     return {
         "file": name, "files": files, "state_keys": keys, "rng": rng_meta,
-        "pieces": [[r.name, r.start, r.end] for r in ranges],
-        "scalars": {r.name: scalars[r.bucket] for r in ranges if r.start == 0},
+        "pieces": [[r.name, start, end, at] for r, pieces in zip(ranges, runs) for start, end, at in pieces],
+        "scalars": {r.name: scalars[r.bucket] for r, pieces in zip(ranges, runs) if pieces[0][0] == 0},
         "frozen": frozen, "stages": scope.pipeline["stages"] if scope.pipeline else None,
         **_describe(engine, optimizer, scope, inv),
     }
@@ -199,7 +203,8 @@ def _describe(engine: ZeroEngine, optimizer: ZeroOptimizer, scope: Scope, inv: I
     for bucket in engine.layout.buckets:
         for slot in bucket.slots:
             if name(slot.name) not in scope.skip:
-                params[name(slot.name)] = {"shape": list(slot.shape), "dtype": dtype_name(slot.param.dtype),
+                params[name(slot.name)] = {"shape": list(whole_shape(slot.param, slot.shape)),
+                                           "dtype": dtype_name(slot.param.dtype),
                                            "group": scope.groups[bucket.group]}
     groups = []
     for index, group in enumerate(optimizer.param_groups):
@@ -263,8 +268,9 @@ def _manifest(engine: ZeroEngine, optimizer: ZeroOptimizer, scope: Scope, report
         aliases.update(report["aliases"])
         order += [n for n in report["order"] if n not in order]
     for report in reports:
-        for name, start, end in report["pieces"]:
-            params[name]["pieces"].append({"file": report["file"], "start": start, "end": end})
+        for name, start, end, at in report["pieces"]:
+            piece = {"file": report["file"], "start": start, "end": end}
+            params[name]["pieces"].append({**piece, "at": at} if at else piece)
         for name, scalars in report["scalars"].items():
             params[name]["scalars"] = scalars
     files = {name: info for r in reports for name, info in r["files"].items()}
@@ -282,6 +288,8 @@ def _manifest(engine: ZeroEngine, optimizer: ZeroOptimizer, scope: Scope, report
         "ranks": [{"file": r["file"], "rng": r["rng"]} for r in reports],
         "extra": extra,
     }
+    if scope.tensor_parallel is not None:
+        manifest["tensor_parallel"] = dict(scope.tensor_parallel)
     if scope.pipeline is not None:
         manifest["pipeline"] = {**{k: v for k, v in scope.pipeline.items() if k != "stages"},
                                 "stages_of_rank": [r["stages"] for r in reports]}

@@ -62,7 +62,8 @@ def register(subparsers: Any) -> None:
     layout.add_argument("--dtype", default="bf16", help="fp32 | bf16 | fp16 (default bf16)")
     layout.add_argument("--optimizer", default="adam", help="adam | adamw | sgd_momentum | sgd (default adam)")
     layout.add_argument("--offload-optimizer", action="store_true",
-                        help="master weights and optimizer states in CPU memory (reported separately)")
+                        help="ZeRO-Offload: master weights, optimizer states and, from stage 2, fp32 gradients in host "
+                             "memory (reported separately)")
     layout.add_argument("--persistent-params", metavar="N", default="0",
                         help="stage 3: parameters kept whole on every rank (default 0)")
     layout.add_argument("--accumulation-steps", metavar="N", default="1",
@@ -290,7 +291,7 @@ def _render(result: dict[str, Any]) -> str:
     lines = [
         f"dp {result['dp']}, mp {result['mp']}, {result['dtype']} + {result['optimizer']}: "
         f"{bpp['param_bytes']} + {bpp['grad_bytes']} + K={bpp['optimizer_k']} bytes per parameter"
-        + (", optimizer states offloaded to CPU" if result["offload_optimizer"] else "")
+        + (", optimizer states (and gradients from stage 2) offloaded to the host" if result["offload_optimizer"] else "")
         + (f", {result['accumulation_steps']} micro-batches per step (accumulation {result['accumulation']})"
            if result["accumulation_steps"] > 1 else ""),
     ]

@@ -54,7 +54,9 @@ def _render(summary: dict[str, Any]) -> str:
     lines = [f"run {summary['run_id']}: {summary['model_class']}, Ψ = {summary['num_params']:,}, "
              f"stage {summary['stage']}, N_d = {summary['world_size']}"]
     prediction = summary["prediction"]
-    if prediction:
+    if summary.get("pipeline"):
+        lines.append("predicted model states per rank: per pipeline stage (the stages table below)")
+    elif prediction:
         lines.append(f"predicted model states per rank: {_bytes(prediction['model_state_bytes'])} "
                      f"({prediction['formula']})")
     else:
@@ -72,7 +74,29 @@ def _render(summary: dict[str, Any]) -> str:
             _fixed(rank["step_seconds"], 4) + (" (crashed)" if rank["truncated"] else "")))
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    if summary.get("pipeline"):
+        lines += _render_stages(summary["pipeline"])
     return "\n".join(lines)
+
+
+def _render_stages(stages: list[dict[str, Any]]) -> list[str]:
+    """The per-stage table of a pipeline-parallel run (hfzero.profiler.stages.stage_table)."""
+    columns = ("pp rank", "ranks", "model states", "predicted", "bubble idle/busy", "(P-1)/(vM)", "idle/wall",
+               "dp elem/step", "predicted", "P2P sent/step", "P2P recv/step", "predicted")
+    rows = [columns]
+    for row in stages:
+        p2p, estimate = row["p2p_bytes_per_step"] or {}, row["p2p_estimate"] or {}
+        predicted_comm = row["predicted_comm_elements_per_step"]
+        rows.append((
+            str(row["pp_rank"]), ",".join(map(str, row["ranks"])), _bytes(row["model_state_bytes"]),
+            _bytes(row["predicted_model_state_bytes"]), _fixed(row["bubble_fraction"], 3),
+            _fixed(row["bubble_estimate"], 3), _fixed(row["idle_fraction"], 3),
+            f"{sum(row['comm_elements_per_step'].values()):,.0f}",
+            f"{sum(predicted_comm.values()):,.0f}" if predicted_comm is not None else "-",
+            _bytes(p2p.get("send")), _bytes(p2p.get("recv")), _bytes(estimate.get("send"))))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    return ["pipeline stages (medians over steps and ranks; bubble = idle / busy time in the schedule):",
+            *("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)]
 
 
 def _bytes(value: float | None) -> str:

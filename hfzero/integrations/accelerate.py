@@ -19,6 +19,10 @@ What changes against the base class, and why:
   optimizer (``self.pipeline``; the model object stays whole, this rank trains its stage), data loaders
   shard over the data-parallel replicas (the ranks of one pipeline read the same batches), clipping
   and ``get_state_dict`` span every stage. The training step is the pipeline's (ZeroTrainer runs it).
+- ``zero_config.tp_size`` > 1: ``prepare`` builds the dp x tp mesh, shards the model over tp with its
+  transformers TP plan (DTensor parameters), re-points the optimizer at them and prepares ZeRO over dp;
+  data loaders shard over the dp replicas (the TP ranks of one replica read the same batches) and
+  ``gather_for_metrics`` keeps one TP rank per replica, so evaluation sees a dp run's samples.
 - mixed precision: ``mixed_precision="bf16"|"fp16"`` sets ZeRO's dtype (16-bit parameters and
   gradients, fp32 master shards); accelerate's autocast stays off.
 """
@@ -43,11 +47,12 @@ from torch import nn
 from hfzero.autostage import auto_batch_from, default_seq_len, resolve_auto_stage
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.env import config_from_env
-from hfzero.integrations.state import (is_partitioned, load_optimizer_shards, save_optimizer_shards,
-                                      unwrap_optimizer)
+from hfzero.integrations.state import (load_optimizer_shards, needs_gathered_weights,
+                                      save_optimizer_shards, unwrap_optimizer)
 from hfzero.logging import get_logger
 from hfzero.parallel.mesh import check_sizes
 from hfzero.parallel.pipeline import Pipeline, PipelineConfig, pipeline
+from hfzero.parallel.tensor import check_tp_size, prepare_tensor_parallel
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.prepare import get_engine, prepare as zero_prepare
 from hfzero.runtime.stage3 import full_state_dict
@@ -149,9 +154,13 @@ class ZeroAccelerator(Accelerator):
                               "launch with `hfzero run` or plain torchrun instead")
         self.pipeline_config = pipeline_config if pipeline_config is not None and pipeline_config.pp_size > 1 \
             else None
+        if self.pipeline_config is not None and self.zero_config.tp_size > 1:
+            raise ConfigError("ZeroAccelerator: tensor parallelism (tp_size > 1) and pipeline parallelism "
+                              "(pp_size > 1) cannot be combined yet; use one of them")
         self.pipeline: Pipeline | None = None
         """The Pipeline of this rank, once prepare built it (with ``pipeline_config``)."""
         self._data_parallel_view = False
+        self._metrics_view = False
         self._zero_pairs: list[tuple[nn.Module, ZeroOptimizer]] = []
         self._zero_by_source: dict[int, ZeroOptimizer] = {}
         self._warned_clip = False
@@ -186,7 +195,8 @@ class ZeroAccelerator(Accelerator):
         if getattr(optimizer, "_is_accelerate_prepared", False) or unwrap_optimizer(optimizer) is not None:
             return super().prepare_optimizer(optimizer, device_placement=False)
         model = self._owner_of(optimizer)
-        self.zero_config = resolve_auto_stage(self.zero_config, model, optimizer, world_size=self.num_processes,
+        world = self.num_processes // self.zero_config.tp_size  # data-parallel replicas
+        self.zero_config = resolve_auto_stage(self.zero_config, model, optimizer, world_size=world,
                                               accumulation_steps=self.gradient_accumulation_steps,
                                               batch=self._activation_batch(model))
         if self.pipeline_config is not None:
@@ -194,6 +204,8 @@ class ZeroAccelerator(Accelerator):
                 raise ConfigError("ZeroAccelerator: pipeline parallelism prepares one model and optimizer")
             self.pipeline = pipeline(model, optimizer, self.zero_config, self.pipeline_config)
             zero = self.pipeline.optimizer  # the model stays whole; this rank trains its stage of it
+        elif self.zero_config.tp_size > 1:
+            model, zero, _ = prepare_tensor_parallel(model, optimizer, self.zero_config)
         else:
             model, zero = zero_prepare(model, optimizer, self.zero_config)
         self._zero_pairs.append((model, zero))
@@ -231,41 +243,74 @@ class ZeroAccelerator(Accelerator):
         self._zero_by_source = {}
         return super().free_memory(*objects)
 
-    # ---- data under pipeline parallelism --------------------------------------------------------
+    # ---- data under pipeline or tensor parallelism ----------------------------------------------
     @property
     def num_processes(self) -> int:
-        return self.pipeline_config_dp[0] if self._data_parallel_view else super().num_processes
+        return self.data_parallel_coords[0] if self._data_parallel_view else super().num_processes
 
     @property
     def process_index(self) -> int:
-        return self.pipeline_config_dp[1] if self._data_parallel_view else super().process_index
+        return self.data_parallel_coords[1] if self._data_parallel_view else super().process_index
 
     @property
-    def pipeline_config_dp(self) -> tuple[int, int]:
-        """(dp size, dp rank) of this rank under ``pipeline_config`` (rank = pp_rank * dp + dp_rank)."""
-        world = super().num_processes
-        dp = check_sizes(world, self.pipeline_config.pp_size)
-        return dp, super().process_index % dp
+    def _replicated(self) -> bool:
+        """Several ranks hold one data-parallel replica (pipeline stages, or TP ranks)."""
+        return self.pipeline_config is not None or self.zero_config.tp_size > 1
+
+    @property
+    def data_parallel_coords(self) -> tuple[int, int]:
+        """(dp size, dp rank) of this rank: under ``pipeline_config`` rank = pp_rank * dp + dp_rank; under
+        tensor parallelism rank = dp_rank * tp + tp_rank (see hfzero/parallel/tensor.py)."""
+        world, rank = super().num_processes, super().process_index
+        if self.pipeline_config is not None:
+            dp = check_sizes(world, self.pipeline_config.pp_size)
+            return dp, rank % dp
+        tp = self.zero_config.tp_size
+        return check_tp_size(world, tp), rank // tp
 
     def gather(self, tensor: Any) -> Any:
         """As accelerate's; under pipeline parallelism the ranks of one pipeline hold the same values (one
         replica's), so only the first stage's ranks (world ranks 0 .. dp-1, one per replica, in dp order)
-        are kept: what a data-parallel run of dp ranks gathers (losses, token counts, metrics)."""
+        are kept: what a data-parallel run of dp ranks gathers (losses, token counts, metrics).
+
+        Under tensor parallelism every rank is kept (the TP ranks of a replica hold equal copies): the
+        Trainer knows the TP degree (``ZeroTrainer.get_tp_size``) and divides its gathered token counts
+        by it, as for transformers' own TP; ``gather_for_metrics`` keeps TP rank 0 of each replica.
+        """
         gathered = super().gather(tensor)
-        if self.pipeline_config is None:
-            return gathered
-        pp = self.pipeline_config.pp_size
+        if self.pipeline_config is not None:
+            pp = self.pipeline_config.pp_size
+            return recursively_apply(lambda t: t[: t.shape[0] // pp] if t.dim() else t, gathered,
+                                     error_on_other_type=False)
+        if self._metrics_view and self.zero_config.tp_size > 1:
+            world, tp = super().num_processes, self.zero_config.tp_size
 
-        def first_stage(t: torch.Tensor) -> torch.Tensor:
-            return t[: t.shape[0] // pp] if t.dim() else t
+            def tp_rank0(t: torch.Tensor) -> torch.Tensor:  # world ranks 0, tp, 2 tp, ...: one per replica
+                if not t.dim():
+                    return t
+                per_rank = t.reshape(world, t.shape[0] // world, *t.shape[1:])  # (world, n, ...)
+                return per_rank[::tp].reshape(-1, *t.shape[1:])
 
-        return recursively_apply(first_stage, gathered, error_on_other_type=False)
+            return recursively_apply(tp_rank0, gathered, error_on_other_type=False)
+        return gathered
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """As accelerate's; under tensor parallelism with one TP rank per replica (a dp run's samples, so
+        the last batch's remainder is dropped at the right place)."""
+        if self.zero_config.tp_size > 1 and use_gather_object:
+            raise ConfigError("ZeroAccelerator: gather_for_metrics(use_gather_object=True) under tensor "
+                              "parallelism is not supported; gather tensors")
+        self._metrics_view = True
+        try:
+            return super().gather_for_metrics(input_data, use_gather_object)
+        finally:
+            self._metrics_view = False
 
     def prepare_data_loader(self, data_loader: Any, device_placement: bool | None = None,
                             slice_fn_for_dispatch: Any = None) -> Any:
-        """As accelerate's; under pipeline parallelism shard over the data-parallel replicas, not the ranks:
-        every rank of one pipeline reads the same batches."""
-        if self.pipeline_config is None:
+        """As accelerate's; under pipeline or tensor parallelism shard over the data-parallel replicas, not the
+        ranks: every rank of one replica reads the same batches."""
+        if not self._replicated:
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
         self._data_parallel_view = True
         try:
@@ -369,7 +414,7 @@ class ZeroAccelerator(Accelerator):
             return self.pipeline.full_state_dict(rank0_only=True)  # every stage's weights, on the main process
         if not _is_zero_model(model):
             return super().get_state_dict(model, unwrap=unwrap)
-        return full_state_dict(model, rank0_only=is_partitioned(model))
+        return full_state_dict(model, rank0_only=needs_gathered_weights(model))
 
     def _split_optimizers(self) -> tuple[list[Any], list[Any]]:
         zero = [opt for opt in self._optimizers if unwrap_optimizer(opt) is not None]

@@ -42,6 +42,8 @@ _MODULE_FLAG = "--hfzero-module"
 _CONFLICTS = ("--deepspeed", "--fsdp")
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 NOT_APPLIED_EXIT = 3
+_TP_WITH_PP = ("--zero_tp_size and --zero_pp_size cannot be combined yet (pipeline x tensor parallelism is not "
+               "built); use one of them")
 """Exit status of a worker (and of ``hfzero run``) whose script prepared no model with hfzero."""
 
 
@@ -159,6 +161,7 @@ def plan(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Launc
     _check_conflicts(script_args)
     profile_dir = options.pop("profile_dir", None)
     env = config_to_env(options)  # validates: raises ConfigError naming the field and the rule
+    _check_tp_size(options, args)
     if profile_dir is not None:
         env[PROFILE_DIR_ENV] = profile_dir
     if not args.module and not os.path.isfile(args.training_script):
@@ -172,6 +175,19 @@ def plan(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Launc
     args.module = True
     return LaunchPlan(torchrun_args=args, env=env, zero_options={**options, **(
         {"profile_dir": profile_dir} if profile_dir is not None else {})})
+
+
+def _check_tp_size(options: Mapping[str, str], args: argparse.Namespace) -> None:
+    """``--zero_tp_size`` must divide the world (nproc_per_node x nnodes), checked before any process starts
+    when both are plain numbers (``auto`` or an elastic ``1:4`` is checked by the workers instead)."""
+    from hfzero.parallel.tensor import check_tp_size
+
+    tp = int(options.get("tp_size", "1"))
+    if tp > 1 and int(options.get("pp_size", "1")) > 1:
+        raise ConfigError(_TP_WITH_PP)
+    nproc, nnodes = str(args.nproc_per_node), str(args.nnodes).split(":")  # nnodes: "2" or "MIN:MAX"
+    if tp > 1 and nproc.isdigit() and len(set(nnodes)) == 1 and nnodes[0].isdigit():
+        check_tp_size(int(nproc) * int(nnodes[0]), tp)
 
 
 def launch(argv: Sequence[str]) -> int:

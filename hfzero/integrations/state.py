@@ -3,6 +3,8 @@
 - Weights: stages 0-2 keep full parameters on every rank; at stage 3 (``is_partitioned``) a
   partitioned parameter is a 0-element tensor between uses, so ``model.state_dict()`` would save
   an empty model: callers gather with ``hfzero.runtime.stage3.full_state_dict`` (a collective).
+  Under tensor parallelism (``is_tensor_parallel``) parameters are DTensor shards at every stage:
+  ``full_state_dict`` makes them whole too (``needs_gathered_weights`` covers both cases).
 - Training state: every rank writes its own shard (a ZeRO optimizer's state exists nowhere else)
   with ``hfzero.checkpoint.save_checkpoint``; ``load_checkpoint`` reads it back at any world size
   and stage (resharding) and republishes the parameters from the fp32 master shards, so it also
@@ -41,6 +43,21 @@ def is_partitioned(model: Any) -> bool:
         return get_engine(model).stage >= 3
     except ValueError:
         return False
+
+
+def is_tensor_parallel(model: Any) -> bool:
+    """True for a model prepared over the dp group of a dp x tp mesh (DTensor parameters, sharded over tp)."""
+    try:
+        group = get_engine(model).norm_group
+    except ValueError:
+        return False
+    return group is not None and group.world_size > 1
+
+
+def needs_gathered_weights(model: Any) -> bool:
+    """True when ``model.state_dict()`` is not the whole model on a rank (stage 3, or tensor parallelism):
+    saving it takes ``full_state_dict`` on every rank (a collective) first."""
+    return is_partitioned(model) or is_tensor_parallel(model)
 
 
 def model_param_count(model: nn.Module, trainable_only: bool = False, exclude_embeddings: bool = False) -> int:

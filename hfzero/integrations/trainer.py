@@ -15,6 +15,9 @@ ZeRO enters through these hook points:
   the same way (weights and fp32 masters agree afterwards, at every stage);
 - ``_load_from_checkpoint``: skipped for an already partitioned (stage-3) model, whose weights come
   from the shards;
+- ``get_tp_size``: ``--zero_tp_size`` (the accelerator builds the dp x tp mesh and shards the model over
+  tp); the Trainer's batch arithmetic, token counts and loss scale then count dp = world / tp replicas,
+  and saving gathers the TP shards (``full_state_dict``, on every rank) into whole tensors;
 - a ``ZeroProfilerCallback`` when ``zero_profile_dir`` (or ``HFZERO_PROFILE_DIR``) is set.
 ``--bf16``/``--fp16`` become ZeRO's dtype (16-bit parameters and gradients + fp32 master shards),
 not autocast over fp32 parameters. Evaluation and prediction run the model's own forward (stage 3
@@ -45,10 +48,10 @@ from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.accelerate import ZeroAccelerator, apply_mixed_precision
 from hfzero.integrations.env import config_strings_from_env, pipeline_strings_from_env, profile_dir_from_env
 from hfzero.integrations.state import (has_shards, is_partitioned, load_optimizer_shards, model_param_count,
-                                      save_optimizer_shards, scheduler_state_for_stage,
+                                      needs_gathered_weights, save_optimizer_shards, scheduler_state_for_stage,
                                       scheduler_state_for_user_groups, unwrap_optimizer)
 from hfzero.logging import get_logger
-from hfzero.parallel.pipeline import PipelineConfig, pipeline_of
+from hfzero.parallel.pipeline import PipelineConfig
 from hfzero.runtime.stage3 import full_state_dict
 
 logger = get_logger(__name__)
@@ -199,7 +202,8 @@ def _pipeline_batch(batches: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.
 
 
 class ZeroProfilerCallback(TrainerCallback):
-    """Runs ``hfzero.profiler.ZeroProfiler`` over training, writing into ``run_dir``."""
+    """Runs ``hfzero.profiler.ZeroProfiler`` over training, writing into ``run_dir`` (under pipeline
+    parallelism each rank records its stage: see docs/profile-format.md)."""
 
     def __init__(self, run_dir: str | os.PathLike[str]):
         self.run_dir = Path(run_dir)
@@ -216,10 +220,8 @@ class ZeroProfilerCallback(TrainerCallback):
         zero = unwrap_optimizer(optimizer)
         if zero is None:
             raise ConfigError("ZeroProfilerCallback: the Trainer's optimizer was not prepared by hfzero")
-        if pipeline_of(zero) is not None:
-            logger.warning("zero_profile_dir=%s: the profiler does not record pipeline-parallel runs yet (see "
-                           "docs/pipeline.md, Not done); training runs without profiling", self.run_dir)
-            return
+        # under pipeline parallelism the profiler finds the Pipeline from its optimizer and records this
+        # rank's stage(s) (the Trainer's model object stays whole; the stage modules are what runs)
         self.profiler = ZeroProfiler(model, zero, self.run_dir,
                                      accumulation_steps=int(args.gradient_accumulation_steps)).start()
 
@@ -286,12 +288,27 @@ class ZeroTrainer(Trainer):
         with _in_trainer_module("get_model_param_count", model_param_count):
             return super().train(*args, **kwargs)
 
+    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
+        """The Trainer's global batch (per-device batch x accumulation x data-parallel replicas); under
+        pipeline parallelism a replica is one whole pipeline, so the replicas are world / pp_size, not the
+        world (the figure the Trainer logs and derives its sample counts from)."""
+        config = getattr(self, "pipeline_config", None)
+        if config is None:
+            return super().get_total_train_batch_size(args)
+        return self._train_batch_size * args.gradient_accumulation_steps * (args.world_size // config.pp_size)
+
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """The Trainer's 6 * tokens * non-embedding parameters, with stage-3 parameters counted whole."""
         main = getattr(self.model, "main_input_name", "input_ids")
         if not is_partitioned(self.model) or main not in inputs:
             return super().floating_point_ops(inputs)
         return 6 * inputs[main].numel() * model_param_count(self.model, exclude_embeddings=True)
+
+    def get_tp_size(self) -> int:
+        """``--zero_tp_size``: the Trainer divides its token count and loss scale by it and counts dp =
+        world / tp replicas in its batch arithmetic (the TP ranks of one replica read the same batches)."""
+        config = getattr(self, "zero_config", None)
+        return config.tp_size if config is not None and config.tp_size > 1 else super().get_tp_size()
 
     @property
     def pipeline(self) -> Any:
@@ -350,7 +367,7 @@ class ZeroTrainer(Trainer):
         rank only (5.x on every rank): gathering inside ``_save`` would hang there.
         """
         pipe = self.pipeline
-        if not is_partitioned(self.model) and pipe is None:
+        if not needs_gathered_weights(self.model) and pipe is None:
             return super().save_model(output_dir, _internal_call)
         # the writers: rank 0, or each node's local rank 0 with save_on_each_node
         rank0_only = not self.args.save_on_each_node
@@ -363,7 +380,7 @@ class ZeroTrainer(Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """At stage 3 write the weights ``save_model`` gathered on every rank; then the Trainer's save."""
-        if state_dict is None and (is_partitioned(self.model) or self.pipeline is not None):
+        if state_dict is None and (needs_gathered_weights(self.model) or self.pipeline is not None):
             state_dict = getattr(self, "_gathered_state", None)
             if state_dict is None:
                 raise RuntimeError("ZeroTrainer: at stage 3 save through save_model() (every rank must gather "
@@ -373,7 +390,7 @@ class ZeroTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """A stage-3 model's (or a pipeline's) weights are restored by its shards
         (``_load_optimizer_and_scheduler``)."""
-        if is_partitioned(model if model is not None else self.model) or self.pipeline is not None:
+        if needs_gathered_weights(model if model is not None else self.model) or self.pipeline is not None:
             logger.info("ZeroTrainer: stage-3 weights are restored from %s/%s with the optimizer shards",
                         resume_from_checkpoint, SHARD_DIR)
             return
@@ -394,7 +411,7 @@ class ZeroTrainer(Trainer):
                         self.state.best_metric)
             load_optimizer_shards(best / SHARD_DIR, self.model, self.optimizer)
             return
-        if is_partitioned(self.model) or self.pipeline is not None:
+        if needs_gathered_weights(self.model) or self.pipeline is not None:
             raise ConfigError(f"load_best_model_at_end at ZeRO stage 3 (or with pipeline parallelism) needs the "
                               f"checkpoint's optimizer shards, "
                               f"but {best / SHARD_DIR} is missing (save_only_model?). Save full checkpoints, or "

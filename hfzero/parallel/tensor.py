@@ -10,6 +10,10 @@ reducer takes the local tensor of each gradient (``runtime.tensors.local_tensor`
 shards its local TP shard over the dp group, exactly as it would a smaller model. The global gradient
 norm adds the TP group's sums, counting parameters replicated over TP once (TP rank 0's). Activations
 between layers are plain replicated tensors (``use_local_output``), which is what P_a partitions.
+At stage 3 the same holds for the partitioned parameters: each rank's PARAM_SHARD is 1/dp of its local TP
+shards, a unit's gather fills the DTensor's local tensor (PARAM_GATHERED: the unit's local shards, 1/tp of
+the unit) and between uses the local tensor is 0-element while the DTensor keeps its global shape.
+``hfzero.full_state_dict`` and the checkpoints (hfzero/checkpoint/tensor_parallel.py) make shards whole.
 
 Rank layout: ``rank = dp_rank * tp_size + tp_rank`` (TP ranks are neighbours, as on a node).
 """
@@ -17,13 +21,23 @@ Rank layout: ``rank = dp_rank * tp_size + tp_rank`` (TP ranks are neighbours, as
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from hfzero.config import ConfigError, ZeroConfig
+from hfzero.logging import get_logger
 from hfzero.parallel.mesh import initialized_world_size, world_mesh
+
+if TYPE_CHECKING:
+    from hfzero.runtime.optimizer import ZeroOptimizer
+
+logger = get_logger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,29 +115,66 @@ def apply_tensor_parallel(model: nn.Module, mesh: TensorMesh) -> nn.Module:
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    planned = tp_plan(model)
     check_heads(model, mesh.tp_size)
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = {}
-    for path, style in tp_plan(model).items():
+    for path, style in planned.items():
         if style not in styles:
             raise ConfigError(f"hfzero: TP style {style!r} of {path!r} is not supported; use 'colwise' or 'rowwise'")
         plan[path] = styles[style]()
     return parallelize_module(model, mesh.mesh["tp"], plan)
 
 
-def prepare_tensor_parallel(model: nn.Module, optimizer_factory, config: ZeroConfig):
-    """Build the dp x tp mesh, shard ``model`` over tp and prepare ZeRO over dp.
+def repoint_optimizer(optimizer: torch.optim.Optimizer, before: dict[int, str], model: nn.Module) -> None:
+    """Point ``optimizer``'s param groups at ``model``'s parameters of the same names (in place).
+
+    ``before`` maps ``id(parameter)`` to its name before ``parallelize_module`` replaced the parameters
+    with DTensor ones; the optimizer must not have stepped (its state is keyed by the old objects).
+    """
+    if any(optimizer.state.values()):
+        raise ConfigError("hfzero tensor parallelism: the optimizer already has state (it has stepped); build it "
+                          "fresh over the model, shard over TP, then load saved state into the prepared optimizer")
+    now = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        missing = [p for p in group["params"] if id(p) not in before]
+        if missing:
+            raise ConfigError("hfzero tensor parallelism: the optimizer holds a tensor that is not a parameter of "
+                              "the model; build the optimizer from model.parameters()")
+        group["params"] = [now[before[id(p)]] for p in group["params"]]
+
+
+def shard_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: TensorMesh) -> None:
+    """Shard ``model`` over ``mesh``'s "tp" dimension and re-point ``optimizer`` (built over the unsharded
+    model, not stepped yet) at the new DTensor parameters: how the Trainer and ZeroAccelerator, which
+    build the optimizer before preparing, get TP."""
+    before = {id(p): name for name, p in model.named_parameters()}
+    apply_tensor_parallel(model, mesh)
+    repoint_optimizer(optimizer, before, model)
+
+
+def prepare_tensor_parallel(
+        model: nn.Module,
+        optimizer_factory: Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer] | torch.optim.Optimizer,
+        config: ZeroConfig) -> tuple[nn.Module, ZeroOptimizer, TensorMesh]:
+    """Build the dp x tp mesh, shard ``model`` over tp and prepare ZeRO over dp (stages 0-3).
 
     ``optimizer_factory(params)`` builds the optimizer over the TP-sharded parameters (it must be built
-    after sharding, which replaces them). Returns (model, optimizer, mesh).
+    after sharding, which replaces them); an optimizer already built over the unsharded model is taken
+    too (re-pointed at the sharded parameters). Returns (model, optimizer, mesh).
     """
     import hfzero
 
-    if config.stage == 3:
-        raise ConfigError("hfzero: tensor parallelism is supported at ZeRO stages 0-2 for now (stage 3 is not)")
     mesh = build_tp_mesh(config.tp_size)
-    apply_tensor_parallel(model, mesh)
-    optimizer = optimizer_factory(model.parameters())
+    if isinstance(optimizer_factory, torch.optim.Optimizer):
+        optimizer = optimizer_factory
+        shard_model_and_optimizer(model, optimizer, mesh)
+    else:
+        apply_tensor_parallel(model, mesh)
+        optimizer = optimizer_factory(model.parameters())
     model, optimizer = hfzero.prepare(model, optimizer, config, process_group=mesh.dp_group, tp_group=mesh.tp_group)
+    sharded = sum(isinstance(p, DTensor) for p in model.parameters())
+    logger.info("tensor parallelism: dp=%d x tp=%d, %d parameter(s) sharded over tp, ZeRO stage %s over dp%s",
+                mesh.dp_size, mesh.tp_size, sharded, config.stage,
+                ", P_a (checkpoints partitioned over tp)" if config.partition_activations else "")
     return model, optimizer, mesh
-

@@ -34,13 +34,19 @@ ACTIVATION_KEYS = frozenset({"activations", "act_checkpoint"})
 """The measured activation roles (``MemoryRole.ACTIVATIONS`` and ``MemoryRole.ACT_CHECKPOINT`` values)."""
 
 
-def decompose(roles: Mapping[str, int], allocator: Mapping[str, Any], model_state_keys: Collection[str]) -> dict[str, int] | None:
-    """The split of one record's memory (see [Note: peak decomposition]); None without allocator figures."""
+def decompose(roles: Mapping[str, int], allocator: Mapping[str, Any], model_state_keys: Collection[str],
+              host_roles: Mapping[str, int] | None = None) -> dict[str, int] | None:
+    """The split of one record's memory (see [Note: peak decomposition]); None without allocator figures.
+
+    ``host_roles``: the part of ``roles`` offloaded to host memory; on a CUDA rank it is not device
+    memory and is left out (on a CPU rank host memory is what ``rss`` measures, so it stays in)."""
     cuda = allocator.get("reserved_unallocated") is not None or allocator.get("peak_reserved") is not None
     total = allocator.get("reserved") if cuda else allocator.get("rss")
     allocated = allocator.get("allocated")
     if not isinstance(total, int) or not isinstance(allocated, int):
         return None
+    if cuda and host_roles:
+        roles = {k: int(v) - int(host_roles.get(k, 0)) for k, v in roles.items()}
     model_states = sum(int(v) for k, v in roles.items() if k in model_state_keys)
     activations = sum(int(v) for k, v in roles.items() if k in ACTIVATION_KEYS)
     held = sum(int(v) for v in roles.values())

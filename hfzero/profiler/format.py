@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import re
 
-FORMAT_VERSION = 1
-"""Version written into ``header.json`` and into the first record of every rank file."""
+FORMAT_VERSION = 2
+"""Version written into ``header.json`` and into the first record of every rank file.
+
+2 (issue 11): every record carries ``pp_rank`` and ``dp_rank``; under pipeline parallelism the header
+has a ``pipeline`` section, forward/backward records a ``stage`` and step records a ``pipeline`` object,
+and the top-level ``prediction`` is null (per-stage predictions live in the header's ``pipeline``)."""
+
+READABLE_VERSIONS = (1, 2)
+"""Versions the reader accepts: a version-1 file reads as a run without pipeline (pp rank 0)."""
 
 HEADER_FILE = "header.json"
 """The run's header: configuration, model, versions, host and the estimator's prediction."""

@@ -59,11 +59,14 @@ def frozen_param_count(engine: Any) -> int:
 def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: int = 1) -> dict[str, Any] | None:
     """The estimator's model-state bytes per rank for this run, with the formula and its inputs.
 
-    ``model_state_bytes`` counts every model state wherever it lives (what the profile measures);
-    ``device_model_state_bytes`` leaves out the K part when the optimizer is offloaded. Returns None
-    (and logs why) when the optimizer's kind is not one the estimator knows.
+    ``model_state_bytes`` counts every model state wherever it lives (what the profile's
+    ``model_state_bytes`` measures): the estimator's formula, or with the optimizer offloaded
+    (the engine's ``offload``: not on a CPU device, where there is nothing to offload)
+    ``device_model_state_bytes`` and ``host_model_state_bytes`` say where they live, what the records'
+    ``model_state_bytes`` minus ``host_model_state_bytes`` and ``host_model_state_bytes`` measure.
+    Returns None (and logs why) when the optimizer's kind is not one the estimator knows.
     """
-    from hfzero.estimate import accumulator_held, model_states_bytes, precision_bytes
+    from hfzero.estimate import accumulator_held, model_states_bytes, model_states_cpu_bytes, precision_bytes
 
     kind = optimizer_kind(optimizer)
     if kind is None:
@@ -85,26 +88,52 @@ def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: i
         formula += f" + {p}P(1 - 1/N_d)"
     if accumulator_held(inputs["stage"], config.accumulation_policy, accumulation_steps):
         formula += f" + {g}Ψ (local accumulator)"
+    offloaded = offload_placement(engine)["offloaded"]
+    if offloaded:
+        formula += " with the K part" + (" and 4Ψ/N_d fp32 gradients" if inputs["stage"] >= 2 else "") + " on the host"
+    host_inputs = {k: v for k, v in inputs.items() if k != "frozen_params"}
+    device = model_states_bytes(**inputs, offload_optimizer=offloaded)
+    host = model_states_cpu_bytes(**host_inputs, offload_optimizer=offloaded)
     return {
-        "model_state_bytes": model_states_bytes(**inputs),
-        "device_model_state_bytes": model_states_bytes(**inputs, offload_optimizer=config.offload_optimizer),
+        # offloaded, the host holds gradients in fp32 (and an fp32 master in fp32 runs): the sum of both sides
+        "model_state_bytes": device + host if offloaded else model_states_bytes(**inputs),
+        "device_model_state_bytes": device,
+        "host_model_state_bytes": host,
         "formula": formula,
         "optimizer": kind,
         "inputs": inputs,
     }
 
 
+def offload_placement(engine: Any) -> dict[str, Any]:
+    """Where the engine's states live: ``offloaded`` (master weights, optimizer states and the shard's
+    fp32 gradients in host memory), ``pinned`` (page-locked, with a CUDA device) and ``host_roles``
+    (the roles placed on the host, whose bytes the records' ``host_roles`` give)."""
+    offload = getattr(engine, "offload", None)
+    if offload is None:
+        return {"offloaded": False, "pinned": False, "host_roles": []}
+    roles = ["master_shard", "optim_state", "grad_shard" if engine.stage >= 2 else "grad_fp32", "grad_bucket"]
+    return {"offloaded": True, "pinned": bool(offload.pinned), "host_roles": roles}
+
+
 def build_header(*, run_id: str, engine: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  global_world_size: int, device: torch.device, every_n_steps: int,
-                 cuda_snapshot: bool, accumulation_steps: int = 1) -> dict[str, Any]:
-    """The contents of ``header.json`` (see docs/profile-format.md for every key)."""
+                 cuda_snapshot: bool, accumulation_steps: int = 1,
+                 pipeline: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The contents of ``header.json`` (see docs/profile-format.md for every key).
+
+    ``pipeline``: under pipeline parallelism, the header's ``pipeline`` section
+    (``hfzero.profiler.pipeline.header_section``); the top-level ``prediction`` is then null, since
+    each stage has its own (``pipeline.ranks[i].model_state_bytes``).
+    """
     import transformers
 
     import hfzero
 
     config = engine.config
     now = time.time()
-    return {
+    extra = {} if pipeline is None else {"pipeline": pipeline}
+    return {**extra,
         "format_version": FORMAT_VERSION,
         "run_id": run_id,
         "start_time": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
@@ -124,14 +153,15 @@ def build_header(*, run_id: str, engine: Any, model: torch.nn.Module, optimizer:
             "num_frozen_persistent_params": int(getattr(engine, "num_frozen_persistent_params", 0)),
         },
         "dtypes": {"param": config.dtype, "grad": config.dtype,
-                   "master": "fp32" if config.mixed_precision or config.offload_optimizer else None},
+                   "master": "fp32" if config.mixed_precision or offload_placement(engine)["offloaded"] else None},
         "optimizer_class": type(optimizer).__name__,
+        "placement": offload_placement(engine),
         "device_type": device.type,
         "versions": {"hfzero": hfzero.__version__, "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
         "host": {"hostname": socket.gethostname(), "platform": sys.platform},
         "profiler": {"every_n_steps": every_n_steps, "cuda_snapshot": cuda_snapshot},
-        "prediction": predict(engine, optimizer, accumulation_steps),
+        "prediction": predict(engine, optimizer, accumulation_steps) if pipeline is None else None,
     }
 
 

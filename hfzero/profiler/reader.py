@@ -23,10 +23,10 @@ from typing import Any
 from hfzero.profiler.format import (
     COMM_FIELDS,
     EVENT_START,
-    FORMAT_VERSION,
     HEADER_FILE,
     KINDS,
     RANK_FILE_PATTERN,
+    READABLE_VERSIONS,
 )
 
 Record = dict[str, Any]
@@ -195,11 +195,16 @@ def _header_problem(header: dict[str, Any]) -> str | None:
             return f"model.class is {_short(model['class'])}, not a string"
         if model.get("num_params") is not None and not _is_int(model["num_params"]):
             return f"model.num_params is {_short(model['num_params'])}, not an integer"
+    pipeline = header.get("pipeline")
+    if pipeline is not None:
+        problem = _pipeline_problem(pipeline)
+        if problem:
+            return problem
     prediction = header.get("prediction")
     if prediction is not None:
         if not isinstance(prediction, dict):
             return f"prediction is {_short(prediction)}, not an object"
-        for key in ("model_state_bytes", "device_model_state_bytes"):
+        for key in ("model_state_bytes", "device_model_state_bytes", "host_model_state_bytes"):
             if prediction.get(key) is not None and not _is_number(prediction[key]):
                 return f"prediction.{key} is {_short(prediction[key])}, not a number"
         if prediction.get("formula") is not None and not isinstance(prediction["formula"], str):
@@ -208,6 +213,26 @@ def _header_problem(header: dict[str, Any]) -> str | None:
         if inputs is not None and not (isinstance(inputs, dict) and all(
                 _is_number(inputs[k]) for k in _PREDICTION_INPUTS if inputs.get(k) is not None)):
             return f"prediction.inputs is {_short(inputs)}, not an object of numbers"
+    return None
+
+
+def _pipeline_problem(pipeline: Any) -> str | None:
+    """What is wrong with the types of the header's ``pipeline`` section, or None."""
+    if not isinstance(pipeline, dict):
+        return f"pipeline is {_short(pipeline)}, not an object"
+    for key in ("pp", "dp", "n_micro"):
+        if not (_is_int(pipeline.get(key)) and pipeline[key] >= 1):
+            return f"pipeline.{key} is {_short(pipeline.get(key))}, not an integer >= 1"
+    ranks = pipeline.get("ranks")
+    if not isinstance(ranks, list) or not all(isinstance(r, dict) and _is_int(r.get("pp_rank")) for r in ranks):
+        return f"pipeline.ranks is {_short(ranks)}, not a list of objects with an integer pp_rank"
+    for entry in ranks:
+        for key in ("model_states_by_role", "comm_elements_per_step"):
+            value = entry.get(key)
+            if value is not None and not (isinstance(value, dict) and all(_is_number(v) for v in value.values())):
+                return f"pipeline.ranks[{entry['pp_rank']}].{key} is {_short(value)}, not an object of numbers"
+        if entry.get("model_state_bytes") is not None and not _is_number(entry["model_state_bytes"]):
+            return f"pipeline.ranks[{entry['pp_rank']}].model_state_bytes is {_short(entry['model_state_bytes'])}"
     return None
 
 
@@ -220,9 +245,9 @@ def _check_version(path: Path, obj: dict[str, Any], line: int | None) -> None:
     version = obj.get("format_version")
     if version is None:
         raise ProfileFormatError(path, "no format_version: not an hfzero profile file", line)
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise ProfileFormatError(path, f"unknown format_version {version!r} (this reader understands "
-                                       f"{FORMAT_VERSION})", line)
+                                       f"{', '.join(map(str, READABLE_VERSIONS))})", line)
 
 
 def _read_rank_file(path: Path, rank: int, header: dict[str, Any]) -> tuple[RankLog, str | None]:
@@ -263,21 +288,50 @@ def _parse_record(path: Path, number: int, raw: bytes) -> Record:
 
 def _record_problem(record: Record) -> str | None:
     """What is wrong with the types of the record's keys the readers use, or None (unknown keys pass)."""
-    for key in ("roles", "allocator", "allocator_max", "comm", "phase_seconds"):
+    for key in ("roles", "host_roles", "allocator", "allocator_max", "comm", "phase_seconds"):
         if record.get(key) is not None and not isinstance(record[key], dict):
             return f"{key} is {_short(record[key])}, not an object"
-    for key, value in (record.get("roles") or {}).items():
-        if not _is_number(value):
-            return f"roles.{key} is {_short(value)}, not a number"
+    for part in ("roles", "host_roles"):
+        for key, value in (record.get(part) or {}).items():
+            if not _is_number(value):
+                return f"{part}.{key} is {_short(value)}, not a number"
     for kind, stats in (record.get("comm") or {}).items():
         if not isinstance(stats, dict) or not all(_is_number(stats.get(f, 0)) for f in COMM_FIELDS):
             return f"comm.{kind} is {_short(stats)}, not an object of numbers {list(COMM_FIELDS)}"
-    for key in ("model_state_bytes", "seconds"):
+    for key in ("model_state_bytes", "host_model_state_bytes", "seconds"):
         if record.get(key) is not None and not _is_number(record[key]):
             return f"{key} is {_short(record[key])}, not a number"
     for key in ("phase", "edge", "event"):
         if record.get(key) is not None and not isinstance(record[key], str):
             return f"{key} is {_short(record[key])}, not a string"
+    for key in ("pp_rank", "dp_rank", "stage"):
+        if record.get(key) is not None and not _is_int(record[key]):
+            return f"{key} is {_short(record[key])}, not an integer"
+    return _step_pipeline_problem(record.get("pipeline"))
+
+
+_PIPELINE_NUMBERS = ("wall_seconds", "busy_seconds", "idle_seconds", "bubble_fraction", "idle_fraction",
+                     "bubble_estimate")
+"""Numeric keys of a step record's ``pipeline`` object (each may be null)."""
+
+
+def _step_pipeline_problem(figures: Any) -> str | None:
+    """What is wrong with the types of a step record's ``pipeline`` object, or None."""
+    if figures is None:
+        return None
+    if not isinstance(figures, dict):
+        return f"pipeline is {_short(figures)}, not an object"
+    for key in _PIPELINE_NUMBERS:
+        if figures.get(key) is not None and not _is_number(figures[key]):
+            return f"pipeline.{key} is {_short(figures[key])}, not a number"
+    for key in ("p2p", "p2p_estimate"):
+        value = figures.get(key)
+        if value is None:
+            continue
+        ok = isinstance(value, dict) and all(
+            _is_number(v) or (isinstance(v, dict) and all(_is_number(x) for x in v.values())) for v in value.values())
+        if not ok:
+            return f"pipeline.{key} is {_short(value)}, not an object of numbers"
     return None
 
 
@@ -299,13 +353,21 @@ def summarize(run: Run) -> dict[str, Any]:
     Returns a dict with top-level ``stage``, ``world_size``, ``run_id``, ``model_class``,
     ``num_params``, ``prediction`` (or None), ``warnings`` and ``ranks``: one entry per rank file with
     ``model_state_bytes`` (peak over all records of the sum of the model-state roles),
-    ``predicted_model_state_bytes`` and ``ratio`` (measured / predicted, None without a prediction),
+    ``host_model_state_bytes`` (the same for the part offloaded to host memory; None in profiles that
+    predate it), ``predicted_model_state_bytes`` and ``ratio`` (measured / predicted, None without a prediction),
     ``roles_peak`` (per role maximum), ``allocator_peak`` (maximum of each numeric allocator field),
     ``comm_per_step`` (mean per step record, per collective kind), ``comm_elements_per_step`` (all
     kinds), ``steps`` (step records), ``step_seconds`` (median), ``truncated`` and ``stopped``.
+    Under pipeline parallelism each rank entry also has ``pp_rank``, its prediction is its stage's
+    (the header's ``pipeline.ranks``), and ``pipeline`` is ``hfzero.profiler.stages.stage_table``
+    (None without pipeline).
     """
+    from hfzero.profiler.stages import pp_rank_of, stage_table
+
     prediction = run.header.get("prediction")
     predicted = prediction.get("model_state_bytes") if isinstance(prediction, dict) else None
+    per_stage = {e.get("pp_rank"): e.get("model_state_bytes")
+                 for e in (run.header.get("pipeline") or {}).get("ranks") or [] if isinstance(e, dict)}
     model = run.header.get("model") or {}
     return {
         "format_version": run.header["format_version"],
@@ -316,12 +378,15 @@ def summarize(run: Run) -> dict[str, Any]:
         "num_params": model.get("num_params"),
         "prediction": prediction,
         "warnings": list(run.warnings),
-        "ranks": [_summarize_rank(log, predicted) for log in run.ranks.values()],
+        "ranks": [{**_summarize_rank(log, per_stage.get(pp_rank_of(log.records), predicted)),
+                   "pp_rank": pp_rank_of(log.records)} for log in run.ranks.values()],
+        "pipeline": stage_table(run),
     }
 
 
 def _summarize_rank(log: RankLog, predicted: float | None) -> dict[str, Any]:
     measured = _max_or_none(r.get("model_state_bytes") for r in log.records)
+    host = _max_or_none(r.get("host_model_state_bytes") for r in log.records)
     steps = log.of_kind("step")
     roles_peak: dict[str, int] = {}
     allocator_peak: dict[str, float] = {}
@@ -340,6 +405,7 @@ def _summarize_rank(log: RankLog, predicted: float | None) -> dict[str, Any]:
         "dp_rank": (log.start or {}).get("dp_rank"),
         "steps": len(steps),
         "model_state_bytes": measured,
+        "host_model_state_bytes": host,
         "predicted_model_state_bytes": predicted,
         "ratio": ratio,
         "roles_peak": roles_peak,

@@ -26,6 +26,13 @@ On CUDA no synchronization is added (it would change the overlap being measured)
 wall times at the hooks, so a phase's ``seconds`` covers launching its kernels, and the time they
 still run is billed to whichever later phase waits for them. Step times are exact over a step in
 steady state. Memory figures are exact at every boundary: the caching allocator is host-ordered.
+
+Under pipeline parallelism (a ``hfzero.pipeline`` Pipeline, or the optimizer of one) each rank
+records its own stage(s): the hooks sit on each stage module (phase records carry the global
+``stage``), every record carries the rank's ``pp_rank`` and ``dp_rank``, the header a ``pipeline``
+section (mesh, schedule, policy, the cost model per stage; see ``hfzero/profiler/pipeline.py``) and
+every step record the stage's measured busy / idle time and P2P bytes (the driver's ``StageClock``:
+[Note: measuring the bubble]). ``start()`` then also runs one small all-gather of the ranks' places.
 """
 
 from __future__ import annotations
@@ -88,8 +95,11 @@ class ZeroProfiler:
     call it on every rank, as the context manager does.
 
     Args:
-        model: the model returned by ``hfzero.prepare``.
-        optimizer: the optimizer returned by ``hfzero.prepare`` (its ``engine`` is profiled).
+        model: the model returned by ``hfzero.prepare``; or a ``hfzero.pipeline`` Pipeline (then
+            ``optimizer`` may be None), whose stage(s) on this rank are profiled.
+        optimizer: the optimizer returned by ``hfzero.prepare`` (its ``engine`` is profiled). A
+            pipeline's optimizer selects its Pipeline, whatever ``model`` is (the Trainer passes the
+            whole HF model; the stage modules are what runs).
         run_dir: the directory to write; created if missing; files of an earlier run are replaced.
         every_n_steps: record steps 0, n, 2n, ... only.
         cuda_snapshot: on CUDA, take one allocator snapshot per recorded step (at its end) for
@@ -99,7 +109,7 @@ class ZeroProfiler:
             uses it, reports ``act_checkpoint``. Costs one Python call per saved tensor.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_dir: str | Path, *,
+    def __init__(self, model: Any, optimizer: torch.optim.Optimizer | None, run_dir: str | Path, *,
                  every_n_steps: int = 1, cuda_snapshot: bool = False, accumulation_steps: int = 1,
                  activations: bool = True) -> None:
         for name, value in (("every_n_steps", every_n_steps), ("accumulation_steps", accumulation_steps)):
@@ -108,6 +118,10 @@ class ZeroProfiler:
         self.accumulation_steps = accumulation_steps
         """Micro-batches per optimizer step: with "local" accumulation at stages 2-3 the prediction
         counts the full gradient accumulator held across them."""
+        self.pipeline = _find_pipeline(model, optimizer)
+        """The profiled Pipeline, or None (no pipeline parallelism)."""
+        if self.pipeline is not None:
+            model, optimizer = self.pipeline.module, self.pipeline.optimizer
         self.model = model
         self.optimizer = optimizer
         self.engine = _find_engine(model, optimizer)
@@ -124,7 +138,15 @@ class ZeroProfiler:
         """CPU time of the threads running those hooks: the same cost, not inflated by other processes."""
         self._writer: RankWriter | None = None
         self._handles: list[Any] = []
-        self.activations = ActivationAccounting(model) if activations else None
+        # a multi-stage rank's forwards run stage by stage, never its StageChunks container: no accounting
+        multi_stage = self.pipeline is not None and len(self.pipeline.stages) > 1
+        self.activations = ActivationAccounting(model) if activations and not multi_stage else None
+        self._modules: dict[int | None, torch.nn.Module] = (
+            {s.stage_index: s for s in self.pipeline.stages} if self.pipeline is not None else {None: model})
+        """The modules whose forwards are phases, by global pipeline stage (None without a pipeline)."""
+        self._coords = {"pp_rank": self.pipeline.mesh.pp_rank if self.pipeline is not None else 0,
+                        "dp_rank": int(self.engine.rank)}
+        """(pp rank, dp rank), written into every record."""
         self._checkpoint = getattr(model, "hfzero_checkpoint", None)
         self._active = False
         self._step_depth = 0
@@ -139,13 +161,21 @@ class ZeroProfiler:
         rank, world = _global_identity()
         run_id = _shared_run_id(self.device)
         self._header: dict[str, Any] | None = None
+        pipeline_header = None
+        if self.pipeline is not None:  # collective: every rank's place in the mesh, for rank 0's header
+            from hfzero.profiler.header import optimizer_kind
+            from hfzero.profiler.pipeline import gather_identities, header_section
+
+            pipeline_header = header_section(self.pipeline, gather_identities(self.pipeline),
+                                             optimizer_kind(self.optimizer))
         if rank == 0:
             for stale in remove_stale_rank_files(self.run_dir, world):
                 logger.warning("removed %s, left by an earlier run with more ranks", stale)
             self._header = build_header(
                 run_id=run_id, engine=self.engine, model=self.model, optimizer=self.optimizer,
                 global_world_size=world, device=self.device, every_n_steps=self.every_n_steps,
-                cuda_snapshot=self.cuda_snapshot, accumulation_steps=self.accumulation_steps)
+                cuda_snapshot=self.cuda_snapshot, accumulation_steps=self.accumulation_steps,
+                pipeline=pipeline_header)
             write_header(self.run_dir, self._header)
         self._writer = RankWriter(self.run_dir / rank_file_name(rank))
         self._t0 = time.perf_counter()
@@ -155,7 +185,8 @@ class ZeroProfiler:
         self._emit(self._record("event", event=EVENT_START, format_version=FORMAT_VERSION, run_id=run_id,
                                 rank=rank, global_world_size=world, dp_rank=int(self.engine.rank),
                                 world_size=int(self.engine.world_size), device=str(self.device),
-                                unix_time=time.time(), every_n_steps=self.every_n_steps))
+                                unix_time=time.time(), every_n_steps=self.every_n_steps,
+                                **({"stages": sorted(k for k in self._modules)} if self.pipeline else {})))
         self._attach()
         logger.info("profiling into %s (rank file %s)", self.run_dir, self._writer.path.name)
         return self
@@ -185,13 +216,16 @@ class ZeroProfiler:
     # --- hooks -----------------------------------------------------------------------------------
 
     def _attach(self) -> None:
+        for stage, module in self._modules.items():
+            self._handles += [
+                module.register_forward_pre_hook(functools.partial(self._on_forward_begin, stage), prepend=True),
+                module.register_forward_hook(functools.partial(self._on_forward_end, stage)),
+            ]
         self._handles += [
-            self.model.register_forward_pre_hook(self._on_forward_begin, prepend=True),
-            self.model.register_forward_hook(self._on_forward_end),
             self.optimizer.register_step_pre_hook(self._on_step_begin),
             self.optimizer.register_step_post_hook(self._on_step_end),
         ]
-        if self._header is not None:
+        if self._header is not None and self.pipeline is None:  # a pipeline stage holds some layers only
             self._input_hook = self.model.register_forward_pre_hook(self._on_first_input, with_kwargs=True)
             self._handles.append(self._input_hook)
         handle = self.engine.add_backward_end_hook(self._on_backward_end)
@@ -204,11 +238,9 @@ class ZeroProfiler:
     def _recording(self) -> bool:
         return self._active and self.step % self.every_n_steps == 0
 
-    @_costed
-    def _on_forward_begin(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        if self._recording() and torch.is_grad_enabled():
-            self._micro += 1
-            self._phase_edge("forward", "begin", micro=self._micro)
+    def _where(self, stage: int | None) -> dict[str, Any]:
+        """The ``stage`` key of a pipeline rank's forward/backward records (nothing without a pipeline)."""
+        return {} if stage is None else {"stage": stage}
 
     @_costed
     def _on_first_input(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -227,23 +259,38 @@ class ZeroProfiler:
             write_header(self.run_dir, self._header)
 
     @_costed
-    def _on_forward_end(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not (self._recording() and torch.is_grad_enabled()):
-            return
-        self._phase_edge("forward", "end", micro=self._micro)
-        for tensor in _top_level_tensors(output):
-            if tensor.requires_grad:
-                tensor.register_hook(self._on_output_grad)
+    def _on_forward_begin(self, stage: int | None, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if self._recording() and torch.is_grad_enabled():
+            self._micro[stage] = self._micro.get(stage, 0) + 1
+            self._phase_edge("forward", "begin", key=stage, micro=self._micro[stage], **self._where(stage))
 
     @_costed
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
-        if self._recording() and "backward" not in self._phase_t:
-            self._phase_edge("backward", "begin", micro=self._micro)
+    def _on_forward_end(self, stage: int | None, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not (self._recording() and torch.is_grad_enabled()):
+            return
+        self._phase_edge("forward", "end", key=stage, micro=self._micro.get(stage, 0), **self._where(stage))
+        for tensor in _top_level_tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(functools.partial(self._on_output_grad, stage))
+
+    @_costed
+    def _on_output_grad(self, stage: int | None, grad: torch.Tensor) -> None:
+        if self._recording() and self._backward_open is None:
+            # without a pipeline a backward belongs to the latest forward; a pipeline stage runs its
+            # backwards in micro-batch order, interleaved with later forwards (1F1B): count them
+            self._backward_of[stage] = self._backward_of.get(stage, 0) + 1
+            micro = self._micro.get(stage, 0) if stage is None else self._backward_of[stage]
+            self._backward_open = (stage, micro)
+            self._phase_edge("backward", "begin", key=stage, micro=micro, **self._where(stage))
 
     @_costed
     def _on_backward_end(self) -> None:
         if self._recording():
-            self._phase_edge("backward", "end", micro=self._micro)
+            stage, micro = self._backward_open or (None, self._micro.get(None, 0))
+            if self._backward_open is None and self.pipeline is not None:
+                stage, micro = max(self._modules), None  # a backward whose begin was not seen
+            self._backward_open = None
+            self._phase_edge("backward", "end", key=stage, micro=micro, **self._where(stage))
 
     @_costed
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -271,28 +318,37 @@ class ZeroProfiler:
     def _begin_step_accounting(self, now: float) -> None:
         self._step_t = now
         self._step_comm = self._comm_last
-        self._micro = 0
-        self._phase_t: dict[str, float] = {}
+        self._micro: dict[int | None, int] = {}
+        self._backward_of: dict[int | None, int] = {}
+        self._backward_open: tuple[int | None, int] | None = None
+        self._phase_t: dict[tuple[str, int | None], float] = {}
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._roles_max: dict[str, int] = {}
         self._model_state_max = 0
+        self._host_roles_max: dict[str, int] = {}
+        self._host_model_state_max = 0
         self._allocator_max: dict[str, float] = {}
         self._peak: dict[str, Any] | None = None
 
-    def _phase_edge(self, phase: str, edge: str, **extra: Any) -> dict[str, Any]:
-        """Record one phase boundary and fold it into the step's peaks; returns the record."""
+    def _phase_edge(self, phase: str, edge: str, key: int | None = None, **extra: Any) -> dict[str, Any]:
+        """Record one phase boundary (of pipeline stage ``key``) and fold it into the step's peaks; returns
+        the record."""
         record = self._record("phase", phase=phase, edge=edge, **extra)
         if edge == "begin":
-            self._phase_t[phase] = record["t"]
+            self._phase_t[phase, key] = record["t"]
         else:
-            began = self._phase_t.pop(phase, None)
+            began = self._phase_t.pop((phase, key), None)
             seconds = None if began is None else round(record["t"] - began, _ROUND)
             record["seconds"] = seconds
             self._phase_seconds[phase] += seconds or 0.0
         for role, nbytes in record["roles"].items():
             self._roles_max[role] = max(self._roles_max.get(role, 0), nbytes)
         self._model_state_max = max(self._model_state_max, record["model_state_bytes"])
-        split = decompose(record["roles"], record["allocator"], _MODEL_STATE_KEYS)  # See [Note: peak decomposition]
+        for role, nbytes in record["host_roles"].items():
+            self._host_roles_max[role] = max(self._host_roles_max.get(role, 0), nbytes)
+        self._host_model_state_max = max(self._host_model_state_max, record["host_model_state_bytes"])
+        # See [Note: peak decomposition]
+        split = decompose(record["roles"], record["allocator"], _MODEL_STATE_KEYS, record["host_roles"])
         if split is not None and (self._peak is None or split["total"] > self._peak["total"]):
             self._peak = {**split, "phase": phase, "edge": edge}
         for key, value in record["allocator"].items():
@@ -309,13 +365,20 @@ class ZeroProfiler:
             if snapshot is not None:
                 allocator.update({key: snapshot[key] for key in _SNAPSHOT_FIELDS}, segments=len(snapshot["segments"]))
                 self._emit(self._record("event", event=EVENT_CUDA_SNAPSHOT, snapshot=snapshot))
+        extra = {}
+        if self.pipeline is not None:
+            from hfzero.profiler.pipeline import step_section
+
+            extra["pipeline"] = step_section(self.pipeline)
         return {
-            "kind": "step", "step": self.step, "phase": None, "t": end["t"],
+            "kind": "step", "step": self.step, "phase": None, "t": end["t"], **self._coords, **extra,
             "seconds": round(end["t"] + self._t0 - self._step_t, _ROUND),
             "phase_seconds": {k: round(v, _ROUND) for k, v in self._phase_seconds.items()},
-            "micro_batches": self._micro,
+            "micro_batches": max(self._micro.values(), default=0),
             "roles": dict(self._roles_max),
             "model_state_bytes": self._model_state_max,
+            "host_roles": dict(self._host_roles_max),
+            "host_model_state_bytes": self._host_model_state_max,
             "allocator": allocator,
             "allocator_max": dict(self._allocator_max),
             "peak": self._peak_record(allocator),
@@ -337,12 +400,18 @@ class ZeroProfiler:
             if source is not None:
                 held.update(source.memory_by_role())
         roles = {getattr(role, "value", role): int(nbytes) for role, nbytes in held.items()}
+        host_held = getattr(self.engine, "host_memory_by_role", dict)()  # offloaded states (see runtime/offload.py)
+        host_roles = {getattr(role, "value", role): int(nbytes) for role, nbytes in host_held.items()}
+        if self._checkpoint is not None and self._checkpoint.policy.cpu and "act_checkpoint" in roles:
+            host_roles["act_checkpoint"] = roles["act_checkpoint"]  # P_a+cpu: the checkpoints live on the host
         comm = self.engine.comm.stats()
         record = {
-            "kind": kind, "step": self.step, "phase": phase, "t": round(now - self._t0, _ROUND),
+            "kind": kind, "step": self.step, "phase": phase, "t": round(now - self._t0, _ROUND), **self._coords,
             **extra,
             "roles": roles,
             "model_state_bytes": sum(b for r, b in roles.items() if r in _MODEL_STATE_KEYS),
+            "host_roles": host_roles,
+            "host_model_state_bytes": sum(b for r, b in host_roles.items() if r in _MODEL_STATE_KEYS),
             "allocator": self.probe.sample(),
             "comm": _comm_delta(comm, self._comm_last),
         }
@@ -380,6 +449,26 @@ def _top_level_tensors(output: Any) -> list[torch.Tensor]:
         return [output]
     values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
     return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def _find_pipeline(model: Any, optimizer: torch.optim.Optimizer | None) -> Any:
+    """The Pipeline ``model`` is, or whose optimizer ``optimizer`` is; None without one."""
+    from hfzero.parallel.pipeline import Pipeline, pipeline_of
+
+    if isinstance(model, Pipeline):
+        if optimizer is not None and optimizer is not model.optimizer:
+            raise ValueError("ZeroProfiler: the optimizer is not the pipeline's; pass the Pipeline and "
+                             "optimizer=None (or pipe.optimizer)")
+        return model
+    if optimizer is None:
+        raise ValueError("ZeroProfiler: optimizer is None; pass the optimizer returned by hfzero.prepare "
+                         "(None only with a hfzero.pipeline Pipeline as the model)")
+    for _ in range(4):  # through wrappers (accelerate's AcceleratedOptimizer) to the pipeline's optimizer
+        found = pipeline_of(optimizer)
+        if found is not None or getattr(optimizer, "optimizer", None) is None:
+            return found
+        optimizer = optimizer.optimizer
+    return None
 
 
 def _find_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:

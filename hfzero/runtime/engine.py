@@ -10,6 +10,9 @@ Memory held (bf16 + Adam, Ψ trainable parameters, N ranks), matching the paper:
 - optimizer states of the inner optimizer over the master slices (OPTIM_STATE, 8Ψ/N with Adam).
 - ``master_grad_flat``: fp32 gradients of the slice between the end of accumulation and the end of
   the step (GRAD_FP32, transient, 4Ψ/N).
+- with ``offload_optimizer`` on an accelerator (``offload``): master weights, optimizer states and the
+  slice's fp32 gradients live in (pinned) host memory, and stages 2-3 keep no gradient shard on the
+  device; see runtime/offload.py and [Note: offload copies]. ``host_memory_by_role`` says which bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from hfzero.logging import get_logger
 from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
 from hfzero.runtime.agreement import StepAgreement
 from hfzero.runtime.layout import FlatLayout
+from hfzero.runtime.offload import HostOffload, offload_active
 from hfzero.runtime.precision import LossScaler, PrecisionPolicy
 from hfzero.runtime.reducer import GradientReducer
 from hfzero.runtime.tensors import is_replicated_over_tp, local_tensor
@@ -50,7 +54,8 @@ class ZeroEngine:
         self.stage = config.stage
         self.rank = comm.rank
         self.world_size = comm.world_size
-        self.policy = PrecisionPolicy.from_config(config, device)
+        offload = offload_active(config.offload_optimizer, device, comm.rank)
+        self.policy = PrecisionPolicy.from_config(config, device, offload=offload)
         self.scaler = LossScaler(config)
         self.optimizer: torch.optim.Optimizer | None = None  # the inner optimizer, set by ZeroOptimizer
         self._scaled_backward = False
@@ -67,11 +72,18 @@ class ZeroEngine:
         self.param_flat: torch.Tensor | None = None
         self._place_params()
 
+        self.offload: HostOffload | None = None
+        """The host side of the shard when the optimizer is offloaded (see runtime/offload.py), else None."""
+        if offload:
+            self.offload = HostOffload(self.layout, device, self.policy.param_dtype, accumulate=self.stage >= 2)
         self.master_flat: torch.Tensor | None = None
         self.master_grad_flat: torch.Tensor | None = None
         if self.policy.separate_master:
-            self.master_flat = torch.empty(self.layout.shard_numel, dtype=self.policy.master_dtype,
-                                           device=self.policy.master_device)
+            if self.offload is not None:
+                self.master_flat = self.offload.empty(self.layout.shard_numel, self.policy.master_dtype)
+            else:
+                self.master_flat = torch.empty(self.layout.shard_numel, dtype=self.policy.master_dtype,
+                                               device=self.policy.master_device)
             for bucket in self.layout.buckets:
                 self._master_view(bucket).copy_(self._owned_param(bucket))
         self.master_views = [self._master_view(b) for b in self.layout.buckets]
@@ -79,7 +91,8 @@ class ZeroEngine:
         self.accumulation = config.accumulation_policy
         """The accumulation policy that runs ("sharded" or "local"); see [Note: accumulation policy]."""
         self.reducer = GradientReducer(self.layout, comm, self.stage, self.policy.param_dtype, device,
-                                       config.overlap_comm, config.max_inflight_buckets, self.accumulation)
+                                       config.overlap_comm, config.max_inflight_buckets, self.accumulation,
+                                       sink=self.offload)
         self.reducer.before_first_grad = self._before_backward
         self.reducer.always_find_unused = config.find_unused_parameters
         self._forward_hook = model.register_forward_hook(lambda m, a, out: self.reducer.record_graph_roots(out))
@@ -90,6 +103,9 @@ class ZeroEngine:
         logger.info("stage %d over %d rank(s): %d trainable parameters in %d bucket(s) of <= %d elements, %d padded, "
                     "dtype %s, accumulation %s", self.stage, self.world_size, self.num_params, len(self.layout.buckets),
                     self.bucket_numel, self.num_params_padded, config.dtype, self.accumulation)
+        if self.offload is not None:
+            logger.info("optimizer offloaded: master weights, optimizer states and fp32 gradients of the shard in "
+                        "%s host memory", "pinned" if self.offload.pinned else "(unpinned)")
 
     # ---- construction steps (overridden by the stage-3 engine) ----------------------------------
     def _backward_positions(self) -> dict[nn.Parameter, int]:
@@ -151,7 +167,7 @@ class ZeroEngine:
         in_layout = set(self.layout.slots)
         for p in self.model.parameters():
             if p not in in_layout:
-                self.comm.broadcast(p.data)
+                self.comm.broadcast(local_tensor(p).data)
         for b in self.model.buffers():
             self.comm.broadcast(b)
 
@@ -224,11 +240,13 @@ class ZeroEngine:
         self.reducer.reduce_pending()
         if self.agreement is not None:
             self.agreement.check()
+        if self.offload is not None:  # the host writes master weights next: See [Note: offload copies]
+            self.offload.wait_uploads()
         factor = 1.0 / (self.world_size * self.scaler.scale)
-        if self.policy.separate_master:
+        if self.policy.separate_master and self.offload is None:
             self.master_grad_flat = torch.empty_like(self.master_flat)
         for bucket, master in zip(self.layout.buckets, self.master_views):
-            grad = self.reducer.owned_grad(bucket)
+            grad = self.reducer.owned_grad(bucket)  # offloaded: the host fp32 sum, scaled in place
             if self.master_grad_flat is not None:
                 view = self.master_grad_flat[bucket.shard_offset: bucket.shard_offset + bucket.chunk]
                 grad = view.copy_(grad)
@@ -339,18 +357,31 @@ class ZeroEngine:
         return total
 
     def publish_params(self) -> None:
-        """Copy master slices into the device parameters and all-gather them (one collective per bucket)."""
-        if self.policy.separate_master:
+        """Copy master slices into the device parameters and all-gather them (one collective per bucket).
+
+        Offloaded, bucket by bucket: the asynchronous host-to-device copy of bucket k+1 runs while bucket
+        k is all-gathered (see [Note: offload copies])."""
+        gather = self.layout.shard_world > 1
+        if self.offload is not None:
+            self.offload.begin_upload()
+        elif self.policy.separate_master:
             for bucket, master in zip(self.layout.buckets, self.master_views):
                 self._owned_param(bucket).copy_(master)
-        if self.layout.shard_world == 1:
-            return
         handles = []
-        for bucket in self.layout.buckets:
-            full = self.param_flat[bucket.offset: bucket.offset + bucket.padded]
-            handles.append(self.comm.all_gather(full, self._owned_param(bucket), async_op=True))
+        for bucket, master in zip(self.layout.buckets, self.master_views):
+            if self.offload is not None:
+                self.offload.upload(bucket, master, self._owned_param(bucket))
+            if gather:
+                full = self.param_flat[bucket.offset: bucket.offset + bucket.padded]
+                handles.append(self.comm.all_gather(full, self._owned_param(bucket), async_op=True))
         for handle in handles:
             handle.wait()
+
+    def wait_host_copies(self) -> None:
+        """Offloaded: block until the asynchronous copies issued so far are done, before the host writes
+        master weights outside a step (loading a state dict or checkpoint). No-op otherwise."""
+        if self.offload is not None:
+            self.offload.wait_uploads()
 
     def finish_step(self) -> None:
         """Drop this step's gradients (the step consumed them) and the transient fp32 gradients."""
@@ -373,15 +404,35 @@ class ZeroEngine:
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
                 optim += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+        host = self.host_memory_by_role()
         roles = {
             MemoryRole.PARAM_FULL: _nbytes(self.param_flat) + self._untracked_param_bytes,
             MemoryRole.GRAD_FULL: _nbytes(self.reducer.grad_full),
-            MemoryRole.GRAD_SHARD: _nbytes(self.reducer.grad_shard),
+            MemoryRole.GRAD_SHARD: _nbytes(self.reducer.grad_shard) + host.get(MemoryRole.GRAD_SHARD, 0),
             MemoryRole.GRAD_ACCUM: self.reducer.accumulator_bytes(),
             MemoryRole.MASTER_SHARD: _nbytes(self.master_flat),
             MemoryRole.OPTIM_STATE: optim,
-            MemoryRole.GRAD_BUCKET: self.reducer.staging_bytes(),
-            MemoryRole.GRAD_FP32: _nbytes(self.master_grad_flat),
+            MemoryRole.GRAD_BUCKET: self.reducer.staging_bytes() + host.get(MemoryRole.GRAD_BUCKET, 0),
+            MemoryRole.GRAD_FP32: _nbytes(self.master_grad_flat) + host.get(MemoryRole.GRAD_FP32, 0),
+        }
+        return {role: size for role, size in roles.items() if size}
+
+    def host_memory_by_role(self) -> dict[MemoryRole, int]:
+        """The part of ``memory_by_role()`` placed in host memory by offload (empty when not offloaded):
+        master weights, optimizer states, the fp32 gradients (GRAD_SHARD at stages 2-3, where they are
+        the held gradient; GRAD_FP32 at stages 0-1, a copy of the device's) and the host staging."""
+        if self.offload is None:
+            return {}
+        optim = 0
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                optim += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+        grad_role = MemoryRole.GRAD_SHARD if self.stage >= 2 else MemoryRole.GRAD_FP32
+        roles = {
+            MemoryRole.MASTER_SHARD: _nbytes(self.master_flat),
+            MemoryRole.OPTIM_STATE: optim,
+            grad_role: self.offload.grad_bytes(),
+            MemoryRole.GRAD_BUCKET: self.offload.staging_bytes(),
         }
         return {role: size for role, size in roles.items() if size}
 

@@ -3,7 +3,9 @@
 The user's optimizer is rebuilt (same class, same hyper-parameters and param groups) over this
 rank's fp32 master slices: it holds the optimizer states for the shard only (OPTIM_STATE). This
 object's ``param_groups`` list the model's parameters and are live: their hyper-parameters (a
-scheduler's learning rate, say) are copied to the inner optimizer before every step.
+scheduler's learning rate, say) are copied to the inner optimizer before every step. With the
+optimizer offloaded, the inner optimizer steps on the host with torch's fused CPU kernel where the
+class has one (else foreach), its states pinned when the device is CUDA (runtime/offload.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from hfzero.config import ConfigError
 from hfzero.logging import get_logger
 from hfzero.runtime.engine import ZeroEngine
+from hfzero.runtime.hostmem import trim_host_heap
 
 logger = get_logger(__name__)
 
@@ -64,10 +67,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups = base.param_groups
         self._source = base
         inner_groups = []
+        self._overrides = engine.offload.optimizer_overrides(type(base), base.defaults) if engine.offload else {}
+        """Implementation options of the host optimizer (offload): they win over the user's group values,
+        which are synced into the inner groups before every step (a loaded state dict's too)."""
         for index, group in enumerate(base.param_groups):
             views = [engine.master_views[b.index] for b in engine.layout.group_buckets(index)]
-            inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": views})
-        self.inner = _rebuild(type(base), inner_groups, base.defaults)
+            kept = {k: v for k, v in group.items() if k != "params"}
+            inner_groups.append({**kept, **{k: v for k, v in self._overrides.items() if k in kept}, "params": views})
+        self.inner = _rebuild(type(base), inner_groups, {**base.defaults, **self._overrides})
         engine.optimizer = self.inner
         self.skipped_steps = 0
         self.last_step_skipped = False
@@ -105,12 +112,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             logger.warning("fp16 gradient overflow: step skipped on all ranks (loss scale %g)", engine.scaler.scale)
         else:
             for ours, inner in zip(self.param_groups, self.inner.param_groups):
-                inner.update({k: v for k, v in ours.items() if k != "params"})
+                inner.update({k: v for k, v in ours.items() if k != "params"}, **self._overrides)
             with engine.keep_unused_unchanged():
                 self.inner.step()
+            if engine.offload is not None:
+                engine.offload.pin_states(self.inner)
             engine.publish_params()
         engine.scaler.update(engine.overflow)
         engine.finish_step()
+        if engine.device.type == "cpu" and engine.config.host_trim:
+            trim_host_heap()  # the step's transient memory is free now: see [Note: host allocator]
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -159,6 +170,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(diffs.items()))
             raise ConfigError(f"hfzero: optimizer state was saved with another layout ({detail}); use "
                               "hfzero.checkpoint.load_checkpoint, which reshards across world sizes and stages")
+        self.engine.wait_host_copies()
         self.inner.load_state_dict(state_dict["inner"])
         if self.engine.master_flat is not None:
             self.engine.master_flat.copy_(state_dict["master"])

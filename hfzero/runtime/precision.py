@@ -33,9 +33,10 @@ class PrecisionPolicy:
     separate_master: bool
 
     @classmethod
-    def from_config(cls, config: ZeroConfig, device: torch.device) -> "PrecisionPolicy":
-        master_device = torch.device("cpu") if config.offload_optimizer else device
-        separate = config.mixed_precision or master_device != device
+    def from_config(cls, config: ZeroConfig, device: torch.device, *, offload: bool = False) -> "PrecisionPolicy":
+        """``offload``: the optimizer side is placed in host memory (runtime/offload.py decides when)."""
+        master_device = torch.device("cpu") if offload else device
+        separate = config.mixed_precision or offload
         return cls(config.torch_dtype, MASTER_DTYPE, master_device, separate)
 
 

@@ -83,8 +83,6 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         raise ConfigError(f"hfzero.prepare: config.tp_size={config.tp_size} but the tensor-parallel group has {tp_size} "
                           "rank(s); build the dp x tp mesh and the TP model with "
                           "hfzero.parallel.tensor.prepare_tensor_parallel(model, optimizer, config)")
-    if tp_group is not None and config.stage == 3:
-        raise ConfigError("hfzero.prepare: tensor parallelism (tp_group) is supported at stages 0-2; stage 3 is not yet")
     groups = _optimizer_groups(model, optimizer)
     device = _single_device(groups) if weights is None else _meta_device(groups, weights.device)
     if config.mixed_precision:

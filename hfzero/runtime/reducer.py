@@ -8,6 +8,8 @@ Memory held, by stage (see [Note: bucket sharding] in layout.py):
   transient: at most ``max_inflight`` buffers are pooled between passes), plus, only under the
   "local" accumulation policy while reduction is deferred, a full local accumulator (GRAD_ACCUM, a
   model state: it is held across micro-batches) that the synchronizing backward reduces and frees.
+- with offload (``sink``, runtime/offload.py), stages 2-3 hold no ``grad_shard``: each reduced slice is
+  copied to the host and accumulated there; see [Note: offload copies].
 
 [Note: gradient sums]
 Stores hold SUMS over ranks, never averages; the division by the world size (and the loss-scale
@@ -52,6 +54,7 @@ from hfzero.comm import Communicator, Handle
 from hfzero.logging import get_logger
 from hfzero.runtime.tensors import iter_tensors, local_tensor
 from hfzero.runtime.layout import Bucket, FlatLayout, ParamSlot
+from hfzero.runtime.offload import HostOffload
 
 logger = get_logger(__name__)
 
@@ -81,7 +84,8 @@ class GradientReducer:
     """Registers post-accumulate-grad hooks and reduces gradients bucket by bucket."""
 
     def __init__(self, layout: FlatLayout, comm: Communicator, stage: int, dtype: torch.dtype,
-                 device: torch.device, overlap: bool, max_inflight: int, policy: str = "local"):
+                 device: torch.device, overlap: bool, max_inflight: int, policy: str = "local",
+                 sink: HostOffload | None = None):
         self.layout = layout
         self.comm = comm
         self.stage = stage
@@ -91,13 +95,15 @@ class GradientReducer:
         self.overlap = overlap
         self.max_inflight = max_inflight
         self.policy = policy
+        self.sink = sink
+        """Where reduced slices go when the optimizer is offloaded (None: they stay on the device)."""
         self.sync = True
         self.state = GradState.EMPTY
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         if stage < 2:
             self.grad_full = torch.zeros(layout.total_padded, dtype=dtype, device=device)
-        else:
+        elif sink is None:
             self.grad_shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         self.accumulator: torch.Tensor | None = None
         self.launch_on_fill = True
@@ -107,6 +113,7 @@ class GradientReducer:
         self._staging: dict[int, torch.Tensor] = {}
         self._late: dict[int, torch.Tensor] = {}
         self._pool: list[torch.Tensor] = []
+        self._reuse_after: dict[int, torch.cuda.Event] = {}  # id(pooled buffer) -> its offload copy done
         self._pending: list[int] = []
         self._forced: list[bool] = []
         self._fired: set[nn.Parameter] = set()
@@ -247,6 +254,8 @@ class GradientReducer:
                 self._launch_all_remaining()
                 self._wait_all()
                 self._reduce_late()
+                if self.sink is not None:  # before the accumulator is freed: See [Note: offload copies]
+                    self.sink.drain()
                 self.accumulator = None
                 self._trim_pool()
                 self.state = GradState.REDUCED
@@ -275,6 +284,8 @@ class GradientReducer:
         fitting = [i for i, t in enumerate(self._pool) if t.numel() >= numel]
         if fitting:
             flat = self._pool.pop(min(fitting, key=lambda i: self._pool[i].numel()))
+            if self.sink is not None:  # See [Note: offload copies]
+                self.sink.order_after(self._reuse_after.pop(id(flat), None))
         else:  # none fits: give pooled ones back first, so open + pooled stay within max_inflight + 1
             live = len(self._staging) + len(self._late) + 1
             del self._pool[max(0, self.max_inflight + 1 - live):]
@@ -283,9 +294,13 @@ class GradientReducer:
             self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes() + numel * self._element)
         return flat[:numel].zero_()
 
-    def _give_back(self, buffer: torch.Tensor) -> None:
-        """Return a staging buffer to the pool, keeping at most ``max_inflight`` pooled (the largest)."""
-        self._pool.append(buffer._base if buffer._base is not None else buffer)
+    def _give_back(self, buffer: torch.Tensor, copied: torch.cuda.Event | None = None) -> None:
+        """Return a staging buffer to the pool, keeping at most ``max_inflight`` pooled (the largest);
+        ``copied``: the offload copy still reading it, which its next user must wait for."""
+        base = buffer._base if buffer._base is not None else buffer
+        self._pool.append(base)
+        if copied is not None:
+            self._reuse_after[id(base)] = copied
         self._trim_pool()
 
     def _fill_target(self, bucket: Bucket) -> torch.Tensor:
@@ -310,6 +325,9 @@ class GradientReducer:
         live = len(self._staging) + len(self._late)
         self._pool.sort(key=torch.Tensor.numel, reverse=True)
         del self._pool[max(0, self.max_inflight + 1 - live):]
+        if self._reuse_after:
+            pooled = {id(t) for t in self._pool}
+            self._reuse_after = {k: v for k, v in self._reuse_after.items() if k in pooled}
 
     # ---- reduction ------------------------------------------------------------------------------
     def _launch_ready(self) -> None:
@@ -337,19 +355,20 @@ class GradientReducer:
 
     def _complete(self, bucket: Bucket, handle: Handle, source: torch.Tensor) -> None:
         handle.wait()
-        if self.stage == 0:
-            return
-        lo, hi = bucket.owned(self.comm.rank)
+        lo, hi = bucket.owned(self.comm.rank) if self.stage > 0 else (0, bucket.padded)
         if self.stage == 1:
             source[:lo].zero_()  # See [Note: gradient sums]
             source[hi:].zero_()
+        copied = self.sink.push(bucket, source[lo:hi]) if self.sink is not None else None
+        if self.stage < 2:
             return
-        self.grad_shard[bucket.shard_offset: bucket.shard_offset + bucket.chunk].add_(source[lo:hi])
+        if self.sink is None:
+            self.grad_shard[bucket.shard_offset: bucket.shard_offset + bucket.chunk].add_(source[lo:hi])
         staging = self._staging.get(bucket.index)
         if staging is not None and staging.data_ptr() == source.data_ptr():
-            self._give_back(self._staging.pop(bucket.index))
+            self._give_back(self._staging.pop(bucket.index), copied)
         elif self._late.get(bucket.index) is source:
-            self._give_back(self._late.pop(bucket.index))
+            self._give_back(self._late.pop(bucket.index), copied)
         # (an accumulator is dropped whole once every bucket is reduced)
 
     def _wait_all(self) -> None:
@@ -390,6 +409,8 @@ class GradientReducer:
         for bucket in self.layout.buckets:
             self._launch(bucket)
         self._wait_all()
+        if self.sink is not None:
+            self.sink.drain()
         self.accumulator = None
         self._trim_pool()
         self.state = GradState.REDUCED
@@ -429,7 +450,10 @@ class GradientReducer:
 
     # ---- access ---------------------------------------------------------------------------------
     def owned_grad(self, bucket: Bucket) -> torch.Tensor:
-        """This rank's reduced gradient SUM for ``bucket`` (a view; valid in the REDUCED state)."""
+        """This rank's reduced gradient SUM for ``bucket`` (a view; valid in the REDUCED state): on the
+        host, in fp32, when offloaded (the device keeps no copy at stages 2-3)."""
+        if self.sink is not None:
+            return self.sink.gradient(bucket)
         if self.grad_shard is not None:
             return self.grad_shard[bucket.shard_offset: bucket.shard_offset + bucket.chunk]
         lo, hi = bucket.owned(self.comm.rank) if self.stage == 1 else (0, bucket.padded)
@@ -448,6 +472,8 @@ class GradientReducer:
             return
         self.used.clear()
         self._graph_roots, self._roots_complete = [], True
+        if self.sink is not None:
+            self.sink.reset()
         if not self._dirty:  # already zero (e.g. zero_grad() right after step(), which zeroed)
             return
         self._dirty = False

@@ -45,6 +45,8 @@ class PipeSpec:
     """Extra ZeroConfig fields, e.g. (("param_persistence_threshold", 0),)."""
     measure_activations: bool = False
     """Record the peak of saved activations (ActivationMeter; slows the step a little)."""
+    profile: bool = False
+    """Run ``ZeroProfiler`` over the pipeline (custom-loop API) into ``<profile_root>/<spec index>``."""
 
 
 class ActivationMeter:
@@ -102,8 +104,14 @@ def stage_params(pipe) -> dict[str, torch.Tensor]:
     return {pipe.hf_name(n): full[n].float() for n, _ in pipe.module.named_parameters()}
 
 
-def train_pipeline(rank: int, world_size: int, spec: PipeSpec) -> dict[str, Any]:
-    """Train ``spec`` on this rank; return losses, final stage parameters, memory, comm and times per step."""
+def train_pipeline(rank: int, world_size: int, spec: PipeSpec, profile_dir: str | None = None) -> dict[str, Any]:
+    """Train ``spec`` on this rank; return losses, final stage parameters, memory, comm and times per step.
+    With ``spec.profile`` and a ``profile_dir``, ZeroProfiler records the run there."""
+    with contextlib.ExitStack() as stack:
+        return _train_pipeline(spec, stack, profile_dir if spec.profile else None)
+
+
+def _train_pipeline(spec: PipeSpec, stack: contextlib.ExitStack, profile_dir: str | None) -> dict[str, Any]:
     mesh = build_mesh(spec.pp)
     model = tiny_causal_lm(spec.model, layers=spec.layers, hidden=spec.hidden)
     zero = hfzero.ZeroConfig(stage=spec.stage, dtype=spec.dtype, reduce_bucket_size=spec.bucket_size,
@@ -114,6 +122,10 @@ def train_pipeline(rank: int, world_size: int, spec: PipeSpec) -> dict[str, Any]
     del model
     scheduler = _schedule(pipe.optimizer)
     engine = pipe.engine
+    if profile_dir is not None:
+        from hfzero.profiler import ZeroProfiler
+
+        stack.enter_context(ZeroProfiler(pipe, None, profile_dir))
     losses, comm_steps, times, step_roles, activation_peak = [], [], [], {}, 0
     for batch in token_batches(spec.steps, spec.global_batch, spec.seq_len):
         local = batch.chunk(mesh.dp_size)[mesh.dp_rank]  # (B / dp, T): this replica's rows
@@ -145,9 +157,13 @@ def train_pipeline(rank: int, world_size: int, spec: PipeSpec) -> dict[str, Any]
         "step_seconds": times,
         "num_params": engine.num_params,
         "num_params_padded": engine.num_params_padded,
+        "cross_prefetches": getattr(getattr(engine, "scheduler", None), "cross_prefetches", 0),
     }
 
 
-def train_pipelines(rank: int, world_size: int, specs: list[PipeSpec]) -> list[dict[str, Any]]:
-    """Run several specs in one spawned process group (spawning is the expensive part)."""
-    return [train_pipeline(rank, world_size, spec) for spec in specs]
+def train_pipelines(rank: int, world_size: int, specs: list[PipeSpec],
+                    profile_root: str | None = None) -> list[dict[str, Any]]:
+    """Run several specs in one spawned process group (spawning is the expensive part); specs with
+    ``profile=True`` are profiled into ``<profile_root>/<their index>``."""
+    return [train_pipeline(rank, world_size, spec, f"{profile_root}/{i}" if profile_root else None)
+            for i, spec in enumerate(specs)]

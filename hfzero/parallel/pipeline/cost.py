@@ -17,7 +17,10 @@ stage), N = dp size, M = micro-batches per step, p/g = parameter/gradient bytes,
   A dp size of 1 moves nothing within the stage.
 - activations: a stage keeps the activations of the micro-batches it has run forward and not yet
   backward: M under GPipe, min(P - s, M) under 1F1B (stage 0 the most).
-- bubble fraction: (P - 1) / M for GPipe and 1F1B, (P - 1) / (v M) with v stages per rank.
+- bubble fraction: (P - 1) / M for GPipe and 1F1B, (P - 1) / (v M) with v stages per rank: the idle
+  time over the ideal (busy) time, which the profiler measures as idle / busy per stage.
+- P2P: per micro-batch, every stage boundary between two ranks carries the activation forward and its
+  gradient backward (rows x seq x hidden elements each way), see ``p2p_bytes``.
 """
 
 from __future__ import annotations
@@ -105,6 +108,21 @@ def activation_in_flight(schedule: str, pp: int, stage_index: int, n_micro: int)
     if name == "1f1b":
         return min(pp - stage_index, n_micro)
     return n_micro  # multi-stage schedules: bounded by M (their warm-up depth depends on the schedule)
+
+
+def p2p_bytes(stage_ids_by_rank: list[list[int]], pp_rank: int, n_micro: int, activation_bytes: int) -> dict[str, int]:
+    """Bytes pp rank ``pp_rank`` sends and receives by P2P in one training step.
+
+    Every stage boundary between two different ranks carries, per micro-batch, the activation forward
+    and its gradient backward, each ``activation_bytes`` (rows x seq x hidden x element size): a stage
+    sends its output to the next stage and its input's gradient to the previous one, and receives the
+    mirror images. Boundaries between two stages of the same rank (V-shaped schedules) move nothing.
+    ``stage_ids_by_rank[r]`` lists the global stages of pp rank r.
+    """
+    holder = {stage: rank for rank, ids in enumerate(stage_ids_by_rank) for stage in ids}
+    remote = sum(1 for stage in stage_ids_by_rank[pp_rank] for peer in (stage - 1, stage + 1)
+                 if peer in holder and holder[peer] != pp_rank)
+    return {"send": remote * n_micro * activation_bytes, "recv": remote * n_micro * activation_bytes}
 
 
 def bubble_fraction(pp: int, n_micro: int, stages_per_rank: int = 1) -> float:

@@ -46,6 +46,7 @@ from hfzero.parallel.mesh import PipelineMesh, build_mesh
 from hfzero.parallel.pipeline.config import PipelineConfig
 from hfzero.parallel.pipeline.schedule import ZeroPipelineStage, resolve_schedule
 from hfzero.parallel.pipeline.split import DecoderStage, family_of, split_model, tied_embeddings
+from hfzero.parallel.pipeline.timeline import StageClock
 from hfzero.runtime.optimizer import _rebuild
 
 logger = get_logger(__name__)
@@ -80,6 +81,8 @@ class Pipeline:
         self.stages: list[DecoderStage] = split_model(model, stage_ids, self.num_stages, config.layers_per_stage)
         self.module: nn.Module = self.stages[0] if len(self.stages) == 1 else StageChunks(self.stages)
         tied = self._tied_param()
+        self.tied_numel = tied.numel() if tied is not None else 0
+        """Elements of the tied embedding this rank's stages hold (0 if none); counted before ZeRO shards it."""
         is_tied = tied_embeddings(model)
         stage_optimizer, self._tied_group, self.tied_user_group = _stage_optimizer(optimizer, self.module, tied)
         self.generation_config = getattr(model, "generation_config", None)
@@ -106,6 +109,15 @@ class Pipeline:
         self._n_micro, self._divisor = config.n_microbatches, None
         _PIPELINES[self.optimizer] = self
         self._reduced_stages = 0
+        self.clock = StageClock()
+        """Times this rank's stage actions and counts its P2P bytes in each training step; ``clock.last``
+        is the last step's summary (the profiler's ``pipeline`` figures; see [Note: measuring the bubble])."""
+        self._losses_computed = 0
+        self._pass_plans: dict[Any, list] = {}
+        """Per schedule, the kinds of the stage-3 passes its last step ran (see [Note: prefetch across
+        micro-batches])."""
+        self.micro_shape: tuple[int, int] | None = None
+        """(rows, seq) of one micro-batch of the last batch run."""
         self.step_roles: dict[Any, int] = {}
         """Peak bytes by MemoryRole over the last forward_backward, sampled after the last backward
         (before the deferred reduction frees local accumulators) and at its end."""
@@ -157,8 +169,7 @@ class Pipeline:
         if key not in self._schedules:
             device = self.engine.device
             dtype = self.zero_config.torch_dtype
-            hidden = self.stages[0].config.hidden_size if hasattr(self.stages[0].config, "hidden_size") \
-                else self.stages[0].config.n_embd
+            hidden = self.hidden_size
             vocab = self.stages[0].config.vocab_size
             chunks = self.module if isinstance(self.module, StageChunks) else [self.module]
             pipeline_stages = []
@@ -170,7 +181,7 @@ class Pipeline:
                 outputs.requires_grad_(train)
                 pipeline_stages.append(ZeroPipelineStage(
                     stage, stage.stage_index, self.num_stages, device, input_args=inputs, output_args=outputs,
-                    group=self.mesh.pp_group, on_reduce_grad=self._on_reduce_grad))
+                    group=self.mesh.pp_group, on_reduce_grad=self._on_reduce_grad, clock=self.clock))
             target = pipeline_stages[0] if len(pipeline_stages) == 1 else pipeline_stages
             self._schedules[key] = self.kind.cls(target, n_microbatches=n_micro,
                                                  loss_fn=self._loss_fn, scale_grads=False)
@@ -180,12 +191,20 @@ class Pipeline:
         """Mean token loss of a micro-batch / n_micro, or its token-loss sum / the step's token divisor (times
         the fp16 loss scale); see [Note: pipeline x ZeRO step]."""
         vocab = logits.shape[-1]
-        # (B * (T - 1), V) against (B * (T - 1),)
-        flat, target = logits[:, :-1].reshape(-1, vocab).float(), labels[:, 1:].reshape(-1)
-        scale = self.engine.scaler.scale if self.engine.scaler.enabled else 1.0
-        if self._divisor is None:
-            return F.cross_entropy(flat, target, ignore_index=-100) * (scale / self._n_micro)
-        return F.cross_entropy(flat, target, ignore_index=-100, reduction="sum") * (scale / self._divisor)
+        self._losses_computed += 1
+        with self.clock.span("loss", self.num_stages - 1, self._losses_computed - 1):
+            # (B * (T - 1), V) against (B * (T - 1),)
+            flat, target = logits[:, :-1].reshape(-1, vocab).float(), labels[:, 1:].reshape(-1)
+            scale = self.engine.scaler.scale if self.engine.scaler.enabled else 1.0
+            if self._divisor is None:
+                return F.cross_entropy(flat, target, ignore_index=-100) * (scale / self._n_micro)
+            return F.cross_entropy(flat, target, ignore_index=-100, reduction="sum") * (scale / self._divisor)
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the activations passed between stages."""
+        config = self.stages[0].config
+        return config.hidden_size if hasattr(config, "hidden_size") else config.n_embd
 
     @property
     def holds_first(self) -> bool:
@@ -206,7 +225,8 @@ class Pipeline:
                               f"replica's batch of {input_ids.shape[0]} rows; use a batch that is a multiple of it")
         labels = input_ids if labels is None else labels
         self._n_micro, self._divisor = n_micro, divisor
-        schedule = self._schedule(input_ids.shape[0] // n_micro, input_ids.shape[1], train, n_micro)
+        self.micro_shape = (input_ids.shape[0] // n_micro, input_ids.shape[1])
+        schedule = self._schedule(*self.micro_shape, train, n_micro)
         device = self.engine.device
         args = (input_ids.to(device),) if self.holds_first else ()
         return schedule, args, labels.to(device) if self.holds_last else None
@@ -223,13 +243,30 @@ class Pipeline:
                                               divisor=token_divisor)
         losses: list[torch.Tensor] = []
         self._reduced_stages = 0
+        self._losses_computed = 0
         self.step_roles = {}
+        planned = self._planned_scheduler()
+        if planned is not None:  # See [Note: prefetch across micro-batches]
+            planned.begin_planned_step(self._pass_plans.get(schedule))
         with self.engine.no_sync(), self._scaled():  # defers only under the "local" policy
-            schedule.step(*args, target=target, losses=losses if self.holds_last else None)
+            self.clock.begin()
+            try:
+                schedule.step(*args, target=target, losses=losses if self.holds_last else None)
+            finally:
+                self.clock.end(n_micro=self._n_micro, micro_shape=self.micro_shape)
+                if planned is not None:
+                    self._pass_plans[schedule] = planned.end_planned_step()
         self.engine.materialize_grads()
         self._sample_roles()
         self._vote_overflow()
         return self._global_loss(losses)
+
+    def _planned_scheduler(self) -> Any:
+        """The stage-3 unit scheduler when it gathers per micro-batch on a single-stage rank (the units'
+        passes follow the schedule: it prefetches across micro-batches), else None."""
+        if self.zero_config.stage != 3 or self.config.stage3_gather != "micro" or len(self.stages) > 1:
+            return None
+        return self.engine.scheduler
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, over_dp: bool = True,

@@ -17,6 +17,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as _schedules
 
 from hfzero.config import ConfigError
+from hfzero.parallel.pipeline.timeline import StageClock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,16 +67,53 @@ def resolve_schedule(name: str) -> ScheduleKind:
 
 
 class ZeroPipelineStage(PipelineStage):
-    """A PipelineStage whose end-of-step action (REDUCE_GRAD) calls ``on_reduce_grad()``.
+    """A PipelineStage whose end-of-step action (REDUCE_GRAD) calls ``on_reduce_grad()``, and whose
+    actions and P2P operations are timed and counted by ``clock``.
 
-    The driver uses it to run ZeRO's deferred reduction once the stage's last backward is done.
+    The driver uses the first to run ZeRO's deferred reduction once the stage's last backward is done,
+    the second for the profiler's bubble and P2P figures (see [Note: measuring the bubble]). Both wrap
+    the public PipelineStage methods the schedules call; the stage computes exactly what torch's does.
     """
 
-    def __init__(self, *args, on_reduce_grad: Callable[[], None], **kwargs):
+    def __init__(self, *args, on_reduce_grad: Callable[[], None], clock: StageClock | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._on_reduce_grad = on_reduce_grad
+        self.clock = clock if clock is not None else StageClock()
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        super().perform_reduce_grad(grad_scale_factor)  # scale_grads=False: a factor of 1, nothing to scale
-        if self.has_backward:
-            self._on_reduce_grad()
+        with self.clock.span("reduce", self.stage_index, -1):
+            super().perform_reduce_grad(grad_scale_factor)  # scale_grads=False: a factor of 1, nothing to scale
+            if self.has_backward:
+                self._on_reduce_grad()
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        with self.clock.span("forward", self.stage_index, fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        with self.clock.span("backward", self.stage_index, bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        with self.clock.span("backward_weight", self.stage_index, bwd_chunk_id):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        self.clock.count_p2p("send", ops)
+        return ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        self.clock.count_p2p("send", ops)
+        return ops
+
+    def get_fwd_recv_ops(self, fwd_chunk_id):
+        ops = super().get_fwd_recv_ops(fwd_chunk_id)
+        self.clock.count_p2p("recv", ops)
+        return ops
+
+    def get_bwd_recv_ops(self, bwd_chunk_id):
+        ops = super().get_bwd_recv_ops(bwd_chunk_id)
+        self.clock.count_p2p("recv", ops)
+        return ops

@@ -34,6 +34,7 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hfzero.comm import Communicator
 from hfzero.config import ZeroConfig
@@ -46,6 +47,7 @@ from hfzero.runtime.stage3.scheduler import Phase, UnitScheduler
 from hfzero.runtime.stage3.unit import GatherUnit, UnitState
 from hfzero.runtime.stage3.units import UnitSpec, resolve_units
 from hfzero.runtime.stage3.weights import WeightSource
+from hfzero.runtime.tensors import local_tensor
 
 logger = get_logger(__name__)
 
@@ -90,7 +92,7 @@ class Stage3Engine(ZeroEngine):
         self._unit_of: dict[nn.Parameter, int] = {}
         for spec in self.unit_specs:
             for p in spec.params:
-                persistent = p.numel() < config.param_persistence_threshold
+                persistent = local_tensor(p).numel() < config.param_persistence_threshold
                 self._unit_of[p] = _PERSISTENT if persistent else spec.index
         self.gather_comm, verify_comm = _gather_group_comms(comm)
         self._verify_gather_order = verify_gather_order
@@ -130,7 +132,7 @@ class Stage3Engine(ZeroEngine):
         if self.allow_partitioned_state_dict:
             return
         empty = [prefix + n for n, p in module.named_parameters(recurse=False)
-                 if p in self._partitioned and p.numel() == 0]
+                 if p in self._partitioned and local_tensor(p).numel() == 0]
         if empty:
             raise RuntimeError(
                 f"hfzero stage 3: model.state_dict() would return {len(empty)} empty (partitioned) tensor(s), e.g. "
@@ -183,7 +185,7 @@ class Stage3Engine(ZeroEngine):
         placed = set(self.layout.slots) | set(self.frozen_layout.slots)
         for p in dict.fromkeys(self.model.parameters()):
             if p not in placed:
-                self.comm.broadcast(p.data)
+                self.comm.broadcast(local_tensor(p).data)
         for b in self.model.buffers():
             self.comm.broadcast(b)
 
@@ -205,7 +207,7 @@ class Stage3Engine(ZeroEngine):
                 kept = self.persistent_flat[full_at: full_at + bucket.padded]
                 self._fill(bucket, 0, bucket.padded, kept, full)
                 for slot in bucket.slots:
-                    slot.param.data = kept[slot.offset: slot.offset + slot.numel].view(slot.shape)
+                    local_tensor(slot.param).data = kept[slot.offset: slot.offset + slot.numel].view(slot.shape)
                 self._persistent_full[bucket.index] = kept
                 self._shard_views[bucket.index] = kept[lo:hi]
                 full_at += bucket.padded
@@ -219,7 +221,7 @@ class Stage3Engine(ZeroEngine):
         """Rank 0's values of the whole bucket (transient, one bucket)."""
         full = torch.zeros(bucket.padded, dtype=self.policy.param_dtype, device=self.device)
         for slot in bucket.slots:
-            full[slot.offset: slot.offset + slot.numel].copy_(slot.param.data.reshape(-1))
+            full[slot.offset: slot.offset + slot.numel].copy_(local_tensor(slot.param).detach().reshape(-1))
         self.comm.broadcast(full)
         return full
 
@@ -257,10 +259,16 @@ class Stage3Engine(ZeroEngine):
     def publish_params(self) -> None:
         """Copy master slices into the parameter shard; all-gather only the persistent parameters.
 
-        Partitioned parameters stay sharded after the step: the next forward gathers them.
+        Partitioned parameters stay sharded after the step: the next forward gathers them. Offloaded,
+        the copies into the shard are asynchronous and every later gather is ordered after them (see
+        [Note: offload copies]).
         """
         self.scheduler.release_all()
-        if self.policy.separate_master:
+        if self.offload is not None:
+            self.offload.begin_upload()
+            for bucket, master in zip(self.layout.buckets, self.master_views):
+                self.offload.upload(bucket, master, self._owned_param(bucket))
+        elif self.policy.separate_master:
             for bucket, master in zip(self.layout.buckets, self.master_views):
                 self._owned_param(bucket).copy_(master)
         handles = [self.comm.all_gather(self._persistent_full[b.index], self._shard_views[b.index], async_op=True)
@@ -313,7 +321,10 @@ class Stage3Engine(ZeroEngine):
         return whole
 
     def full_numel(self, param: nn.Parameter) -> int:
-        """Elements of ``param`` when whole (a partitioned parameter is a 0-element tensor between uses)."""
+        """Elements of ``param`` when whole (a partitioned parameter is a 0-element tensor between uses;
+        a DTensor's ``numel()`` is its global size already)."""
+        if isinstance(param, DTensor):
+            return param.numel()
         slot = self.layout.slots.get(param) or self.frozen_layout.slots.get(param)
         return slot.numel if slot is not None else param.numel()
 

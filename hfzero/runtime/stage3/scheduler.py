@@ -15,6 +15,24 @@ the pass ends.
 A submodule of a unit called on its own (``model.get_encoder()(...)``, ``lm_head(h)``, an embedding
 called by ``generate``) gathers its unit around that call through the same path (same order check),
 so a unit is gathered whenever any part of it runs, not only through the root's forward.
+[Note: prefetch across micro-batches]
+Under pipeline parallelism with per-micro-batch gathering (``stage3_gather="micro"``) a stage runs many
+passes per step (one forward and one backward per micro-batch, in the schedule's order), and every pass
+gathers its units anew. The driver brackets each step with ``begin_planned_step(plan)`` /
+``end_planned_step()``, ``plan`` being the kinds of the passes the previous step with the same schedule
+ran (forward, backward, ...). When a pass reaches the last unit of its recorded order, the scheduler
+looks up the next pass's kind in the plan and starts gathering the first unit of that pass's recorded
+order (after the root) that is sharded now, within the prefetch budget: that gather overlaps the last
+unit's compute and whatever the schedule does between the passes (P2P waits, the loss). The unit is
+carried across the pass end (not released) and used by the next pass; one carried but unused (a
+schedule that departed from the plan) is released at the end of that next pass, and
+``end_planned_step`` releases anything still carried before the optimizer step (the gathered values
+must never outlive the step). A unit gathered now is never carried: it is released and gathered again
+as usual, so each unit is gathered exactly as often as without the prefetch (the communication stays
+2M x Ψ_s elements per step, the cost model's). Decisions depend on the recorded orders and the plan
+only, the same on every rank of the stage's group, so the gathers keep their order across ranks. The
+first step (no plan yet) and passes outside a planned step never prefetch across passes.
+
 With ``verify=True`` the order is checked without a host synchronization on the hot path: while an
 order is being recorded (the first pass of each kind) every gather is preceded by a tiny all-gather
 of the unit's index, and every pass ends with an all-gather of a signature of the units it gathered
@@ -88,6 +106,12 @@ class UnitScheduler:
         self.keep_gathered = False
         """When True, units stay gathered after use until ``release_all()`` (called by the step's
         ``publish_params``): gather once per step for all micro-batches (the pipeline's "step" policy)."""
+        self.pass_plan: list[Phase] = []
+        """The kinds of the passes of the previous planned step; see [Note: prefetch across micro-batches]."""
+        self._step_passes: list[Phase] | None = None  # kinds of this planned step's passes so far (None: no step)
+        self._carry: set[int] = set()  # units gathered for the next pass: kept across this pass's end
+        self.cross_prefetches = 0
+        """Units gathered ahead for the next pass so far (a count, for tests and benchmarks)."""
         self.events: list[tuple[str, str]] | None = None
         """When a list (``trace(True)``), ("gather"|"wait"|"release"|"forward"|"forward_end"|
         "backward", unit name) events are appended in the order they happen."""
@@ -109,8 +133,25 @@ class UnitScheduler:
         return sum(u.numel for u in self.units if u.state is not UnitState.SHARDED)
 
     def release_all(self) -> None:
+        self._carry.clear()
         for unit in self.units:
             unit.release()
+
+    def begin_planned_step(self, plan: list[Phase] | None) -> None:
+        """Start a step whose passes follow ``plan`` (the kinds of the previous such step's passes, or None
+        for the first); see [Note: prefetch across micro-batches]."""
+        self.pass_plan = list(plan or [])
+        self._step_passes = []
+
+    def end_planned_step(self) -> list[Phase]:
+        """End the planned step: release units still carried for a pass that did not come, and return the
+        kinds of the passes the step ran (the next step's plan)."""
+        passes, self._step_passes, self.pass_plan = self._step_passes or [], None, []
+        for index in sorted(self._carry):
+            self._log("release", self.units[index])
+            self.units[index].release()
+        self._carry.clear()
+        return passes
 
     def gather_now(self, unit: GatherUnit) -> None:
         """Gather ``unit`` synchronously outside any pass (collective: every rank must call it)."""
@@ -125,6 +166,8 @@ class UnitScheduler:
         self._in_use.clear()
         self._backward_seen = set()
         self._finished = set()
+        self._step_passes = None if self._step_passes is None else []  # no plan after a failed pass
+        self.pass_plan = []
         self.release_all()
 
     # ---- hooks ----------------------------------------------------------------------------------
@@ -137,6 +180,7 @@ class UnitScheduler:
             if unit is self.root and self.phase is Phase.IDLE:
                 self.phase = Phase.FORWARD
                 self._pass = _Pass(self.orders[Phase.FORWARD])
+                self._carry = set()  # units carried into this pass are its own now
             self._enter(unit)
         return hook
 
@@ -226,6 +270,7 @@ class UnitScheduler:
         self.phase = Phase.BACKWARD
         self._graph_task = torch._C._current_graph_task_id()
         self._pass = _Pass(self.orders[Phase.BACKWARD])
+        self._carry = set()  # units carried into this pass are its own now
         self._backward_seen = set()
         self._finished = set()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -243,8 +288,10 @@ class UnitScheduler:
         current, self._pass = self._pass, None
         self.phase = Phase.IDLE
         self._in_use.clear()
+        if self._step_passes is not None:
+            self._step_passes.append(phase)
         for unit in self.units:
-            if unit.state is not UnitState.SHARDED and not self.keep_gathered:
+            if unit.state is not UnitState.SHARDED and not self.keep_gathered and unit.index not in self._carry:
                 self._log("release", unit)
                 unit.release()
         issued = current.issued if current is not None else []
@@ -279,6 +326,26 @@ class UnitScheduler:
                 break
             budget -= nxt.numel
             self._issue(nxt)
+        if position == len(current.recorded) - 1:
+            self._prefetch_next_pass(budget)
+
+    def _prefetch_next_pass(self, budget: int) -> None:
+        """At the last unit of a pass: start gathering the next pass's first sharded unit and carry it
+        across the pass end. See [Note: prefetch across micro-batches]."""
+        if self._step_passes is None or self.keep_gathered:
+            return
+        following = len(self._step_passes) + 1  # the pass after this one, in the plan
+        if following >= len(self.pass_plan):
+            return
+        for index in self.orders[self.pass_plan[following]]:
+            unit = self.units[index]
+            if unit is self.root or unit.state is not UnitState.SHARDED:
+                continue
+            if unit.numel <= budget:
+                self._issue(unit)
+                self._carry.add(index)
+                self.cross_prefetches += 1
+            return
 
     def _issue(self, unit: GatherUnit) -> None:
         if unit.state is not UnitState.SHARDED:

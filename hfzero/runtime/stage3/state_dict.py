@@ -5,20 +5,24 @@ At stage 3, between uses, a partitioned parameter is a 0-element tensor of its d
 [Note: stage-3 release]), so ``model.state_dict()`` would return empty tensors for it: saving that
 would write an empty model, and the engine refuses it with an error that points here. ``full_state_dict(model)`` gathers each unit in turn (a collective:
 every rank must call it), copies its parameters to the CPU and releases it again, so at most one
-unit's full buffer is resident at a time beyond the result.
+unit's full buffer is resident at a time beyond the result. Under tensor parallelism a parameter
+sharded over TP (a DTensor) is made whole with ``full_tensor()`` (a collective over the TP group), one
+parameter at a time, so the result holds full tensors whatever the TP degree.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every parameter whole, as CPU tensors.
 
-    Collective over the model's data-parallel group. With ``rank0_only`` the other ranks take part
-    in the gathers but return ``{}``, so only rank 0 holds the (CPU) copy of the model.
+    Collective over the model's data-parallel group (and its tensor-parallel group). With
+    ``rank0_only`` the other ranks take part in the gathers but return ``{}``, so only data-parallel
+    rank 0 (every TP rank of it) holds the (CPU) copy of the model.
     """
     from hfzero.runtime.prepare import get_engine
     from hfzero.runtime.stage3.engine import Stage3Engine
@@ -27,14 +31,14 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     engine = get_engine(model)
     keep = not rank0_only or engine.rank == 0
     if not isinstance(engine, Stage3Engine):
-        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if keep else {}
+        return {k: whole_cpu(v) for k, v in model.state_dict().items()} if keep else {}
     gathered: dict[nn.Parameter, torch.Tensor] = {}
     for unit in engine.units:
         was_sharded = unit.state is UnitState.SHARDED
         engine.scheduler.gather_now(unit)
         if keep:
             for p in unit.params:
-                gathered[p] = p.detach().to("cpu", copy=True)
+                gathered[p] = whole_cpu(p)
         if was_sharded:
             unit.release()
     if not keep:
@@ -47,5 +51,14 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
         engine.allow_partitioned_state_dict = False
     for key, value in entries.items():
         tensor = gathered.get(value) if isinstance(value, nn.Parameter) else None
-        out[key] = tensor if tensor is not None else value.detach().to("cpu", copy=True)
+        out[key] = tensor if tensor is not None else whole_cpu(value)
     return out
+
+
+def whole_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``tensor``, made whole first when it is a DTensor sharded over tensor parallelism
+    (``full_tensor()``: a collective over its mesh; every TP rank must call it in the same order)."""
+    tensor = tensor.detach()
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    return tensor.to("cpu", copy=True)

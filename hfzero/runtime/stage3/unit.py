@@ -20,6 +20,7 @@ from torch import nn
 
 from hfzero.comm import Communicator, Handle
 from hfzero.runtime.layout import Bucket
+from hfzero.runtime.tensors import local_tensor
 from hfzero.runtime.stage3.buffers import GatherBufferPool
 
 
@@ -103,8 +104,8 @@ class GatherUnit:
         for handle in self._handles:
             handle.wait()
         self._handles = []
-        for param, view in self._views:
-            param.data = view
+        for param, view in self._views:  # a DTensor's local shard (See [Note: tensor-parallel parameters])
+            local_tensor(param).data = view
         self.state = UnitState.GATHERED
 
     def release(self) -> None:
@@ -118,7 +119,7 @@ class GatherUnit:
 
     def _point_at_empty(self) -> None:
         for param, _ in self._views:
-            param.data = self._empty
+            local_tensor(param).data = self._empty
 
     def _free_storage(self) -> None:
         """The full buffer's storage to 0 bytes: its memory goes back to the pool (or is freed)."""

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from hfzero.config import ConfigError
+from hfzero.runtime.tensors import local_tensor
 
 ROOT = ""
 """The root unit's name (the model itself)."""
@@ -39,7 +40,7 @@ class UnitSpec:
 
 
 def _param_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+    return sum(local_tensor(p).numel() for p in module.parameters())
 
 
 BLOCK_LIST_FRACTION = 4
