@@ -167,9 +167,10 @@ def memory_by_role_figure(loaded: LoadedRun) -> go.Figure:
         for key, label in _ESTIMATE_PARTS:
             bar(f"estimate: {label}", {r: float(predicted.get(key) or 0.0) for r in ranks}, ESTIMATE,
                 marker_color="gainsboro", legendgroup=ESTIMATE, legendgrouptitle_text=ESTIMATE)
-        measured = [sum(acts.get(r, {}).values()) for r in ranks]
-        ratio_text(ESTIMATE, [max(m, predicted["saved"]) for m in measured],
-                   [f"measured / estimate {m / predicted['saved']:.3f}" if predicted["saved"] else "" for m in measured],
+        measured = {r: sum(acts[r].values()) for r in ranks if r in acts}  # none with activations=False
+        ratio_text(ESTIMATE, [max(measured.get(r, 0.0), predicted["saved"]) for r in ranks],
+                   [f"measured / estimate {measured[r] / predicted['saved']:.3f}"
+                    if r in measured and predicted["saved"] else "" for r in ranks],
                    "activations: measured / estimate")
     bar("other / allocator overhead (the peak minus the roles)", _overhead(run, summary, peaks), REST,
         marker_color="#e3e3e3", legendgroup=REST, legendgrouptitle_text=REST)
