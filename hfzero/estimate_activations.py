@@ -4,8 +4,12 @@ checkpointing, tensor parallelism, P_a and P_a+cpu. Exported by ``hfzero.estimat
 
 [Note: decoder activation model]
 Derived by reading what each operation of a transformers decoder layer saves for its backward (the
-tensors its backward formula needs), not fitted to a measurement; ``tests/test_activations.py``
-checks it against the profiler's saved-tensor measurement. With s tokens, b sequences, h = a * d
+tensors its backward formula needs), then checked against the list of tensors the saved-tensor hooks
+see (which corrected one term: a fused kernel's output and the output projection's input are one
+storage); no coefficient is fitted. ``tests/test_activations.py`` checks it against the profiler's
+measurement; on CPU (GPT-2 and Llama, fp32 and bf16, eager and sdpa, with and without dropout) it is
+exact to the byte without checkpointing. Not checked on CUDA, where sdpa may pick another kernel
+(e.g. memory-efficient attention with a padding mask) and LayerNorm keeps fp32 statistics. With s tokens, b sequences, h = a * d
 (heads a, head size d), kv key-value heads, MLP width f, element size e and sb = s*b, one layer saves:
 
 - each norm: LayerNorm its input, its output (saved by the next projection) and two (sb,) stats:
@@ -23,7 +27,8 @@ checks it against the profiler's saved-tensor measurement. With s tokens, b sequ
   output, act's output, up's output and the product: 4e*sb*f. ``gelu_new`` (transformers' Python tanh
   GELU) saves 3 more f-sized tensors (input, tanh output, 0.5x and 1 + tanh instead of the input);
 - dropout in training: the mask per dropout site (1 byte on CUDA; e bytes on CPU, where dropout is a
-  multiply by a scaled noise tensor), and after eager attention's dropout its e-byte output.
+  multiply by a scaled noise tensor), and after eager attention's dropout its e-byte output. Off CUDA,
+  sdpa with attention dropout runs torch's math path and saves what eager attention saves.
 
 Outside the layers (``head``): the token ids (int64) for the embedding backward, learned position ids
 (GPT-2), the rotary cos / sin tables (one (s, d) pair, shared by every layer), the final norm, the
