@@ -17,7 +17,7 @@ import pandas as pd
 
 from hfzero.logging import get_logger
 from hfzero.profiler.format import HEADER_FILE, PHASES, RANK_FILE_PATTERN
-from hfzero.profiler.decompose import PARTS
+from hfzero.profiler.decompose import ACTIVATION_KEYS, PARTS, legacy_parts
 from hfzero.profiler.reader import ProfileFormatError, Run, load_run, summarize
 from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
 
@@ -219,6 +219,7 @@ def peak_frame(run: Run) -> pd.DataFrame:
         for record in log.of_kind("step"):
             peak = record.get("peak")
             if isinstance(peak, dict):
+                peak = legacy_parts(peak)
                 rows.append({"rank": rank, "step": record["step"], "total": _number(peak.get("total")),
                              **{part: _number(peak.get(part)) for part in PARTS},
                              "peak_total": _number(peak.get("peak_total")),
@@ -292,6 +293,41 @@ def peak_roles(run: Run) -> dict[int, dict[str, float]]:
             if not np.isnan(key[0]) and (best is None or key > best):
                 best, peaks[rank] = key, {k: float(v) for k, v in roles.items()}
     return peaks
+
+
+def whole_peak(run: Run) -> dict[int, dict[str, float]]:
+    """Per rank, the recorded step peak with the largest ``total`` (see [Note: peak decomposition]):
+    total, its parts, and ``overhead`` = other + remainder (the peak minus every role: live tensors no
+    role accounts for, allocator caching and fragmentation, libraries). Ranks without one are absent."""
+    frame = peak_frame(run)
+    out: dict[int, dict[str, float]] = {}
+    for rank, group in (frame.groupby("rank", sort=True) if not frame.empty else ()):
+        row = group.loc[group["total"].idxmax()]
+        parts = {part: float(np.nan_to_num(row[part])) for part in PARTS}
+        out[int(rank)] = {"total": float(row["total"]), **parts, "overhead": parts["other"] + parts["remainder"],
+                          "step": int(row["step"])}
+    return out
+
+
+def activation_peaks(run: Run) -> dict[int, dict[str, float]]:
+    """Per rank, the measured activation roles' peaks over the step records (``activations`` and
+    ``act_checkpoint``: both peak at a forward's end), for comparison with the header's estimate."""
+    peaks: dict[int, dict[str, float]] = {}
+    for rank, log in run.ranks.items():
+        for record in log.of_kind("step"):
+            roles = record.get("roles") or {}
+            for key in ACTIVATION_KEYS & roles.keys():
+                value = _number(roles[key])
+                if not np.isnan(value):
+                    peaks.setdefault(rank, {k: 0.0 for k in sorted(ACTIVATION_KEYS)})
+                    peaks[rank][key] = max(peaks[rank][key], value)
+    return peaks
+
+
+def activation_prediction(run: Run) -> dict[str, Any] | None:
+    """The header's ``activation_prediction`` (the estimator's decoder activation model), or None."""
+    prediction = run.header.get("activation_prediction")
+    return prediction if isinstance(prediction, dict) and isinstance(prediction.get("saved"), (int, float)) else None
 
 
 def prediction_inputs(run: Run) -> dict[str, Any] | None:

@@ -15,7 +15,8 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from dashboard.data import LoadedRun, comm_theory_elements, peak_roles, prediction_inputs
+from dashboard.data import (LoadedRun, activation_peaks, activation_prediction, comm_theory_elements, peak_roles,
+                            prediction_inputs, whole_peak)
 from hfzero import estimate as est
 from hfzero.logging import get_logger
 from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
@@ -76,8 +77,13 @@ def formula_parts(run: Any) -> est.ModelStateBytes | None:
         return None
 
 
-MODEL_STATES, FORMULA, TRANSIENT, REST = "model states", "formula", "transient", "rest of peak"
+MODEL_STATES, FORMULA, TRANSIENT, ACTIVATIONS, ESTIMATE, REST = (
+    "model states", "formula", "transient", "activations", "activation estimate", "other / allocator overhead")
 """The bars of each rank in the memory-by-role figure, left to right."""
+
+_ACTIVATION_ROLES = (MemoryRole.ACTIVATIONS.value, MemoryRole.ACT_CHECKPOINT.value)
+_ESTIMATE_PARTS = (("layers", "layers (no checkpointing)"), ("checkpoints", "checkpoints on the device"),
+                   ("checkpoints_host", "checkpoints in host memory"), ("head", "outside the layers"))
 
 
 def _process_peak(entry: dict[str, Any]) -> tuple[str, float] | None:
@@ -89,25 +95,46 @@ def _process_peak(entry: dict[str, Any]) -> tuple[str, float] | None:
     return None
 
 
-def memory_by_role_figure(loaded: LoadedRun) -> go.Figure:
-    """Per rank, four bars on one bytes axis, at the record where model states peak:
+def _overhead(run: Any, summary: dict[str, Any], peaks: dict[int, dict[str, float]]) -> dict[int, float]:
+    """Per rank, the rank's peak minus its roles: the profiler's peak decomposition (other + remainder
+    at the step peak with the largest total), else (older profiles) the process peak less the roles."""
+    split = whole_peak(run)
+    by_rank = {entry["rank"]: entry for entry in summary["ranks"]}
+    out = {}
+    for rank in peaks:
+        if rank in split:
+            out[rank] = split[rank]["overhead"]
+        elif (process := _process_peak(by_rank.get(rank, {}))) is not None:
+            out[rank] = max(0.0, process[1] - sum(peaks[rank].values()))
+    return out
 
-    - "model states": the measured model-state roles, stacked (what the paper's formula counts);
+
+def memory_by_role_figure(loaded: LoadedRun) -> go.Figure:
+    """Per rank, bars on one bytes axis that together account for the rank's peak:
+
+    - "model states": the measured model-state roles at the record where they peak, stacked (what the
+      paper's formula counts);
     - "formula": the paper's parameters / gradients / K for the run, stacked, right beside it
       (the measured/formula ratio is written over the pair);
     - "transient": what else the engine held at that moment (gradient buckets, gathered stage-3
-      units, fp32 gradients, communication buffers, activation checkpoints), never mixed into the
-      model-state bar;
-    - "rest of peak": the process's peak (CUDA allocated, else RSS) less model states and transient:
-      activations, allocator caching, libraries.
+      units, fp32 gradients, communication buffers), never mixed into the model-state bar;
+    - "activations": the measured activation roles (saved for backward, checkpoints) at their peak,
+      with "activation estimate" (the header's ``activation_prediction``: the estimator's decoder
+      model) beside it and the measured/estimate ratio over the pair;
+    - "other / allocator overhead": the rank's peak (RSS on a CPU, reserved on CUDA) minus every role,
+      from the profiler's peak decomposition (see [Note: peak decomposition]): live tensors no role
+      accounts for, the allocator's cache and fragmentation, libraries.
     """
     run, summary = loaded.run, loaded.summary
     assert run is not None and summary is not None, "memory_by_role_figure needs a loaded run"
     peaks = peak_roles(run)
+    acts = activation_peaks(run)
+    predicted = activation_prediction(run)
     parts = formula_parts(run)
     ranks = sorted(peaks)
     by_rank = {entry["rank"]: entry for entry in summary["ranks"]}
-    kinds = [MODEL_STATES] + ([FORMULA] if parts is not None else []) + [TRANSIENT, REST]
+    kinds = ([MODEL_STATES] + ([FORMULA] if parts is not None else []) + [TRANSIENT]
+             + ([ACTIVATIONS] if acts or predicted else []) + ([ESTIMATE] if predicted else []) + [REST])
     x = [[f"rank {r}" for r in ranks for _ in kinds], [k for _ in ranks for k in kinds]]
     fig = go.Figure()
 
@@ -117,40 +144,69 @@ def memory_by_role_figure(loaded: LoadedRun) -> go.Figure:
             fig.add_bar(x=x, y=y, name=name, hovertemplate=f"{name}<br>%{{x}}<br>%{{y:,.0f}} bytes (%{{y:.3s}}B)"
                                                           "<extra></extra>", **style)
 
+    def ratio_text(kind: str, tops: list[float], texts: list[str], name: str) -> None:
+        fig.add_scatter(x=[[f"rank {r}" for r in ranks], [kind] * len(ranks)], y=tops, mode="text", text=texts,
+                        textposition="top center", name=name, hoverinfo="skip")
+
     keys = [r.value for r in MemoryRole] + sorted({k for p in peaks.values() for k in p} - {r.value for r in MemoryRole})
     is_state = {r.value for r in MODEL_STATE_ROLES}
     for key in keys:
-        kind = MODEL_STATES if key in is_state else TRANSIENT
-        bar(role_label(key), {r: peaks[r].get(key, 0.0) for r in ranks}, kind, marker_color=ROLE_COLORS.get(key),
-            legendgroup=kind, legendgrouptitle_text=kind)
+        if key in _ACTIVATION_ROLES:
+            values, kind = {r: acts.get(r, {}).get(key, 0.0) for r in ranks}, ACTIVATIONS
+        else:
+            values = {r: peaks[r].get(key, 0.0) for r in ranks}
+            kind = MODEL_STATES if key in is_state else TRANSIENT
+        bar(role_label(key), values, kind, marker_color=ROLE_COLORS.get(key), legendgroup=kind,
+            legendgrouptitle_text=kind)
     if parts is not None:
         for name, value, pattern in (("parameters pΨ", parts.params, "/"), ("gradients gΨ", parts.grads, "\\"),
                                      ("optimizer states KΨ", parts.optimizer, "x")):
             bar(f"formula: {name}", {r: value for r in ranks}, FORMULA, marker_color="lightgray",
                 marker_pattern_shape=pattern, legendgroup=FORMULA, legendgrouptitle_text=FORMULA)
-    rest, peak_label = {}, None
-    for r in ranks:
-        process = _process_peak(by_rank.get(r, {}))
-        if process is not None:
-            peak_label = process[0]
-            rest[r] = max(0.0, process[1] - sum(peaks[r].values()))
-    bar(f"activations, caches, libraries (the rest of the {peak_label or 'process'} peak)", rest, REST,
+    if predicted:
+        for key, label in _ESTIMATE_PARTS:
+            bar(f"estimate: {label}", {r: float(predicted.get(key) or 0.0) for r in ranks}, ESTIMATE,
+                marker_color="gainsboro", legendgroup=ESTIMATE, legendgrouptitle_text=ESTIMATE)
+        measured = {r: sum(acts[r].values()) for r in ranks if r in acts}  # none with activations=False
+        ratio_text(ESTIMATE, [max(measured.get(r, 0.0), predicted["saved"]) for r in ranks],
+                   [f"measured / estimate {measured[r] / predicted['saved']:.3f}"
+                    if r in measured and predicted["saved"] else "" for r in ranks],
+                   "activations: measured / estimate")
+    bar("other / allocator overhead (the peak minus the roles)", _overhead(run, summary, peaks), REST,
         marker_color="#e3e3e3", legendgroup=REST, legendgrouptitle_text=REST)
     if parts is not None:
         ratios = [by_rank.get(r, {}).get("ratio") for r in ranks]
         tops = [max(sum(v for k, v in peaks[r].items() if k in is_state), sum(parts)) for r in ranks]
-        fig.add_scatter(x=[[f"rank {r}" for r in ranks], [FORMULA] * len(ranks)], y=tops, mode="text",
-                        text=[f"measured / formula {q:.3f}" if q is not None else "" for q in ratios],
-                        textposition="top center", name="model states: measured / formula", hoverinfo="skip")
+        ratio_text(FORMULA, tops, [f"measured / formula {q:.3f}" if q is not None else "" for q in ratios],
+                   "model states: measured / formula")
     prediction = run.header.get("prediction") or {}
     formula = prediction.get("formula") or "no prediction in the header"
     fig.update_layout(barmode="stack", yaxis={**_BYTES_AXIS, "title": "bytes per rank"},
-                      title=f"Bytes by role at the model-state peak, stage {run.stage}, N_d={run.world_size}<br>"
-                            f"<sup>model states beside the formula {formula}; transient buffers and the rest of "
-                            "the process peak apart</sup>", hovermode="closest",
+                      title=f"Bytes by role, stage {run.stage}, N_d={run.world_size}<br>"
+                            f"<sup>model states (at their peak) beside the formula {formula}; transient buffers; "
+                            "activations beside the estimate; the rest of the rank's peak</sup>", hovermode="closest",
                       legend={"orientation": "h", "yanchor": "top", "y": -0.22, "groupclick": "toggleitem"},
                       margin={"b": 140})
     return fig
+
+
+def whole_peak_rows(loaded: LoadedRun) -> list[dict[str, Any]]:
+    """One row per rank accounting for its whole peak (the parts add up to ``peak``), with the
+    measured activations beside the estimator's figure."""
+    assert loaded.run is not None
+    split, acts, predicted = whole_peak(loaded.run), activation_peaks(loaded.run), activation_prediction(loaded.run)
+    rows = []
+    for rank in sorted(set(split) | set(acts)):
+        peak = split.get(rank, {})
+        measured = sum(acts.get(rank, {}).values()) if rank in acts else None
+        estimate = float(predicted["saved"]) if predicted else None
+        rows.append({"rank": rank, "step": peak.get("step"), "peak (bytes)": peak.get("total"),
+                     "model states": peak.get("model_states"), "transient": peak.get("transient"),
+                     "activations + checkpoints": peak.get("activations"),
+                     "other / allocator overhead": peak.get("overhead"),
+                     "activations measured (peak)": measured, "activations estimate": estimate,
+                     "measured / estimate": measured / estimate if measured is not None and estimate else None})
+    return rows
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,12 +215,13 @@ def memory_by_role_figure(loaded: LoadedRun) -> go.Figure:
 
 
 _PART_LABELS = {"model_states": "model states", "transient": "transient buffers",
-                "activations": "activations and other live tensors", "remainder": "free but held, libraries"}
+                "activations": "activations and checkpoints (measured)",
+                "other": "other live tensors (no role)", "remainder": "free but held, libraries"}
 
 
 def peak_decomposition_figure(frame: pd.DataFrame, rank: int) -> go.Figure:
     """Stacked bars per step: the rank's sampled peak split into model states, transient buffers,
-    activations and the remainder, with the lifetime peak as a line (it grows when the run does)."""
+    measured activations, other live tensors and the remainder, with the lifetime peak as a line (it grows when the run does)."""
     frame = frame[frame["rank"] == rank] if not frame.empty else frame
     if frame.empty:
         return _empty("No peak decomposition in this run (profiles written before issue 14 lack it).")

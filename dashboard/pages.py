@@ -82,14 +82,25 @@ def view_memory(loaded: LoadedRun, settings: dict[str, int]) -> None:
     st.dataframe(rows, hide_index=True)
     st.caption("The formula counts the unpadded trainable Ψ (and frozen parameters Ψ_f: whole at stages 0-2, "
                "/N_d at stage 3); the measurement includes bucket padding (at most N_d - 1 elements per bucket). "
-               "Transient buffers and the rest of the process peak are the chart's other two bars, not model states.")
+               "Transient buffers, activations and the rest of the rank's peak are the chart's other bars, not "
+               "model states.")
+    whole = figures.whole_peak_rows(loaded)
+    if whole:
+        st.dataframe(whole, hide_index=True)
+        st.caption("The rank's whole peak (RSS on a CPU, reserved on CUDA; the step with the largest sampled "
+                   "peak) = model states + transient + activations and checkpoints (measured by role) + other / "
+                   "allocator overhead (the peak minus every role: untracked live tensors, allocator cache and "
+                   "fragmentation, libraries). Activations measured at their peak beside the estimator's decoder "
+                   "model from the header (see docs/zero-r.md); the estimate leaves out a checkpointed layer's "
+                   "recomputation, which the saved-tensor measurement does not see either.")
     assert loaded.run is not None
     peaks = data.peak_frame(loaded.run)
     if not peaks.empty:
         rank = st.selectbox("Peak decomposition of rank", sorted(peaks["rank"].unique()), key="peak_rank")
         st.plotly_chart(figures.peak_decomposition_figure(peaks, rank), width="stretch")
         st.caption("Total = RSS (CPU) or reserved (CUDA) at the step's largest sampled phase boundary; "
-                   "activations = allocated minus what the engine holds; remainder = total minus allocated "
+                   "activations = the measured activation roles; other = allocated minus every role; "
+                   "remainder = total minus allocated "
                    "(free but held by the allocator, and libraries). See docs/profile-format.md.")
 
 

@@ -623,3 +623,15 @@ def activation_bytes(
     head = head_activation_bytes(shape, seq_len, batch_size, dtype_bytes=dtype_bytes, tp=tp)
     return ActivationEstimate(per_layer=per_layer, layers=layers, head=head, total=layers + head,
                               checkpointing=checkpointing)
+
+
+# The HF-decoder activation model (tensor by tensor, checked against the profiler's measurement) lives
+# in its own module; exported here so ``hfzero.estimate`` stays the one estimator namespace.
+from hfzero.estimate_activations import (  # noqa: E402
+    FUSED_ATTENTION,
+    DecoderActivationEstimate,
+    DecoderShape,
+    decoder_activation_bytes,
+    decoder_head_bytes,
+    decoder_layer_bytes,
+)

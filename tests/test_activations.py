@@ -1,8 +1,8 @@
 """Activations in the profiler and checkpointing through hfzero, on one process (no spawn).
 
-The saved-tensor measurement of a tiny GPT-2 is compared with the estimator's activation model; the
-test model is chosen so the estimator's assumptions hold (a 4h MLP with exact GELU, eager attention,
-no dropout: the estimator still counts dropout masks, so it leans high by 2 bytes of 66 per s*b*h).
+The saved-tensor measurement (roles ``activations`` + ``act_checkpoint``) of tiny GPT-2 and Llama
+models is compared with the estimator's decoder activation model, which the profiler writes into the
+header at the first forward (``activation_prediction``), with and without checkpointing.
 """
 
 from __future__ import annotations
@@ -13,28 +13,25 @@ import pytest
 import torch
 
 import hfzero
+from hfzero import estimate as est
 from hfzero.config import ConfigError
-from hfzero.estimate import TransformerShape, activation_bytes
 from hfzero.profiler import ZeroProfiler, load_run
+from hfzero.testing.models import tiny_causal_lm
 
 SEQ, BATCH, HIDDEN, LAYERS, VOCAB = 16, 2, 128, 2, 128
 
 
-def _gpt2() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=HIDDEN, n_layer=LAYERS, n_head=4,
-                        activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    config._attn_implementation = "eager"
-    model = GPT2LMHeadModel(config)
-    model.config.use_cache = False
+def _model(kind: str, attention: str) -> torch.nn.Module:
+    model = tiny_causal_lm(kind, hidden=HIDDEN, layers=LAYERS, vocab=VOCAB).train()
+    model.set_attn_implementation(attention)
     return model
 
 
-def _profiled_step(tmp_path, checkpointing: bool, **options) -> tuple[dict, list[float]]:
-    """One profiled training step; returns the step record's role peaks and the parameters after it."""
-    model = _gpt2().train()
+def _profiled_step(tmp_path, kind: str, attention: str, checkpointing: bool,
+                   **options) -> tuple[dict, dict, torch.Tensor]:
+    """One profiled training step: the step record's role peaks, the header's activation prediction
+    and the parameters after the step."""
+    model = _model(kind, attention)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = hfzero.prepare(model, optimizer, hfzero.ZeroConfig(stage=0, **options))
     if checkpointing:
@@ -42,27 +39,34 @@ def _profiled_step(tmp_path, checkpointing: bool, **options) -> tuple[dict, list
             warnings.simplefilter("ignore", FutureWarning)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    with ZeroProfiler(model, optimizer, tmp_path / f"run{checkpointing}"):
+    run_dir = tmp_path / f"{kind}-{attention}-{checkpointing}"
+    with ZeroProfiler(model, optimizer, run_dir):
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    step = load_run(tmp_path / f"run{checkpointing}").ranks[0].of_kind("step")[0]
-    return step["roles"], torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    run = load_run(run_dir)
+    step = run.ranks[0].of_kind("step")[0]
+    return step["roles"], run.header["activation_prediction"], torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def test_measured_activations_match_the_estimate_and_checkpoints_are_the_layer_inputs(tmp_path) -> None:
-    shape = TransformerShape.from_hf_config(_gpt2().config)
-    plain, params_plain = _profiled_step(tmp_path, False)
-    estimate = activation_bytes(shape, SEQ, BATCH, dtype_bytes=4)
-    assert plain["activations"] == pytest.approx(estimate.total, rel=0.10)
+@pytest.mark.parametrize("kind,attention", [("gpt2", "eager"), ("gpt2", "sdpa"), ("llama", "eager")])
+def test_measured_activations_match_the_estimator(tmp_path, kind: str, attention: str) -> None:
+    plain, predicted, params_plain = _profiled_step(tmp_path, kind, attention, False)
+    shape = est.DecoderShape.from_hf_config(_model(kind, attention).config)
+    expected = est.decoder_activation_bytes(shape, SEQ, BATCH, dtype="fp32", attention=attention, device="cpu")
+    assert predicted == expected.to_dict()  # the header holds the estimator's figures
     assert "act_checkpoint" not in plain
+    assert plain["activations"] == pytest.approx(expected.saved, rel=0.10)
 
-    ckpt, params_ckpt = _profiled_step(tmp_path, True, contiguous_checkpoints=True)
-    # Each layer keeps its input, measured by hfzero's checkpoint function: L * e*s*b*h, plus the
-    # (b, 1, s, s) attention mask all layers share, counted once.
-    assert ckpt["act_checkpoint"] == LAYERS * 4 * SEQ * BATCH * HIDDEN + 4 * BATCH * SEQ * SEQ
-    # Outside the checkpoints only the head's saved tensors remain (and the first layer's ids).
-    assert ckpt["activations"] == pytest.approx(estimate.head, rel=0.10)
+    ckpt, predicted, params_ckpt = _profiled_step(tmp_path, kind, attention, True, contiguous_checkpoints=True)
+    assert predicted["checkpoints"] > 0 and predicted["recompute"] == expected.per_layer
+    measured = ckpt["activations"] + ckpt["act_checkpoint"]
+    assert measured == pytest.approx(predicted["saved"], rel=0.10)
+    # The layer inputs, e*s*b*h each, are what the checkpoints hold (plus inputs shared by all layers).
+    assert ckpt["act_checkpoint"] >= LAYERS * 4 * SEQ * BATCH * HIDDEN
+    assert ckpt["activations"] == pytest.approx(predicted["head"], rel=0.10)  # outside the layers
+    if (kind, attention) == ("gpt2", "eager"):  # + the (b, 1, s, s) mask all layers share, counted once
+        assert ckpt["act_checkpoint"] == LAYERS * 4 * SEQ * BATCH * HIDDEN + 4 * BATCH * SEQ * SEQ
     torch.testing.assert_close(params_ckpt, params_plain, rtol=0, atol=0)
 
 
@@ -74,8 +78,73 @@ def test_partition_activations_without_tensor_parallelism_is_refused() -> None:
 
 
 def test_reentrant_checkpointing_is_refused() -> None:
-    model = _gpt2()
+    model = _model("gpt2", "eager")
     model, _ = hfzero.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), hfzero.ZeroConfig(stage=0))
     with pytest.raises(ConfigError, match="use_reentrant"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+
+
+def test_estimator_checkpoint_policies() -> None:
+    """P_a keeps a ceil(sbh / tp) slice of each layer input; P_a+cpu moves the checkpoints to the host."""
+    shape = est.DecoderShape.from_hf_config(_model("llama", "sdpa").config)
+    seq, batch = 7, 3  # s*b*h = 2688 elements, not a multiple of tp = 5 (padding)
+    plain = est.decoder_activation_bytes(shape, seq, batch, dtype="bf16", checkpointing=True, tp=5)
+    part = est.decoder_activation_bytes(shape, seq, batch, dtype="bf16", checkpointing=True, tp=5, partition=True)
+    cpu = est.decoder_activation_bytes(shape, seq, batch, dtype="bf16", checkpointing=True, tp=5, partition=True,
+                                       cpu=True)
+    shared = plain.checkpoints - LAYERS * 2 * seq * batch * HIDDEN
+    assert part.checkpoints - shared == LAYERS * 2 * -(-seq * batch * HIDDEN // 5)
+    assert (cpu.checkpoints, cpu.checkpoints_host) == (0, part.checkpoints)
+    assert cpu.total == part.total - part.checkpoints and plain.layers == 0 and plain.recompute == plain.per_layer
+    with pytest.raises(est.EstimateError, match="nothing to partition"):
+        est.decoder_activation_bytes(shape, seq, batch, checkpointing=True, partition=True)
+    with pytest.raises(est.EstimateError, match="enable checkpointing"):
+        est.decoder_activation_bytes(shape, seq, batch, tp=2, cpu=True)
+
+
+def _tp_worker(rank: int, world: int, root: str) -> dict:
+    """tp=2 (dp=1) Llama, stage 2: one profiled step without checkpointing, with, and with P_a."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hfzero.parallel.tensor import prepare_tensor_parallel
+
+    out = {}
+    for name, checkpointing, partition in (("plain", False, False), ("ckpt", True, False), ("pa", True, True)):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+        model = LlamaForCausalLM(config).float().train()
+        model.config.use_cache = False
+        zero = hfzero.ZeroConfig(stage=2, tp_size=2, partition_activations=partition)
+        model, optimizer, _ = prepare_tensor_parallel(model, lambda params: torch.optim.SGD(params, lr=0.1), zero)
+        if checkpointing:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+        with ZeroProfiler(model, optimizer, f"{root}/{name}"):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.distributed.barrier()  # both rank files are complete
+        if rank == 0:
+            run = load_run(f"{root}/{name}")
+            out[name] = {"roles": [log.of_kind("step")[0]["roles"] for log in run.ranks.values()],
+                         "predicted": run.header["activation_prediction"]}
+    return out
+
+
+@pytest.mark.slow  # one spawn of 2 ranks: ~10 s on 2 cores
+def test_tensor_parallel_activations_and_partitioned_checkpoints(tmp_path) -> None:
+    """At tp=2 the measured activations follow the estimator's /tp split, and P_a halves the checkpoints."""
+    from hfzero.testing.spawn import run_distributed
+
+    out = run_distributed(_tp_worker, 2, str(tmp_path), timeout=300)[0]
+    for name, case in out.items():
+        assert case["predicted"]["inputs"]["tp"] == 2 and case["predicted"]["inputs"]["partition"] == (name == "pa")
+        for roles in case["roles"]:  # both TP ranks
+            measured = roles.get("activations", 0) + roles.get("act_checkpoint", 0)
+            assert measured == pytest.approx(case["predicted"]["saved"], rel=0.10), (name, roles)
+    full, part = out["ckpt"]["roles"][0]["act_checkpoint"], out["pa"]["roles"][0]["act_checkpoint"]
+    assert full == LAYERS * 4 * SEQ * BATCH * 64 and part == full // 2

@@ -228,7 +228,7 @@ def test_memory_by_role_figure_against_the_formula(tmp_path: Path) -> None:
     assert {f"{r.value} (model state)" for r in (MemoryRole.PARAM_FULL, MemoryRole.GRAD_SHARD)} <= labels
     assert "grad_bucket" in labels
     # per rank, left to right: model states (measured), formula, transient, rest of the process peak
-    assert list(fig.data[0].x[1][:4]) == ["model states", "formula", "transient", "rest of peak"]
+    assert list(fig.data[0].x[1][:4]) == ["model states", "formula", "transient", "other / allocator overhead"]
     assert list(trace(fig, "optim_state (model state)").y) == [4 * PSI, 0, 0, 0] * 2
     assert list(trace(fig, "formula: optimizer states KΨ").y) == [0, 6 * PSI, 0, 0] * 2
     assert list(trace(fig, "formula: parameters pΨ").y) == [0, 2 * PSI, 0, 0] * 2
@@ -567,3 +567,44 @@ def test_real_profile_figures_and_pages(real_runs: Path, monkeypatch: pytest.Mon
 def test_the_dashboard_modules_never_import_torch_distributed() -> None:
     sources = [p.read_text() for p in Path(data.__file__).parent.glob("*.py")]
     assert not any("torch.distributed" in s or "import torch" in s for s in sources)
+
+
+def test_memory_by_role_accounts_for_the_whole_peak(tmp_path: Path) -> None:
+    """Activations as roles beside their estimate, and the rest of the rank's peak as "other /
+    allocator overhead", from the profiler's peak decomposition: the parts add up to the peak."""
+    from hfzero.profiler.decompose import decompose
+
+    path = write_run(tmp_path / "run", stage=2, world_size=2, steps=2)
+    header = json.loads((path / "header.json").read_text())
+    header["activation_prediction"] = {"per_layer": 1500.0, "layers": 3000.0, "checkpoints": 0.0,
+                                       "checkpoints_host": 0.0, "head": 1000.0, "saved": 4000.0, "recompute": 0.0,
+                                       "total": 4000.0, "inputs": {}}
+    (path / "header.json").write_text(json.dumps(header))
+    states = {k for k in model_state_roles(2, 2)}
+    for rank in range(2):
+        records = [json.loads(line) for line in (path / f"rank-{rank}.jsonl").read_text().splitlines()]
+        for record in records:
+            if record["kind"] == "step" or (record.get("phase"), record.get("edge")) == ("forward", "end"):
+                record["roles"] = {**record["roles"], "activations": 3000 + rank, "act_checkpoint": 1000}
+            if record["kind"] == "step":
+                record["peak"] = {**decompose(record["roles"], record["allocator"], states), "phase": "step",
+                                  "edge": "end", "peak_total": None}
+        (path / f"rank-{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    loaded = data.load(path)
+    fig = figures.memory_by_role_figure(loaded)
+    kinds = ["model states", "formula", "transient", "activations", "activation estimate", "other / allocator overhead"]
+    assert list(fig.data[0].x[1][:6]) == kinds
+    assert list(trace(fig, "activations").y[:6]) == [0, 0, 0, 3000, 0, 0]
+    assert list(trace(fig, "act_checkpoint").y[:6]) == [0, 0, 0, 1000, 0, 0]
+    assert list(trace(fig, "estimate: layers (no checkpointing)").y[:6]) == [0, 0, 0, 0, 3000, 0]
+    assert list(trace(fig, "activations: measured / estimate").text) == ["measured / estimate 1.000",
+                                                                         "measured / estimate 1.000"]
+    rows = figures.whole_peak_rows(loaded)
+    last = allocated_at(1, 1, 5)  # rank 1's largest peak: the last step's end (RSS = 3 x allocated)
+    row = rows[1]
+    assert row["peak (bytes)"] == 3 * last and row["activations + checkpoints"] == 4001
+    parts = ("model states", "transient", "activations + checkpoints", "other / allocator overhead")
+    assert sum(row[p] for p in parts) == row["peak (bytes)"]
+    overhead = trace(fig, "other / allocator overhead (the peak minus the roles)")
+    assert list(overhead.y[6:]) == [0, 0, 0, 0, 0, row["other / allocator overhead"]]
+    assert row["measured / estimate"] == pytest.approx(4001 / 4000)

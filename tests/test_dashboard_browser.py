@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 VIEW_MARKERS: dict[str, str] = {
-    "Memory by role": "Bytes by role at the model-state peak",
+    "Memory by role": "Bytes by role, stage",
     "Timeline": "Memory over steps and phases",
     "Fragmentation": "Fragmentation over time",
     "Communication": "Communication per step",

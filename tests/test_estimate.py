@@ -317,9 +317,21 @@ def test_cli_config_and_activations(capsys, tmp_path) -> None:
     out = _run_json(capsys, "--config", str(tmp_path), "--dp", "2", "--seq-len", "64", "--batch-size", "4",
                     "--checkpointing")
     assert out["params"] == est.params_from_config(tmp_path)
-    expected = est.activation_bytes(est.TransformerShape.from_hf_config(tmp_path), 64, 4, checkpointing=True)
+    shape = est.DecoderShape.from_hf_config(tmp_path)
+    expected = est.decoder_activation_bytes(shape, 64, 4, checkpointing=True)
     assert out["activations"]["total_bytes"] == pytest.approx(expected.total)
     assert out["activations"]["checkpointing"] is True
+    paper = est.activation_bytes(est.TransformerShape.from_hf_config(tmp_path), 64, 4, checkpointing=True,
+                                 fused_attention=True)  # sdpa, the default attention
+    assert out["activations"]["korthikanti_total_bytes"] == pytest.approx(paper.total)
+    out = _run_json(capsys, "--config", str(tmp_path), "--seq-len", "64", "--batch-size", "4", "--checkpointing",
+                    "--tp", "2", "--partition-activations", "--cpu-checkpointing", "--attention", "eager")
+    expected = est.decoder_activation_bytes(shape, 64, 4, checkpointing=True, tp=2, partition=True, cpu=True,
+                                            attention="eager")
+    assert out["activations"]["checkpoint_bytes"] == 0
+    assert expected.checkpoints_host > 0
+    assert out["activations"]["checkpoint_host_bytes"] == pytest.approx(expected.checkpoints_host)
+    assert out["activations"]["total_bytes"] == pytest.approx(expected.total)
 
 
 def test_cli_table(capsys) -> None:
@@ -340,12 +352,24 @@ def test_cli_table(capsys) -> None:
     (["--config", "/no/such/dir"], "not found"),
     (["--params", "1e9", "--seq-len", "8", "--batch-size", "1"], "needs the model's shape"),
     (["--params", "1e9", "--dtype", "fp8"], "unknown dtype"),
+    (["--params", "1e9", "--partition-activations"], "need --seq-len and --batch-size"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv: list[str], message: str) -> None:
     assert main(["estimate", *argv]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.count("\n") == 1 and message in captured.err and "Traceback" not in captured.err
+
+
+def test_cli_activation_options_need_checkpointing_and_tp(capsys, tmp_path) -> None:
+    _tiny_gpt2().save_pretrained(tmp_path)
+    shape = ["--config", str(tmp_path), "--seq-len", "8", "--batch-size", "1"]
+    for extra, message in ((["--cpu-checkpointing"], "enable checkpointing too"),
+                           (["--checkpointing", "--partition-activations"], "nothing to partition"),
+                           (["--device", "tpu"], "--device must be cuda or cpu")):
+        assert main(["estimate", *shape, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
 
 
 def test_cli_corrupt_config_is_one_line_and_exit_2(capsys, tmp_path) -> None:

@@ -165,15 +165,18 @@ def test_cuda_probe_reads_stats_and_snapshot_for_its_device(monkeypatch: pytest.
 
 
 def test_peak_decomposition_parts_add_up() -> None:
-    """[Note: peak decomposition]: CPU record -> model states, transient, activations, remainder."""
-    from hfzero.profiler.decompose import PARTS, decompose
+    """[Note: peak decomposition]: CPU record -> model states, transient, activations, other, remainder."""
+    from hfzero.profiler.decompose import PARTS, decompose, legacy_parts
 
-    roles = {"param_full": 40 * MiB, "grad_full": 40 * MiB, "grad_bucket": 5 * MiB}
+    roles = {"param_full": 40 * MiB, "grad_full": 40 * MiB, "grad_bucket": 5 * MiB, "activations": 20 * MiB,
+             "act_checkpoint": 5 * MiB}
     cpu = cpu_fields(rss=300 * MiB, info=MallInfo(arena=100 * MiB, hblkhd=150 * MiB, uordblks=60 * MiB,
                                                    fordblks=40 * MiB, keepcost=0), rss_peak=320 * MiB)
     split = decompose(roles, cpu, {"param_full", "grad_full"})
     assert split == {"total": 300 * MiB, "model_states": 80 * MiB, "transient": 5 * MiB,
-                     "activations": 125 * MiB, "remainder": 90 * MiB}
+                     "activations": 25 * MiB, "other": 100 * MiB, "remainder": 90 * MiB}
+    old = {"total": 10, "model_states": 4, "transient": 1, "activations": 3, "remainder": 2}  # before "other"
+    assert legacy_parts(old) == {**old, "activations": 0, "other": 3} and legacy_parts(split) == split
     assert sum(split[p] for p in PARTS) == split["total"]
     cuda = {"reserved": 100, "allocated": 70, "reserved_unallocated": 30}
     assert decompose({"param_full": 50}, cuda, {"param_full"})["remainder"] == 30

@@ -37,6 +37,11 @@ class _Request:
     batch_size: int | None
     checkpointing: bool
     fused_attention: bool
+    attention: str | None
+    tp: int
+    partition_activations: bool
+    cpu_checkpointing: bool
+    device: str
     as_json: bool
 
 
@@ -77,6 +82,16 @@ def register(subparsers: Any) -> None:
     acts.add_argument("--seq-len", metavar="S", help="sequence length")
     acts.add_argument("--batch-size", metavar="B", help="micro-batch size per device")
     acts.add_argument("--checkpointing", action="store_true", help="full activation checkpointing, one per layer")
+    acts.add_argument("--attention", metavar="IMPL",
+                      help="eager | sdpa | flash_attention_2 ... (default: the config's, else sdpa); eager stores the "
+                           "(b, a, s, s) attention probabilities")
+    acts.add_argument("--tp", metavar="N", help="tensor-parallel degree for the activations (default: --mp)")
+    acts.add_argument("--partition-activations", action="store_true",
+                      help="P_a: each checkpoint kept as a 1/tp slice (needs --checkpointing and --tp > 1)")
+    acts.add_argument("--cpu-checkpointing", action="store_true",
+                      help="P_a+cpu: checkpoints kept in host memory (needs --checkpointing)")
+    acts.add_argument("--device", default="cuda", help="cuda | cpu: dropout masks take 1 byte on CUDA, "
+                      "the dtype's width on CPU (default cuda)")
     acts.add_argument("--fused-attention", action="store_true",
                       help="flash / memory-efficient attention: no s x s score tensors are stored")
     _estimate_pipeline.add_arguments(parser)
@@ -149,6 +164,11 @@ def _read_request(args: argparse.Namespace) -> _Request:
         batch_size=_number("--batch-size", args.batch_size, "sequences per device", integer=True),
         checkpointing=args.checkpointing,
         fused_attention=args.fused_attention,
+        attention="sdpa" if args.fused_attention and args.attention is None else args.attention,
+        tp=_number("--tp", args.tp if args.tp is not None else args.mp, "the tensor-parallel degree", integer=True),
+        partition_activations=args.partition_activations,
+        cpu_checkpointing=args.cpu_checkpointing,
+        device=args.device,
         as_json=args.json,
     )
     _check_activation_options(request)
@@ -161,8 +181,12 @@ def _check_activation_options(request: _Request) -> None:
         raise est.EstimateError("the activation estimate needs both --seq-len and --batch-size")
     if request.seq_len is not None and request.config is None:
         raise est.EstimateError("the activation estimate needs the model's shape: pass --config PATH instead of --params")
-    if request.seq_len is None and (request.checkpointing or request.fused_attention):
-        raise est.EstimateError("--checkpointing and --fused-attention need --seq-len and --batch-size")
+    if request.seq_len is None and (request.checkpointing or request.fused_attention or request.attention
+                                    or request.partition_activations or request.cpu_checkpointing):
+        raise est.EstimateError("--checkpointing, --attention, --fused-attention, --partition-activations and "
+                                "--cpu-checkpointing need --seq-len and --batch-size")
+    if request.device not in ("cuda", "cpu"):
+        raise est.EstimateError(f"--device must be cuda or cpu, got {request.device!r}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -216,16 +240,28 @@ def _estimate(request: _Request) -> dict[str, Any]:
 
 
 def _activations(request: _Request, precision: est.PrecisionBytes) -> dict[str, Any]:
-    shape = est.TransformerShape.from_hf_config(request.config)
-    estimate = est.activation_bytes(
-        shape, request.seq_len, request.batch_size, checkpointing=request.checkpointing,
-        dtype_bytes=precision.param_bytes, tp=request.mp, fused_attention=request.fused_attention,
-    )
+    """The decoder activation model's figures (``hfzero.estimate.decoder_activation_bytes``), with
+    Korthikanti et al.'s closed form beside them for reference."""
+    shape = est.DecoderShape.from_hf_config(request.config)
+    dtype = precision.param_bytes
+    estimate = est.decoder_activation_bytes(
+        shape, request.seq_len, request.batch_size, dtype=dtype, attention=request.attention,
+        checkpointing=request.checkpointing, tp=request.tp, partition=request.partition_activations,
+        cpu=request.cpu_checkpointing, device=request.device)
+    attention = estimate.inputs["attention"]
+    paper = est.activation_bytes(
+        est.TransformerShape.from_hf_config(request.config), request.seq_len, request.batch_size,
+        checkpointing=request.checkpointing, dtype_bytes=dtype, tp=request.tp,
+        fused_attention=attention in est.FUSED_ATTENTION)
     return {
-        "estimate": "Korthikanti et al. 2022 (arXiv 2205.05198); an estimate, not a measurement",
+        "estimate": "hfzero's decoder activation model (what autograd saves, tensor by tensor); an estimate",
         "seq_len": request.seq_len, "batch_size": request.batch_size, "checkpointing": request.checkpointing,
-        "fused_attention": request.fused_attention, "per_layer_bytes": estimate.per_layer,
-        "layers_bytes": estimate.layers, "head_bytes": estimate.head, "total_bytes": estimate.total,
+        "attention": attention, "fused_attention": attention in est.FUSED_ATTENTION, "tp": request.tp,
+        "partition_activations": request.partition_activations, "cpu_checkpointing": request.cpu_checkpointing,
+        "device": request.device, "per_layer_bytes": estimate.per_layer, "layers_bytes": estimate.layers,
+        "checkpoint_bytes": estimate.checkpoints, "checkpoint_host_bytes": estimate.checkpoints_host,
+        "recompute_bytes": estimate.recompute, "head_bytes": estimate.head, "saved_bytes": estimate.saved,
+        "total_bytes": estimate.total, "korthikanti_total_bytes": paper.total,
     }
 
 
@@ -291,13 +327,23 @@ def _stage_table(result: dict[str, Any]) -> list[str]:
 
 
 def _activation_lines(acts: dict[str, Any]) -> list[str]:
-    mode = ("full checkpointing" if acts["checkpointing"] else "no checkpointing") + ", " + (
-        "fused attention" if acts["fused_attention"] else "attention scores stored")
-    return [
-        f"activations per device, ESTIMATE (Korthikanti et al. 2022): seq {acts['seq_len']}, batch "
+    mode = ", ".join(filter(None, (
+        "full checkpointing" if acts["checkpointing"] else "no checkpointing",
+        f"attention {acts['attention']}", f"tp {acts['tp']}" if acts["tp"] > 1 else "",
+        "P_a" if acts["partition_activations"] else "", "checkpoints on the host" if acts["cpu_checkpointing"] else "")))
+    lines = [
+        f"activations per device, ESTIMATE (hfzero decoder model): seq {acts['seq_len']}, batch "
         f"{acts['batch_size']}, {mode}",
-        f"  one layer  {acts['per_layer_bytes'] / _GB:10.2f} GB",
-        f"  layers     {acts['layers_bytes'] / _GB:10.2f} GB",
-        f"  head       {acts['head_bytes'] / _GB:10.2f} GB  (embedding, final norm, fp32 logits)",
-        f"  total      {acts['total_bytes'] / _GB:10.2f} GB",
+        f"  one layer    {acts['per_layer_bytes'] / _GB:10.3f} GB",
+    ]
+    if acts["checkpointing"]:
+        lines += [f"  checkpoints  {acts['checkpoint_bytes'] / _GB:10.3f} GB"
+                  + (f"  (+ {acts['checkpoint_host_bytes'] / _GB:.3f} GB in host memory)" if acts["cpu_checkpointing"] else ""),
+                  f"  recompute    {acts['recompute_bytes'] / _GB:10.3f} GB  (one layer, during its backward)"]
+    else:
+        lines.append(f"  layers       {acts['layers_bytes'] / _GB:10.3f} GB")
+    return lines + [
+        f"  head         {acts['head_bytes'] / _GB:10.3f} GB  (ids, final norm, fp32 log-softmax of the logits)",
+        f"  total        {acts['total_bytes'] / _GB:10.3f} GB  (Korthikanti et al. 2022: "
+        f"{acts['korthikanti_total_bytes'] / _GB:.3f} GB)",
     ]

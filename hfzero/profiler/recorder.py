@@ -52,7 +52,7 @@ from hfzero.logging import get_logger
 from hfzero.profiler.allocator import AllocatorProbe
 from hfzero.profiler.decompose import decompose
 from hfzero.profiler.format import EVENT_CUDA_SNAPSHOT, EVENT_START, EVENT_STOP, FORMAT_VERSION, rank_file_name
-from hfzero.profiler.header import build_header
+from hfzero.profiler.header import activation_prediction, build_header
 from hfzero.profiler.writer import RankWriter, remove_stale_rank_files, write_header
 from hfzero.roles import MODEL_STATE_ROLES
 from hfzero.runtime.activations.accounting import ActivationAccounting
@@ -160,6 +160,7 @@ class ZeroProfiler:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         rank, world = _global_identity()
         run_id = _shared_run_id(self.device)
+        self._header: dict[str, Any] | None = None
         pipeline_header = None
         if self.pipeline is not None:  # collective: every rank's place in the mesh, for rank 0's header
             from hfzero.profiler.header import optimizer_kind
@@ -170,11 +171,12 @@ class ZeroProfiler:
         if rank == 0:
             for stale in remove_stale_rank_files(self.run_dir, world):
                 logger.warning("removed %s, left by an earlier run with more ranks", stale)
-            write_header(self.run_dir, build_header(
+            self._header = build_header(
                 run_id=run_id, engine=self.engine, model=self.model, optimizer=self.optimizer,
                 global_world_size=world, device=self.device, every_n_steps=self.every_n_steps,
                 cuda_snapshot=self.cuda_snapshot, accumulation_steps=self.accumulation_steps,
-                pipeline=pipeline_header))
+                pipeline=pipeline_header)
+            write_header(self.run_dir, self._header)
         self._writer = RankWriter(self.run_dir / rank_file_name(rank))
         self._t0 = time.perf_counter()
         self._comm_last = self.engine.comm.stats()
@@ -223,6 +225,9 @@ class ZeroProfiler:
             self.optimizer.register_step_pre_hook(self._on_step_begin),
             self.optimizer.register_step_post_hook(self._on_step_end),
         ]
+        if self._header is not None and self.pipeline is None:  # a pipeline stage holds some layers only
+            self._input_hook = self.model.register_forward_pre_hook(self._on_first_input, with_kwargs=True)
+            self._handles.append(self._input_hook)
         handle = self.engine.add_backward_end_hook(self._on_backward_end)
         if hasattr(handle, "remove"):
             self._handles.append(handle)
@@ -236,6 +241,22 @@ class ZeroProfiler:
     def _where(self, stage: int | None) -> dict[str, Any]:
         """The ``stage`` key of a pipeline rank's forward/backward records (nothing without a pipeline)."""
         return {} if stage is None else {"stage": stage}
+
+    @_costed
+    def _on_first_input(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Rank 0, first recorded forward with gradients: add the activation model's figures for its
+        (batch, sequence) to the header (rewritten atomically), then remove this hook."""
+        if not (self._recording() and torch.is_grad_enabled()) or self._header is None:
+            return
+        self._input_hook.remove()
+        tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
+            return
+        prediction = activation_prediction(self.model, self.engine, int(tokens.shape[0]), int(tokens.shape[1]),
+                                           self.device)
+        if prediction is not None:
+            self._header["activation_prediction"] = prediction
+            write_header(self.run_dir, self._header)
 
     @_costed
     def _on_forward_begin(self, stage: int | None, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
@@ -381,6 +402,8 @@ class ZeroProfiler:
         roles = {getattr(role, "value", role): int(nbytes) for role, nbytes in held.items()}
         host_held = getattr(self.engine, "host_memory_by_role", dict)()  # offloaded states (see runtime/offload.py)
         host_roles = {getattr(role, "value", role): int(nbytes) for role, nbytes in host_held.items()}
+        if self._checkpoint is not None and self._checkpoint.policy.cpu and "act_checkpoint" in roles:
+            host_roles["act_checkpoint"] = roles["act_checkpoint"]  # P_a+cpu: the checkpoints live on the host
         comm = self.engine.comm.stats()
         record = {
             "kind": kind, "step": self.step, "phase": phase, "t": round(now - self._t0, _ROUND), **self._coords,

@@ -85,7 +85,7 @@ class ActivationAccounting:
         self.saved = LiveBytes()
         self.per_layer: dict[str, int] = {}
         self._layers = _decoder_layers(model) if layers is None else layers
-        self._param_keys = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._param_keys = _param_keys(model)
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._layer_start: dict[str, int] = {}
@@ -112,7 +112,7 @@ class ActivationAccounting:
     def _enter(self, module: nn.Module, args: object) -> None:
         if self._hooks is not None or not torch.is_grad_enabled():
             return
-        self._param_keys = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self._param_keys = _param_keys(self.model)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
 
@@ -147,7 +147,19 @@ def _unpack(packed: object) -> torch.Tensor:
     return packed.tensor if isinstance(packed, _Saved) else packed  # type: ignore[return-value]
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank's local tensor of a DTensor (tensor-parallel parameters and activations), else itself:
+    its storage is what this rank holds."""
+    local = getattr(tensor, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else tensor
+
+
+def _param_keys(model: nn.Module) -> set[int]:
+    return {_storage_key(p) for p in model.parameters()}
+
+
 def _storage_key(tensor: torch.Tensor) -> int:
+    tensor = _local(tensor)
     try:
         return tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # tensor subclasses without storage: by identity
@@ -155,6 +167,7 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 
 def _storage_bytes(tensor: torch.Tensor) -> int:
+    tensor = _local(tensor)
     try:
         return tensor.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):

@@ -1,0 +1,291 @@
+"""An activation model for Hugging Face decoders: the bytes autograd saves for backward, tensor by
+tensor, as a function of batch, sequence, the config's sizes, dtype, attention implementation,
+checkpointing, tensor parallelism, P_a and P_a+cpu. Exported by ``hfzero.estimate``.
+
+[Note: decoder activation model]
+Derived by reading what each operation of a transformers decoder layer saves for its backward (the
+tensors its backward formula needs), then checked against the list of tensors the saved-tensor hooks
+see (which corrected one term: a fused kernel's output and the output projection's input are one
+storage); no coefficient is fitted. ``tests/test_activations.py`` checks it against the profiler's
+measurement; on CPU (GPT-2 and Llama, fp32 and bf16, eager and sdpa, with and without dropout) it is
+exact to the byte without checkpointing. Not checked on CUDA, where sdpa may pick another kernel
+(e.g. memory-efficient attention with a padding mask) and LayerNorm keeps fp32 statistics. With s tokens, b sequences, h = a * d
+(heads a, head size d), kv key-value heads, MLP width f, element size e and sb = s*b, one layer saves:
+
+- each norm: LayerNorm its input, its output (saved by the next projection) and two (sb,) stats:
+  2e*sbh + 2e*sb; RMSNorm its input upcast to fp32, the rsqrt (fp32), the normalized tensor (saved by
+  the weight multiply) and its output: 4*sbh + 4*sb + 2e*sbh. Two norms per layer;
+- eager attention: Q, K and V at all a heads (the matmul inputs: copies of non-contiguous views, or
+  repeat_kv's copy under grouped-query attention), the output projection's input, and the (b, a, s, s)
+  probabilities (fp32 softmax: 4 bytes, plus their e-byte copy when e < 4; else e bytes):
+  4e*sb*a*d + a*s*s*b*softmax_bytes;
+- fused attention (sdpa / flash kernels): Q (a heads), K and V (kv heads), the kernel's output (laid
+  out (b, s, a, d), so the output projection's input is a view of it) and its log-sum-exp (fp32):
+  e*sb*d*(2a + 2kv) + 4*a*s*b;
+- MLP: GPT-style ``act(fc(x))`` saves fc's output (the activation's input) and the activation's output
+  (the last projection's input): 2e*sb*f; a gated MLP ``down(act(gate(x)) * up(x))`` saves gate's
+  output, act's output, up's output and the product: 4e*sb*f. ``gelu_new`` (transformers' Python tanh
+  GELU) saves 3 more f-sized tensors (input, tanh output, 0.5x and 1 + tanh instead of the input);
+- dropout in training: the mask per dropout site (1 byte on CUDA; e bytes on CPU, where dropout is a
+  multiply by a scaled noise tensor), and after eager attention's dropout its e-byte output. Off CUDA,
+  sdpa with attention dropout runs torch's math path and saves what eager attention saves.
+
+Outside the layers (``head``): the token ids (int64) for the embedding backward, learned position ids
+(GPT-2), the rotary cos / sin tables (one (s, d) pair, shared by every layer), the final norm, the
+logits' fp32 log-softmax (4*sb*V) and the labels (int64), the loss.
+
+Tensor parallelism over t ranks (Megatron-style column / row split of attention and MLP) divides the
+per-head and f-sized terms by t; norms, residuals and the head stay whole. Checkpointing one layer
+per checkpoint keeps the layer inputs (e*sbh each; with P_a a ceil(sbh/t)-element slice; with P_a+cpu
+in host memory) plus the inputs every layer shares that need no gradient (the eager attention mask,
+the rotary tables), and during backward one layer's saved set is rebuilt by its recomputation.
+The model counts no kernel workspace, no gradients of activations and no allocator overhead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+_PYTHON_GELU_EXTRA = {"gelu_new": 3}
+"""Extra f-sized tensors saved by activations transformers implements in Python (see the note)."""
+
+FUSED_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+"""Attention implementations that never store the (b, a, s, s) probabilities."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderShape:
+    """What sets a transformers decoder's activation memory (see [Note: decoder activation model]).
+
+    Attributes:
+        hidden_size: h.
+        num_layers: L, the decoder layers.
+        num_heads: a, the attention heads.
+        num_kv_heads: key-value heads (a without grouped-query attention).
+        head_dim: d (h / a in most models).
+        vocab_size: V.
+        ffn_size: f, the MLP's inner width.
+        rms_norm: RMSNorm (Llama family) rather than LayerNorm (GPT-2 family).
+        gated_mlp: ``down(act(gate(x)) * up(x))`` rather than ``proj(act(fc(x)))``.
+        activation: the MLP activation's transformers name (``gelu_new`` saves more, see the note).
+        softmax_fp32: eager attention's softmax runs in fp32 (Llama family) rather than in the dtype.
+        rotary: rotary position embeddings (cos / sin tables) rather than learned positions.
+        residual_dropout: dropout on the attention and MLP outputs in training.
+        attention_dropout: dropout on the attention probabilities in training.
+        embedding_dropout: dropout on the embeddings in training.
+        attention: the config's attention implementation ("eager", "sdpa", ...), None when unset.
+    """
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    ffn_size: int
+    rms_norm: bool
+    gated_mlp: bool
+    activation: str = "gelu"
+    softmax_fp32: bool = False
+    rotary: bool = False
+    residual_dropout: bool = False
+    attention_dropout: bool = False
+    embedding_dropout: bool = False
+    attention: str | None = None
+
+    @classmethod
+    def from_hf_config(cls, source: Any) -> "DecoderShape":
+        """Read a decoder's shape from a Hugging Face config (object, config.json or directory).
+
+        The family is read from the config: ``rms_norm_eps`` marks the Llama family (RMSNorm, gated
+        MLP, fp32 softmax, rotary positions: Llama, Mistral, Qwen2/3, ...); otherwise the GPT-2 family
+        (LayerNorm, ``act(fc(x))`` MLP, learned positions).
+
+        Raises:
+            EstimateError: the config lacks a decoder's sizes.
+        """
+        from hfzero.estimate import EstimateError, TransformerShape, load_hf_config
+
+        config = load_hf_config(source)
+        base = TransformerShape.from_hf_config(config)
+        llama = getattr(config, "rms_norm_eps", None) is not None
+        heads = base.num_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or base.hidden_size // heads
+        if heads % kv:
+            raise EstimateError(f"{type(config).__name__}: num_key_value_heads {kv} does not divide num_attention_heads "
+                                f"{heads}")
+        activation = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None) or "gelu"
+
+        def positive(*names: str) -> bool:
+            return any((getattr(config, n, 0) or 0) > 0 for n in names)
+
+        return cls(hidden_size=base.hidden_size, num_layers=base.num_layers, num_heads=heads, num_kv_heads=int(kv),
+                   head_dim=int(head_dim), vocab_size=base.vocab_size, ffn_size=base.ffn_size, rms_norm=llama,
+                   gated_mlp=llama, activation=str(activation), softmax_fp32=llama, rotary=llama,
+                   residual_dropout=positive("resid_pdrop", "hidden_dropout"),
+                   attention_dropout=positive("attn_pdrop", "attention_dropout"),
+                   embedding_dropout=positive("embd_pdrop"),
+                   attention=getattr(config, "_attn_implementation", None))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderActivationEstimate:
+    """Activation bytes per device for one micro-batch's forward / backward (an ESTIMATE).
+
+    Attributes:
+        per_layer: bytes one layer saves for backward (its working set; rebuilt by recomputation).
+        layers: bytes all layers hold after the forward: L * per_layer, or 0 with checkpointing.
+        checkpoints: checkpoint bytes on the device (layer inputs and shared inputs as stored: a
+            1/tp slice with P_a, 0 with P_a+cpu); 0 without checkpointing.
+        checkpoints_host: checkpoint bytes in host memory (P_a+cpu), else 0.
+        head: bytes saved outside the layers (ids, positions, final norm, logits, labels).
+        saved: what the profiler measures at the forward's end (its ``activations`` +
+            ``act_checkpoint`` roles): layers + checkpoints + checkpoints_host + head.
+        recompute: with checkpointing, one layer's working set held during its recomputation in
+            backward (not seen by the profiler's saved-tensor accounting); else 0.
+        total: device bytes at the activation peak: saved - checkpoints_host + recompute.
+        inputs: the arguments the estimate was made with.
+    """
+
+    per_layer: float
+    layers: float
+    checkpoints: float
+    checkpoints_host: float
+    head: float
+    saved: float
+    recompute: float
+    total: float
+    inputs: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (the profile header's ``activation_prediction``)."""
+        return dataclasses.asdict(self)
+
+
+def _dtype_bytes(dtype: str | int) -> int:
+    from hfzero.estimate import EstimateError
+
+    sizes = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+    if isinstance(dtype, int) and not isinstance(dtype, bool) and dtype in (2, 4):
+        return dtype
+    if dtype not in sizes:
+        raise EstimateError(f"unknown activation dtype {dtype!r}; use one of fp32, bf16, fp16")
+    return sizes[dtype]
+
+
+def _norm_bytes(shape: DecoderShape, sb: int, e: int) -> float:
+    h = shape.hidden_size
+    if shape.rms_norm:
+        return 4 * sb * h + 4 * sb + 2 * e * sb * h
+    return 2 * e * sb * h + 2 * e * sb
+
+
+def _attention_bytes(shape: DecoderShape, s: int, b: int, e: int, fused: bool, mask: int, tp: int) -> float:
+    sb, a, d = s * b, shape.num_heads, shape.head_dim
+    if fused:
+        return (e * sb * d * (2 * a + 2 * shape.num_kv_heads) + 4 * a * sb) / tp
+    softmax = 4 + (e if e < 4 else 0) if shape.softmax_fp32 else e
+    scores = a * s * s * b * (softmax + ((mask + e) if shape.attention_dropout else 0))
+    return (4 * e * sb * a * d + scores) / tp
+
+
+def _mlp_bytes(shape: DecoderShape, sb: int, e: int, tp: int) -> float:
+    tensors = (4 if shape.gated_mlp else 2) + _PYTHON_GELU_EXTRA.get(shape.activation, 0)
+    return tensors * e * sb * shape.ffn_size / tp
+
+
+def decoder_layer_bytes(shape: DecoderShape, seq_len: int, batch_size: int, *, dtype: str | int = "bf16",
+                        attention: str | None = None, tp: int = 1, device: str = "cuda") -> float:
+    """Bytes one decoder layer saves for backward (see [Note: decoder activation model]).
+
+    ``attention`` defaults to the shape's (the config's ``_attn_implementation``), else "sdpa"
+    (transformers' default); ``device`` sets the dropout mask width (1 byte on "cuda", e elsewhere).
+    """
+    e, sb = _dtype_bytes(dtype), seq_len * batch_size
+    mask = 1 if device == "cuda" else e
+    fused = _fused(shape, attention, device)
+    dropout = 2 * mask * sb * shape.hidden_size if shape.residual_dropout else 0
+    return (2 * _norm_bytes(shape, sb, e) + _attention_bytes(shape, seq_len, batch_size, e, fused, mask, tp)
+            + _mlp_bytes(shape, sb, e, tp) + dropout)
+
+
+def _fused(shape: DecoderShape, attention: str | None, device: str) -> bool:
+    """Whether the attention kernel stores no probabilities. Off CUDA, sdpa with dropout in training
+    runs torch's math path, which saves what eager attention saves."""
+    fused = (attention or shape.attention or "sdpa") in FUSED_ATTENTION
+    return fused and not (shape.attention_dropout and device != "cuda")
+
+
+def _shared_inputs(shape: DecoderShape, s: int, b: int, e: int, fused: bool) -> float:
+    """Inputs every layer receives that need no gradient: the eager (b, 1, s, s) mask, rotary tables."""
+    rotary = 2 * s * shape.head_dim * e if shape.rotary else 0
+    return (0 if fused else b * s * s * e) + rotary
+
+
+def decoder_head_bytes(shape: DecoderShape, seq_len: int, batch_size: int, *, dtype: str | int = "bf16",
+                       device: str = "cuda") -> float:
+    """Bytes saved outside the layers: ids and labels (int64), learned position ids or the rotary
+    cos / sin tables (one (s, d) pair, in the dtype), the final norm,
+    the fp32 log-softmax of the logits (4*sb*V), the loss, the embedding dropout mask."""
+    e, sb = _dtype_bytes(dtype), seq_len * batch_size
+    mask = 1 if device == "cuda" else e
+    positions = 2 * seq_len * shape.head_dim * e if shape.rotary else 8 * seq_len  # cos / sin, or position ids
+    dropout = mask * sb * shape.hidden_size if shape.embedding_dropout else 0
+    return 16 * sb + positions + _norm_bytes(shape, sb, e) + 4 * sb * shape.vocab_size + 4 + dropout
+
+
+def decoder_activation_bytes(shape: DecoderShape, seq_len: int, batch_size: int, *, dtype: str | int = "bf16",
+                             attention: str | None = None, checkpointing: bool = False, tp: int = 1,
+                             partition: bool = False, cpu: bool = False,
+                             device: str = "cuda") -> DecoderActivationEstimate:
+    """ESTIMATE of one micro-batch's activation bytes per device (see [Note: decoder activation model]).
+
+    Args:
+        shape: ``DecoderShape.from_hf_config(config)``.
+        seq_len, batch_size: tokens per sequence and sequences per device (per data-parallel replica).
+        dtype: the activations' dtype ("fp32", "bf16", "fp16", or 2 / 4 bytes).
+        attention: "eager" or a fused implementation (see ``FUSED_ATTENTION``); default the config's.
+        checkpointing: one activation checkpoint per layer (transformers' gradient checkpointing).
+        tp: tensor-parallel degree t.
+        partition: P_a: each checkpoint kept as a 1/t slice (needs checkpointing and t > 1).
+        cpu: P_a+cpu: checkpoints kept in host memory (needs checkpointing).
+        device: "cuda" or "cpu" (dropout masks are 1 byte on CUDA, e bytes on CPU).
+
+    Raises:
+        EstimateError: non-positive sizes, or P_a / cpu without checkpointing, or P_a without tp > 1.
+    """
+    from hfzero.estimate import EstimateError
+
+    for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("tp", tp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise EstimateError(f"{name} must be a positive integer, got {value!r}")
+    if (partition or cpu) and not checkpointing:
+        raise EstimateError("partition_activations / cpu_checkpointing act on activation checkpoints: "
+                            "enable checkpointing too")
+    if partition and tp == 1:
+        raise EstimateError("partition_activations (P_a) needs tp > 1: with data parallelism alone there is "
+                            "nothing to partition")
+    e = _dtype_bytes(dtype)
+    attention = attention or shape.attention or "sdpa"
+    fused = _fused(shape, attention, device)
+    per_layer = decoder_layer_bytes(shape, seq_len, batch_size, dtype=e, attention=attention, tp=tp, device=device)
+    head = decoder_head_bytes(shape, seq_len, batch_size, dtype=e, device=device)
+    shared = _shared_inputs(shape, seq_len, batch_size, e, fused)
+    layers, stored, recompute = shape.num_layers * per_layer, 0.0, 0.0
+    if checkpointing:
+        elements = seq_len * batch_size * shape.hidden_size
+        one = math.ceil(elements / tp) * e if partition else elements * e
+        stored, layers, recompute = shape.num_layers * one + shared, 0.0, per_layer
+        head -= 2 * seq_len * shape.head_dim * e if shape.rotary else 0  # the rotary tables are checkpoint inputs
+    host = stored if cpu else 0.0
+    device_ckpt = 0.0 if cpu else stored
+    saved = layers + stored + head
+    inputs = {"seq_len": seq_len, "batch_size": batch_size, "dtype_bytes": e, "attention": attention,
+              "checkpointing": checkpointing, "tp": tp, "partition": partition, "cpu": cpu, "device": device,
+              "shape": dataclasses.asdict(shape)}
+    return DecoderActivationEstimate(per_layer=per_layer, layers=layers, checkpoints=device_ckpt,
+                                     checkpoints_host=host, head=head, saved=saved, recompute=recompute,
+                                     total=saved - host + recompute, inputs=inputs)
