@@ -3,8 +3,10 @@
 ``resolve_auto_stage(config, model, optimizer, ...)`` measures the budget (``memory_budget_bytes``, else
 free CUDA memory, or on a CPU the available RAM divided by the ranks on the host, less
 ``DEFAULT_HEADROOM``), builds the estimator's table for this model (``hfzero.estimate.stage_table``:
-model states with frozen and persistent parameters, the accumulation policy's buffer, an activation
-estimate for the batch), logs it, and returns the config with ``stage`` an int. No stage fitting is an
+model states with frozen and persistent parameters, the accumulation policy's buffer, the activation
+bytes reserved for the batch: the decoder activation model's device peak for a transformers model,
+with its checkpointing and the config's tp_size / P_a / P_a+cpu, else the older per-layer estimate,
+see ``activation_reserve``), logs it, and returns the config with ``stage`` an int. No stage fitting is an
 EstimateError holding the table. The Trainer and accelerate integrations call it before
 ``hfzero.prepare``; so can a custom loop.
 """
@@ -35,16 +37,28 @@ def device_budget_bytes(device: torch.device, ranks_per_host: int) -> float:
     return psutil.virtual_memory().available / max(1, ranks_per_host)
 
 
-def _activation_bytes(model: nn.Module, batch: tuple[int, int] | None, dtype_bytes: int) -> float:
-    config = getattr(model, "config", None)
-    if config is None or batch is None:
-        return 0.0
+def activation_reserve(model: nn.Module, config: ZeroConfig, batch: tuple[int, int] | None, dtype_bytes: int,
+                       device: torch.device) -> tuple[float, str]:
+    """Activation bytes to reserve per rank for one micro-batch ``batch`` = (size, sequence), and which
+    estimate gave them. A whole transformers model whose config the decoder activation model reads
+    (``hfzero.estimate.decoder_activation_bytes``) gets that model's device peak (``total``), with the
+    model's checkpointing flag and the config's tp_size / P_a / P_a+cpu; any other module with a
+    transformer config gets the older per-layer estimate (``hfzero.estimate.activation_bytes``,
+    Korthikanti et al.); neither (or no batch): 0."""
+    from hfzero.profiler.header import model_activation_estimate
+
+    model_config = getattr(model, "config", None)
+    if model_config is None or batch is None:
+        return 0.0, "none"
+    decoder = model_activation_estimate(model, config, batch[0], batch[1], dtype=dtype_bytes, device=device)
+    if decoder is not None:
+        return float(decoder.total), "decoder activation model"
     try:
-        shape = est.TransformerShape.from_hf_config(config)
+        shape = est.TransformerShape.from_hf_config(model_config)
     except est.EstimateError as err:
         logger.info("auto stage: no activation estimate for %s (%s)", type(model).__name__, err)
-        return 0.0
-    return est.activation_bytes(shape, batch[1], batch[0], dtype_bytes=dtype_bytes).total
+        return 0.0, "none"
+    return est.activation_bytes(shape, batch[1], batch[0], dtype_bytes=dtype_bytes).total, "per-layer estimate"
 
 
 def default_seq_len(model: nn.Module) -> int | None:
@@ -83,7 +97,7 @@ def resolve_auto_stage(config: ZeroConfig, model: nn.Module, optimizer: torch.op
     else:
         budget = (1 - est.DEFAULT_HEADROOM) * device_budget_bytes(device, ranks)
         source = f"{device.type} memory of {ranks} rank(s) per host, less {est.DEFAULT_HEADROOM:.0%} headroom"
-    activations = _activation_bytes(model, batch, p_bytes)
+    activations, activation_source = activation_reserve(model, config, batch, p_bytes, device)
     rows = est.stage_table(trainable, world_size, budget, activation_bytes=activations,
                            accumulation=getattr(config, "accumulation", "auto"), accumulation_steps=accumulation_steps,
                            param_bytes=p_bytes, grad_bytes=g_bytes, optimizer_k=k, persistent_params=persistent,
@@ -93,7 +107,8 @@ def resolve_auto_stage(config: ZeroConfig, model: nn.Module, optimizer: torch.op
     table = est.format_stage_table(rows, budget)
     stage = est.pick_stage(rows, budget)
     logger.info("zero_stage auto: stage %d for Ψ=%s trainable + %s frozen parameters on %d rank(s), batch %s "
-                "(budget from %s)\n%s", stage, f"{trainable:,}", f"{frozen:,}", world_size, batch, source, table)
+                "(budget from %s; activations from the %s)\n%s", stage, f"{trainable:,}", f"{frozen:,}", world_size, batch,
+                source, activation_source, table)
     return dataclasses.replace(config, stage=stage)
 
 

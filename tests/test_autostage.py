@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hfzero import estimate as est
-from hfzero.autostage import resolve_auto_stage
+from hfzero.autostage import activation_reserve, resolve_auto_stage
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.estimate import EstimateError
 from hfzero.testing.models import tiny_causal_lm
@@ -47,6 +47,47 @@ def test_auto_counts_activations_and_frozen_parameters() -> None:
     config = resolve_auto_stage(ZeroConfig(stage="auto", memory_budget_bytes=BUDGET), frozen_model, optimizer,
                                 world_size=2)
     assert config.stage == 0  # the 4-layer model needs stage 3 when everything trains
+
+
+def _picks(psi: int, budget: float, activations: float) -> int:
+    rows = est.stage_table(psi, 2, budget, activation_bytes=activations, param_bytes=4, grad_bytes=4, optimizer_k=8)
+    return est.pick_stage(rows, budget)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_auto_reserves_the_decoder_activation_model(checkpointing: bool, caplog: pytest.LogCaptureFixture) -> None:
+    # a Llama whose decoder-model figure and older per-layer (Korthikanti) figure pick different stages
+    model = tiny_causal_lm("llama", layers=2)
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    psi = sum(p.numel() for p in set(model.parameters()))
+    batch, seq = 2, 32
+    decoder = est.decoder_activation_bytes(est.DecoderShape.from_hf_config(model.config), seq, batch, dtype=4,
+                                           checkpointing=checkpointing, device="cpu").total
+    older = est.activation_bytes(est.TransformerShape.from_hf_config(model.config), seq, batch, dtype_bytes=4,
+                                 checkpointing=checkpointing).total
+    budget = 620_000 if not checkpointing else 600_000
+    assert _picks(psi, budget, decoder) != _picks(psi, budget, older)
+    with caplog.at_level(logging.INFO, logger="hfzero"):
+        config = _resolve(model, budget, batch=(batch, seq))
+    assert config.stage == _picks(psi, budget, decoder)
+    assert "activations from the decoder activation model" in caplog.text
+    assert f"activations {decoder / 1e6:,.1f} MB" in caplog.text
+
+
+def test_auto_falls_back_to_the_per_layer_estimate() -> None:
+    # not a transformers model (e.g. a wrapper): the older per-layer estimate of its config's transformer
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = tiny_causal_lm("llama", layers=2)
+            self.config = self.inner.config
+
+    model = Wrapper()
+    reserve, source = activation_reserve(model, ZeroConfig(), (2, 32), 4, torch.device("cpu"))
+    older = est.activation_bytes(est.TransformerShape.from_hf_config(model.config), 32, 2, dtype_bytes=4).total
+    assert (reserve, source) == (older, "per-layer estimate")
+    assert activation_reserve(torch.nn.Linear(2, 2), ZeroConfig(), (2, 32), 4, torch.device("cpu")) == (0.0, "none")
 
 
 def test_accumulation_buffer_is_counted_under_local_policy() -> None:

@@ -168,33 +168,44 @@ def build_header(*, run_id: str, engine: Any, model: torch.nn.Module, optimizer:
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def activation_prediction(model: torch.nn.Module, engine: Any, batch_size: int, seq_len: int,
-                          device: torch.device) -> dict[str, Any] | None:
-    """The activation model's figures for this run (``hfzero.estimate.decoder_activation_bytes``) at
-    the first recorded forward's (batch, sequence), or None (logged) when the model is not a whole
-    transformers decoder the model knows (a pipeline stage holds only some layers). Reads attributes
-    only."""
+def model_activation_estimate(model: torch.nn.Module, zero: Any, batch_size: int, seq_len: int, *,
+                              dtype: str | int, device: torch.device) -> Any:
+    """The decoder activation model's ``DecoderActivationEstimate`` for ``model`` trained under the
+    ZeRO config ``zero`` (its ``tp_size``, ``partition_activations``, ``cpu_checkpointing``; the model's
+    own checkpointing flag), or None (logged) when ``model`` is not a whole transformers model whose
+    config the model reads. Shared by the profile header and ``--zero_stage auto``. Reads attributes only."""
     from transformers import PreTrainedModel
 
     from hfzero import estimate as est
 
     config = getattr(model, "config", None)
-    dtype = next((_DTYPE_NAMES.get(p.dtype) for p in model.parameters() if p.is_floating_point()), None)
-    if not isinstance(model, PreTrainedModel) or config is None or dtype is None:
+    if not isinstance(model, PreTrainedModel) or config is None:
         # e.g. a pipeline stage: it carries the whole model's config but holds some of its layers
-        logger.debug("no activation prediction: %s is not a whole transformers model", type(model).__name__)
+        logger.debug("no decoder activation estimate: %s is not a whole transformers model", type(model).__name__)
         return None
-    zero = engine.config
     flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
     checkpointing = bool(getattr(model, flag, False))  # transformers 5 renamed it (the old name warns)
     try:
         shape = est.DecoderShape.from_hf_config(config)
-        estimate = est.decoder_activation_bytes(
+        return est.decoder_activation_bytes(
             shape, seq_len, batch_size, dtype=dtype, attention=getattr(config, "_attn_implementation", None),
             checkpointing=checkpointing, tp=int(getattr(zero, "tp_size", 1) or 1),
             partition=checkpointing and bool(getattr(zero, "partition_activations", False)),
             cpu=checkpointing and bool(getattr(zero, "cpu_checkpointing", False)), device=device.type)
     except est.EstimateError as err:
-        logger.info("no activation prediction for %s: %s", type(model).__name__, err)
+        logger.info("no decoder activation estimate for %s: %s", type(model).__name__, err)
         return None
-    return estimate.to_dict()
+
+
+def activation_prediction(model: torch.nn.Module, engine: Any, batch_size: int, seq_len: int,
+                          device: torch.device) -> dict[str, Any] | None:
+    """The activation model's figures for this run (``hfzero.estimate.decoder_activation_bytes``) at
+    the first recorded forward's (batch, sequence), in the parameters' dtype, or None (logged) when
+    the model is not a whole transformers decoder the model knows (a pipeline stage holds only some
+    layers). Reads attributes only."""
+    dtype = next((_DTYPE_NAMES.get(p.dtype) for p in model.parameters() if p.is_floating_point()), None)
+    if dtype is None:
+        logger.debug("no activation prediction: %s has no fp32 / bf16 / fp16 parameter", type(model).__name__)
+        return None
+    estimate = model_activation_estimate(model, engine.config, batch_size, seq_len, dtype=dtype, device=device)
+    return None if estimate is None else estimate.to_dict()
