@@ -8,9 +8,10 @@ dp x tp ZeRO shards, see [Note: tensor-parallel checkpoints]) resumes at tp=1 on
 losses equal.
 
 That TP really ran follows from the run succeeding: `hfzero run` fails a worker that prepared no model
-([Note: ZeRO not applied]) and hfzero.prepare refuses tp_size=2 without a 2-rank TP group. P_a's effect on the
-checkpoint bytes is asserted from measurement in test_tensor_parallel.py (the profiler cannot record a TP run yet:
-see docs/zero-r.md, Not done).
+([Note: ZeRO not applied]) and hfzero.prepare refuses tp_size=2 without a 2-rank TP group. The TP run is also
+profiled (--zero_profile_dir): per rank, P_a's checkpoints are measured at exactly half the unpartitioned layer
+inputs the header's activation_prediction gives, all saved activations within 10% of its `saved`, and every
+record carries the rank's (dp_rank, tp_rank).
 """
 
 from __future__ import annotations
@@ -41,8 +42,31 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     root = tmp_path_factory.mktemp("tp_trainer")
     torchrun(2, _args(root / "ddp"))
     log = hfzero_run(4, [*_args(root / "tp"), "--zero_stage", "2", "--zero_tp_size", "2",
-                         "--zero_partition_activations", "true"])
+                         "--zero_partition_activations", "true", "--zero_profile_dir", str(root / "profile")])
     return root / "ddp", root / "tp", log
+
+
+def test_profile_measures_partitioned_checkpoints(runs: tuple[Path, Path, str]) -> None:
+    from hfzero.profiler.reader import load_run
+
+    _, tp, _ = runs
+    run = load_run(tp.parent / "profile")
+    assert not run.warnings and sorted(run.ranks) == [0, 1, 2, 3]
+    predicted = run.header["activation_prediction"]
+    inputs, shape = predicted["inputs"], predicted["inputs"]["shape"]
+    assert (inputs["tp"], inputs["partition"], inputs["checkpointing"], inputs["cpu"]) == (2, True, True, False)
+    # the layer inputs unpartitioned: L checkpoints of (b, s, h) elements of e bytes; P_a keeps half on each rank
+    whole = shape["num_layers"] * inputs["batch_size"] * inputs["seq_len"] * shape["hidden_size"] * inputs["dtype_bytes"]
+    assert 0 < whole // 2 <= predicted["checkpoints"]  # the prediction's adds the shared inputs (rotary tables)
+    for rank, log in run.ranks.items():
+        assert log.stopped and len(log.of_kind("step")) == STEPS
+        # rank = dp_rank * tp + tp_rank (TP ranks are neighbours), on every record
+        assert {(r["pp_rank"], r["dp_rank"], r["tp_rank"]) for r in log.records} == {(0, rank // 2, rank % 2)}
+        for step in log.of_kind("step"):
+            roles = step["roles"]
+            assert roles["act_checkpoint"] == whole // 2, (rank, roles)
+            saved = roles["activations"] + roles["act_checkpoint"]
+            assert saved == pytest.approx(predicted["saved"], rel=0.10), (rank, roles, predicted)
 
 
 def _steps(out: Path, key: str = "loss") -> dict[int, tuple[float, float]]:

@@ -14,7 +14,9 @@ FORMAT_VERSION = 2
 
 2 (issue 11): every record carries ``pp_rank`` and ``dp_rank``; under pipeline parallelism the header
 has a ``pipeline`` section, forward/backward records a ``stage`` and step records a ``pipeline`` object,
-and the top-level ``prediction`` is null (per-stage predictions live in the header's ``pipeline``)."""
+and the top-level ``prediction`` is null (per-stage predictions live in the header's ``pipeline``).
+Issue 12 added ``tp_rank`` to every record (the rank in its tensor-parallel group, 0 without TP) within
+version 2: an optional key, absent from earlier version-2 files."""
 
 READABLE_VERSIONS = (1, 2)
 """Versions the reader accepts: a version-1 file reads as a run without pipeline (pp rank 0)."""

@@ -29,7 +29,8 @@ steady state. Memory figures are exact at every boundary: the caching allocator 
 
 Under pipeline parallelism (a ``hfzero.pipeline`` Pipeline, or the optimizer of one) each rank
 records its own stage(s): the hooks sit on each stage module (phase records carry the global
-``stage``), every record carries the rank's ``pp_rank`` and ``dp_rank``, the header a ``pipeline``
+``stage``), every record carries the rank's ``pp_rank`` and ``dp_rank`` (and ``tp_rank``, 0 without
+tensor parallelism), the header a ``pipeline``
 section (mesh, schedule, policy, the cost model per stage; see ``hfzero/profiler/pipeline.py``) and
 every step record the stage's measured busy / idle time and P2P bytes (the driver's ``StageClock``:
 [Note: measuring the bubble]). ``start()`` then also runs one small all-gather of the ranks' places.
@@ -144,9 +145,10 @@ class ZeroProfiler:
         self._modules: dict[int | None, torch.nn.Module] = (
             {s.stage_index: s for s in self.pipeline.stages} if self.pipeline is not None else {None: model})
         """The modules whose forwards are phases, by global pipeline stage (None without a pipeline)."""
+        tp = getattr(self.engine, "norm_group", None)  # the TP group's Communicator under tensor parallelism
         self._coords = {"pp_rank": self.pipeline.mesh.pp_rank if self.pipeline is not None else 0,
-                        "dp_rank": int(self.engine.rank)}
-        """(pp rank, dp rank), written into every record."""
+                        "dp_rank": int(self.engine.rank), "tp_rank": int(tp.rank) if tp is not None else 0}
+        """(pp rank, dp rank, tp rank), written into every record."""
         self._checkpoint = getattr(model, "hfzero_checkpoint", None)
         self._active = False
         self._step_depth = 0
