@@ -62,7 +62,8 @@ def main() -> None:
     run = load_run(args.out)
     predicted = run.header["activation_prediction"]
     for rank, log in run.ranks.items():
-        peak = {role: max(s["roles"].get(role, 0) for s in log.of_kind("step")) for role in ("activations", "act_checkpoint")}
+        steps = log.of_kind("step")
+        peak = {role: max(s["roles"].get(role, 0) for s in steps) for role in ("activations", "act_checkpoint")}
         print(f"rank {rank}: measured {peak}; predicted saved {predicted['saved']:,.0f}, "
               f"checkpoints {predicted['checkpoints']:,.0f}, total {predicted['total']:,.0f}")
 

@@ -107,8 +107,8 @@ def resolve_auto_stage(config: ZeroConfig, model: nn.Module, optimizer: torch.op
     table = est.format_stage_table(rows, budget)
     stage = est.pick_stage(rows, budget)
     logger.info("zero_stage auto: stage %d for Ψ=%s trainable + %s frozen parameters on %d rank(s), batch %s "
-                "(budget from %s; activations from the %s)\n%s", stage, f"{trainable:,}", f"{frozen:,}", world_size, batch,
-                source, activation_source, table)
+                "(budget from %s; activations from the %s)\n%s", stage, f"{trainable:,}", f"{frozen:,}", world_size,
+                batch, source, activation_source, table)
     return dataclasses.replace(config, stage=stage)
 
 

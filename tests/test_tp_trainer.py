@@ -56,7 +56,8 @@ def test_profile_measures_partitioned_checkpoints(runs: tuple[Path, Path, str]) 
     inputs, shape = predicted["inputs"], predicted["inputs"]["shape"]
     assert (inputs["tp"], inputs["partition"], inputs["checkpointing"], inputs["cpu"]) == (2, True, True, False)
     # the layer inputs unpartitioned: L checkpoints of (b, s, h) elements of e bytes; P_a keeps half on each rank
-    whole = shape["num_layers"] * inputs["batch_size"] * inputs["seq_len"] * shape["hidden_size"] * inputs["dtype_bytes"]
+    whole = (shape["num_layers"] * inputs["batch_size"] * inputs["seq_len"] * shape["hidden_size"]
+             * inputs["dtype_bytes"])
     assert 0 < whole // 2 <= predicted["checkpoints"]  # the prediction's adds the shared inputs (rotary tables)
     for rank, log in run.ranks.items():
         assert log.stopped and len(log.of_kind("step")) == STEPS
