@@ -52,6 +52,7 @@ OTHER_CASES = MULTI_STAGE_CASES + [
     _spec("llama", 3, "local", "GPipe", dtype="bf16"),
     _spec("llama", 1, "local", "1F1B", pp=4),  # pp=4 x dp=1
     _spec("gpt2", 3, "sharded", "GPipe", "micro", pp=4),
+    _spec("llama", 3, "sharded", "1F1B", "micro", cross_prefetch=False),  # PipelineConfig.stage3_cross_prefetch
 ]
 WORLD2_CASES = [_spec("llama", 2, "local", "1F1B"), _spec("gpt2", 3, "sharded", "GPipe", "micro")]
 
@@ -82,7 +83,8 @@ def _reference_of(model: str, layers: int, steps: int):
 
 def _id(spec: PipeSpec) -> str:
     return (f"{spec.model}-pp{spec.pp}-stage{spec.stage}-{spec.accumulation}-{spec.schedule}"
-            f"{'-' + spec.stage3_gather if spec.stage == 3 else ''}-{spec.dtype}")
+            f"{'-' + spec.stage3_gather if spec.stage == 3 else ''}{'' if spec.cross_prefetch else '-nocross'}"
+            f"-{spec.dtype}")
 
 
 def _merged(outs: list[dict]) -> dict[str, torch.Tensor]:
@@ -262,11 +264,12 @@ def _check_backward_phases(log, step: int, stages: list[int], n_micro: int, zero
 def test_stage3_prefetch_across_micro_batches(spec):
     """Per-micro-batch gathering prefetches, at each pass's last unit, the next pass's first sharded unit: every
     pass transition of every step after the first (the plan is the previous step's passes), when the stage has two
-    blocks or more (one block: the next pass's only unit is the one in use, nothing to prefetch). Parity and the
-    all-gather volume (2M x Ψ_s) are asserted by the tests above on the same runs."""
+    blocks or more (one block: the next pass's only unit is the one in use, nothing to prefetch), and never with
+    ``stage3_cross_prefetch=False``. Parity and the all-gather volume (2M x Ψ_s) are asserted by the tests above
+    on the same runs."""
     blocks_per_stage = spec.layers // spec.pp
     for out in results(4)[spec]:
-        if spec.stage3_gather == "micro" and blocks_per_stage >= 2:
+        if spec.stage3_gather == "micro" and blocks_per_stage >= 2 and spec.cross_prefetch:
             assert out["cross_prefetches"] == (spec.steps - 1) * (2 * spec.n_micro - 1), out["coords"]
         else:
             assert out["cross_prefetches"] == 0, out["coords"]

@@ -88,6 +88,8 @@ _PIPELINE_HELP = {
     "n_microbatches": "micro-batches per step; default --gradient_accumulation_steps (the accumulated batches).",
     "layers_per_stage": "decoder blocks per stage, e.g. 3,5 (default: balanced by parameter count).",
     "stage3_gather": "ZeRO-3: step (gather once per step, default) or micro (per micro-batch).",
+    "stage3_cross_prefetch": "ZeRO-3 with micro gathering: true (default) prefetches the next pass's first unit "
+                             "across micro-batches; false turns it off.",
 }
 
 

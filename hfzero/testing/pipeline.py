@@ -34,6 +34,8 @@ class PipeSpec:
     schedule: str = "1F1B"
     n_micro: int = 4
     stage3_gather: str = "step"
+    cross_prefetch: bool = True
+    """PipelineConfig.stage3_cross_prefetch."""
     dtype: str = "fp32"
     steps: int = 10
     global_batch: int = 16
@@ -117,7 +119,7 @@ def _train_pipeline(spec: PipeSpec, stack: contextlib.ExitStack, profile_dir: st
     zero = hfzero.ZeroConfig(stage=spec.stage, dtype=spec.dtype, reduce_bucket_size=spec.bucket_size,
                              accumulation=spec.accumulation, **dict(spec.extra_config))
     config = PipelineConfig(pp_size=spec.pp, schedule=spec.schedule, n_microbatches=spec.n_micro,
-                            stage3_gather=spec.stage3_gather)
+                            stage3_gather=spec.stage3_gather, stage3_cross_prefetch=spec.cross_prefetch)
     pipe = pipeline(model, torch.optim.AdamW(param_groups(model), lr=spec.lr), zero, config, mesh=mesh)
     del model
     scheduler = _schedule(pipe.optimizer)

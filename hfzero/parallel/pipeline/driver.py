@@ -283,8 +283,10 @@ class Pipeline:
 
     def _planned_scheduler(self) -> Any:
         """The stage-3 unit scheduler when it gathers per micro-batch on a single-stage rank (the units'
-        passes follow the schedule: it prefetches across micro-batches), else None."""
-        if self.zero_config.stage != 3 or self.config.stage3_gather != "micro" or len(self.stages) > 1:
+        passes follow the schedule: it prefetches across micro-batches) and ``stage3_cross_prefetch`` is on,
+        else None."""
+        if (self.zero_config.stage != 3 or self.config.stage3_gather != "micro" or len(self.stages) > 1
+                or not self.config.stage3_cross_prefetch):
             return None
         return self.engine.scheduler
 
