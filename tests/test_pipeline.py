@@ -46,6 +46,7 @@ MULTI_STAGE_CASES = [
     _spec("llama", 2, "sharded", "DualPipeV"),
     _spec("gpt2", 0, "sharded", "InterleavedZeroBubble"),
     _spec("llama", 1, "local", "DualPipeV"),
+    _spec("llama", 3, "sharded", "InterleavedZeroBubble"),
 ]
 OTHER_CASES = MULTI_STAGE_CASES + [
     _spec("gpt2", 2, "sharded", "1F1B", dtype="bf16"),

@@ -74,3 +74,11 @@ def test_cross_prefetch_option_reads_booleans_only():
         PipelineConfig.from_strings({"pp_stage3_cross_prefetch": "maybe"})
     with pytest.raises(ConfigError, match="stage3_cross_prefetch=1 must be True or False"):
         PipelineConfig(stage3_cross_prefetch=1)
+
+
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])
+def test_v_shaped_schedule_at_stage3_with_tied_embeddings_is_refused(schedule):
+    model = tiny_causal_lm("llama", layers=4)
+    with pytest.raises(ConfigError, match=f"schedule {schedule} at ZeRO stage 3 with tied input/output embeddings"):
+        pipeline(model, torch.optim.AdamW(model.parameters()), hfzero.ZeroConfig(stage=3), pp_size=2,
+                 schedule=schedule)

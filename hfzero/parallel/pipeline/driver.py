@@ -79,6 +79,11 @@ class Pipeline:
         self.config = config
         self.zero_config = zero_config
         self.kind = resolve_schedule(config.schedule)
+        if zero_config.stage == 3 and self.kind.v_shape and tied_embeddings(model):
+            # both ends (and the one tied parameter) on pp rank 0, in two stage-3 chunk units: not supported
+            raise ConfigError(f"hfzero pipeline: schedule {self.kind.name} at ZeRO stage 3 with tied input/output "
+                              "embeddings is not supported (both ends run on one rank, in two gathering units); "
+                              "use InterleavedZeroBubble or Interleaved1F1B, or ZeRO stage 0-2")
         self.mesh = mesh or build_mesh(config.pp_size)
         if self.kind.stages_per_rank > 1 and self.mesh.pp_size == 1:
             raise ConfigError(f"hfzero pipeline: schedule {self.kind.name} needs pp_size >= 2")
