@@ -274,3 +274,13 @@ def test_stage3_prefetch_across_micro_batches(spec):
             assert out["cross_prefetches"] == (spec.steps - 1) * (2 * spec.n_micro - 1), out["coords"]
         else:
             assert out["cross_prefetches"] == 0, out["coords"]
+
+
+@pytest.mark.parametrize("spec", [s for s in FP32_CASES + OTHER_CASES if s.pp == 4 or s.schedule in ("1F1B", "ZBVZeroBubble")
+                                  and s.stage in (2, 3)], ids=_id)
+def test_other_stages_freed_in_the_source_model(spec):
+    """``release_other_stages`` (which every case runs, as the Trainer does) frees in the source HF model every
+    parameter and buffer no stage of the rank holds; parity (above) still holds."""
+    for out in results(4)[spec]:
+        assert out["source_not_freed"] == [], out["coords"]
+        assert out["released_bytes"] > 0, out["coords"]

@@ -302,7 +302,7 @@ class ZeroTrainer(Trainer):
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """The Trainer's 6 * tokens * non-embedding parameters, with stage-3 parameters counted whole."""
         main = getattr(self.model, "main_input_name", "input_ids")
-        if not is_partitioned(self.model) or main not in inputs:
+        if not (is_partitioned(self.model) or self.pipeline is not None) or main not in inputs:
             return super().floating_point_ops(inputs)
         return 6 * inputs[main].numel() * model_param_count(self.model, exclude_embeddings=True)
 

@@ -393,6 +393,28 @@ class Pipeline:
         return float(total.item())
 
     # ---- whole-model weights ---------------------------------------------------------------------
+    def release_other_stages(self, model: nn.Module) -> int:
+        """Free, in ``model`` (the HF model this pipeline was split from), the parameters and buffers no stage
+        of this rank holds: each becomes an empty tensor of its dtype and device (its whole numel stays known
+        to ``released_numel``). Returns the bytes freed. The model object stays (its config, its class for
+        ``save_pretrained``); whole weights come from ``full_state_dict``, which gathers from the stage owners.
+        """
+        mine = {id(t) for stage in self.stages for t in (*stage.parameters(), *stage.buffers())}
+        freed = 0
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, tensor in table.items():
+                    if tensor is None or id(tensor) in mine or tensor.numel() == 0:
+                        continue
+                    freed += tensor.numel() * tensor.element_size()
+                    if isinstance(tensor, nn.Parameter):
+                        tensor.hfzero_released_numel = tensor.numel()  # See released_numel
+                        tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+                    else:
+                        table[name] = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        logger.info("freed %d bytes of other stages' parameters and buffers in the source model", freed)
+        return freed
+
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The whole model's state dict (CPU copies, HF names, the tied embedding once), assembled from every
         stage: a collective over the world. ``rank0_only``: other ranks get ``{}``."""
@@ -475,6 +497,11 @@ def _stage_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module,
 
 
 _PIPELINES: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Pipeline]" = weakref.WeakKeyDictionary()
+
+def released_numel(param: nn.Parameter) -> int | None:
+    """The whole numel of a parameter another stage owns (freed here by ``release_other_stages``, which tags
+    it), else None."""
+    return getattr(param, "hfzero_released_numel", None)
 
 
 def pipeline_of(optimizer: Any) -> Pipeline | None:
