@@ -6,7 +6,8 @@ the P2P bytes per step beside the cost model.
 
 One spawn runs every case; prints a Markdown table (the one in docs/pipeline.md). Usage:
 
-    python benchmarks/pipeline_profile.py [--hidden 64] [--layers 4] [--micro 4] [--steps 6] [--out DIR] [--json OUT]
+    python benchmarks/pipeline_profile.py [--hidden 64] [--layers 4] [--micro 4] [--steps 6] [--schedule 1F1B]
+        [--stages 0,1,2,3] [--out DIR] [--json OUT]
 """
 
 from __future__ import annotations
@@ -24,12 +25,17 @@ CASES = [(0, "local", "step"), (1, "local", "step"), (2, "sharded", "step"), (3,
 """(ZeRO stage, accumulation, stage-3 gathering): the defaults ("auto": sharded at stages 2-3)."""
 
 
+def _cases(args: argparse.Namespace) -> list[tuple[int, str, str]]:
+    wanted = {int(x) for x in args.stages.split(",")}
+    return [case for case in CASES if case[0] in wanted]
+
+
 def _specs(args: argparse.Namespace) -> list[PipeSpec]:
     return [PipeSpec(model="llama", layers=args.layers, hidden=args.hidden, pp=2, stage=stage, accumulation=policy,
                      stage3_gather=gather, schedule=args.schedule, n_micro=args.micro, dtype="bf16", steps=args.steps,
                      global_batch=32, seq_len=args.seq, bucket_size=args.bucket, profile=True,
                      extra_config=(("param_persistence_threshold", 0),) if stage == 3 else ())
-            for stage, policy, gather in CASES]
+            for stage, policy, gather in _cases(args)]
 
 
 def _rows(stage: int, run_dir: Path) -> list[dict]:
@@ -60,10 +66,12 @@ def main() -> None:
     parser.add_argument("--schedule", default="1F1B")
     parser.add_argument("--out", help="keep the profiles here (default: a temporary directory)")
     parser.add_argument("--json", help="also write the rows as JSON here")
+    parser.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to run, e.g. 0,1,2 (ZBVZeroBubble and "
+                        "DualPipeV refuse stage 3 with tied embeddings)")
     args = parser.parse_args()
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="hfzero-pp-profile-"))
     run_distributed(train_pipelines, 4, _specs(args), str(out), timeout=1800)
-    rows = [r for i, (stage, _, _) in enumerate(CASES) for r in _rows(stage, out / str(i))]
+    rows = [r for i, (stage, _, _) in enumerate(_cases(args)) for r in _rows(stage, out / str(i))]
     print(f"pp=2 x dp=2, Llama (tied) hidden {args.hidden}, {args.layers} blocks, seq {args.seq}, global batch 32, "
           f"bf16 + AdamW, {args.schedule}, {args.micro} micro-batches; medians over {args.steps} steps and the "
           f"stage's 2 ranks; profiles in {out}")

@@ -3,9 +3,12 @@ per step and step time for ZeRO stages 0-3 x accumulation policy (x stage-3 gath
 {2, 4, 8} at pp=2 x dp=2 on 4 gloo ranks, beside the cost model (hfzero/parallel/pipeline/cost.py).
 
 One spawn runs every case (each builds its own mesh); prints the Markdown table of docs/pipeline.md.
-Usage:
+``--prefetch`` instead measures stage 3's prefetch across micro-batches (PipelineConfig.stage3_cross_prefetch)
+on vs off, side by side in one spawn (the two alternate, ``--repeats`` times each): units gathered early per
+step, all-gather elements per step and the median step time. Usage:
 
     python benchmarks/pipeline_zero.py [--hidden 64] [--layers 4] [--steps 4] [--json OUT]
+    python benchmarks/pipeline_zero.py --prefetch [--layers 8] [--steps 6] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -56,6 +59,50 @@ def _row(spec: PipeSpec, outs: list[dict], shapes) -> dict:
     }
 
 
+def _prefetch_specs(args: argparse.Namespace) -> list[PipeSpec]:
+    return [PipeSpec(model="llama", layers=args.layers, hidden=args.hidden, pp=2, stage=3, accumulation="sharded",
+                     stage3_gather="micro", cross_prefetch=cross, schedule=schedule, n_micro=micro, dtype="bf16",
+                     steps=args.steps, global_batch=32, seq_len=args.seq, max_grad_norm=1.0, bucket_size=args.bucket,
+                     extra_config=(("param_persistence_threshold", 0),))
+            for schedule in ("1F1B", "GPipe") for micro in (4, 8) for _ in range(args.repeats)
+            for cross in (True, False)]
+
+
+def _prefetch_table(specs: list[PipeSpec], per_rank: list[list[dict]]) -> list[dict]:
+    rows: dict[tuple, dict] = {}
+    for i, spec in enumerate(specs):
+        outs = [r[i] for r in per_rank]
+        row = rows.setdefault((spec.schedule, spec.n_micro, spec.cross_prefetch), {
+            "schedule": spec.schedule, "n_micro": spec.n_micro, "cross_prefetch": spec.cross_prefetch,
+            "early_gathers_per_step": max(o["cross_prefetches"] for o in outs) / (spec.steps - 1),
+            "all_gather_elements": outs[0]["comm_per_step"][-1].get("all_gather", 0), "step_seconds": []})
+        row["step_seconds"] += [max(o["step_seconds"][k] for o in outs) for k in range(1, spec.steps)]
+    for row in rows.values():
+        row["step_seconds"] = statistics.median(row["step_seconds"])
+    return list(rows.values())
+
+
+def _prefetch_main(args: argparse.Namespace) -> None:
+    specs = _prefetch_specs(args)
+    per_rank = run_distributed(train_pipelines, 4, specs, timeout=3000, threads=1)
+    rows = _prefetch_table(specs, per_rank)
+    print(f"pp=2 x dp=2, Llama (tied) hidden {args.hidden}, {args.layers} blocks, seq {args.seq}, global batch 32, "
+          f"bf16 + AdamW, ZeRO-3 sharded, per-micro-batch gathering; {args.repeats} alternating runs x "
+          f"{args.steps - 1} steps per cell (first step of each run skipped; step = slowest rank)")
+    print("| schedule | n_micro | cross prefetch | units gathered early / step | all-gather elements / step (rank 0) "
+          "| step (ms, median) | off / on |")
+    print("|---|---|---|---|---|---|---|")
+    by_key = {(r["schedule"], r["n_micro"], r["cross_prefetch"]): r for r in rows}
+    for r in rows:
+        on = by_key[(r["schedule"], r["n_micro"], True)]["step_seconds"]
+        ratio = f"{r['step_seconds'] / on:.2f}" if not r["cross_prefetch"] else ""
+        print(f"| {r['schedule']} | {r['n_micro']} | {'on' if r['cross_prefetch'] else 'off'} | "
+              f"{r['early_gathers_per_step']:.0f} | {r['all_gather_elements']} | {1000 * r['step_seconds']:.1f} | {ratio} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=64)
@@ -64,7 +111,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--bucket", type=int, default=1 << 20)
     parser.add_argument("--json", metavar="OUT")
+    parser.add_argument("--prefetch", action="store_true", help="stage-3 prefetch across micro-batches on vs off")
+    parser.add_argument("--repeats", type=int, default=3, help="--prefetch: alternating runs per cell")
     args = parser.parse_args()
+    if args.prefetch:
+        _prefetch_main(args)
+        return
     specs = _specs(args)
     per_rank = run_distributed(train_pipelines, 4, specs, timeout=3000, threads=1)
     shapes = stage_shapes(tiny_causal_lm("llama", layers=args.layers, hidden=args.hidden), 2)

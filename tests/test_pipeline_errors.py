@@ -65,3 +65,20 @@ def _micro_not_dividing(rank: int, world: int) -> str:
 def test_micro_batches_must_divide_the_batch():
     message = run_distributed(_micro_not_dividing, 1)[0]
     assert "n_microbatches=4 does not divide this replica's batch of 6 rows" in message
+
+
+def test_cross_prefetch_option_reads_booleans_only():
+    assert PipelineConfig.from_strings({"pp_stage3_cross_prefetch": "false"}).stage3_cross_prefetch is False
+    assert PipelineConfig.from_strings({"pp_stage3_cross_prefetch": "True"}).stage3_cross_prefetch is True
+    with pytest.raises(ConfigError, match="--zero_pp_stage3_cross_prefetch: cannot read 'maybe' as true or false"):
+        PipelineConfig.from_strings({"pp_stage3_cross_prefetch": "maybe"})
+    with pytest.raises(ConfigError, match="stage3_cross_prefetch=1 must be True or False"):
+        PipelineConfig(stage3_cross_prefetch=1)
+
+
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])
+def test_v_shaped_schedule_at_stage3_with_tied_embeddings_is_refused(schedule):
+    model = tiny_causal_lm("llama", layers=4)
+    with pytest.raises(ConfigError, match=f"schedule {schedule} at ZeRO stage 3 with tied input/output embeddings"):
+        pipeline(model, torch.optim.AdamW(model.parameters()), hfzero.ZeroConfig(stage=3), pp_size=2,
+                 schedule=schedule)

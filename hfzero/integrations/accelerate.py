@@ -203,7 +203,9 @@ class ZeroAccelerator(Accelerator):
             if self.pipeline is not None:
                 raise ConfigError("ZeroAccelerator: pipeline parallelism prepares one model and optimizer")
             self.pipeline = pipeline(model, optimizer, self.zero_config, self.pipeline_config)
-            zero = self.pipeline.optimizer  # the model stays whole; this rank trains its stage of it
+            # the model object stays (config, save_pretrained); other stages' tensors are freed on this rank
+            self.pipeline.release_other_stages(model)
+            zero = self.pipeline.optimizer
         elif self.zero_config.tp_size > 1:
             model, zero, _ = prepare_tensor_parallel(model, optimizer, self.zero_config)
         else:

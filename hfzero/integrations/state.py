@@ -63,7 +63,12 @@ def needs_gathered_weights(model: Any) -> bool:
 def model_param_count(model: nn.Module, trainable_only: bool = False, exclude_embeddings: bool = False) -> int:
     """Parameters of ``model`` counted whole at every stage (``p.numel()`` is 0 for a partitioned one
     between uses); the figure the Trainer logs as "Number of trainable parameters" and uses for FLOPs."""
-    numel = get_engine(model).full_numel if is_partitioned(model) else (lambda p: p.numel())
+    from hfzero.parallel.pipeline.driver import released_numel
+
+    if is_partitioned(model):
+        numel = get_engine(model).full_numel
+    else:  # under pipeline parallelism other stages' parameters are freed here: count them whole
+        numel = lambda p: released_numel(p) or p.numel()  # noqa: E731
     skip = {m.weight for m in model.modules() if isinstance(m, nn.Embedding)} if exclude_embeddings else set()
     return sum(numel(p) for p in model.parameters() if (p.requires_grad or not trainable_only) and p not in skip)
 

@@ -88,6 +88,8 @@ _PIPELINE_HELP = {
     "n_microbatches": "micro-batches per step; default --gradient_accumulation_steps (the accumulated batches).",
     "layers_per_stage": "decoder blocks per stage, e.g. 3,5 (default: balanced by parameter count).",
     "stage3_gather": "ZeRO-3: step (gather once per step, default) or micro (per micro-batch).",
+    "stage3_cross_prefetch": "ZeRO-3 with micro gathering: true (default) prefetches the next pass's first unit "
+                             "across micro-batches; false turns it off.",
 }
 
 
@@ -300,7 +302,7 @@ class ZeroTrainer(Trainer):
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """The Trainer's 6 * tokens * non-embedding parameters, with stage-3 parameters counted whole."""
         main = getattr(self.model, "main_input_name", "input_ids")
-        if not is_partitioned(self.model) or main not in inputs:
+        if not (is_partitioned(self.model) or self.pipeline is not None) or main not in inputs:
             return super().floating_point_ops(inputs)
         return 6 * inputs[main].numel() * model_param_count(self.model, exclude_embeddings=True)
 

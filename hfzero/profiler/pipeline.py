@@ -25,7 +25,7 @@ def identity(pipe: Pipeline) -> dict[str, Any]:
     """This rank's place in the mesh and the size of its stage(s)."""
     return {"rank": dist.get_rank(), "pp_rank": pipe.mesh.pp_rank, "dp_rank": pipe.mesh.dp_rank,
             "stages": [s.stage_index for s in pipe.stages], "params": int(pipe.engine.num_params),
-            "tied": int(pipe.tied_numel) if pipe.tied_comm is not None else 0,
+            "tied": int(pipe.tied_numel) if pipe.tied_comm is not None else 0, "shared": int(pipe.shared_numel),
             "blocks": sum(len(s.block_names) for s in pipe.stages)}
 
 
@@ -55,7 +55,7 @@ def header_section(pipe: Pipeline, identities: list[dict[str, Any]], optimizer_k
             entry["model_states_by_role"] = {k: int(round(v)) for k, v in roles.items() if v}
             entry["model_state_bytes"] = int(round(sum(roles.values())))
         elements = comm_elements(first["params"], dp, zero.stage, n_micro, accumulation=pipe.accumulation,
-                                 stage3_gather=gather or "step", tied=first["tied"])
+                                 stage3_gather=gather or "step", tied=first["tied"], shared=first.get("shared", 0))
         entry["comm_elements_per_step"] = {k: int(round(v)) for k, v in elements.items() if v}
         ranks.append(entry)
     return {"pp": pp, "dp": dp, "schedule": pipe.kind.name, "n_micro": n_micro,

@@ -15,6 +15,15 @@ Phase boundaries come from hooks:
   the pass's gradient reductions are done;
 - step begin / end: the optimizer's step pre- and post-hooks. The step post-hook ends a step.
 
+[Note: pipeline backward phases]
+Under pipeline parallelism the backward phases come from the pipeline itself, not from gradient
+hooks: a zero-bubble schedule's input-only backward reaches no parameter (no reduction, so no
+engine backward-end hook) and its weight pass runs outside autograd's accumulation (no hook at
+all). ``Pipeline.add_pass_observer`` calls the profiler at the begin and end of every backward
+action the schedule runs on this rank's stages, with the stage, the micro-batch and the part
+("full": a whole backward, "input": the input-only pass, "weight": the weight pass, its gradient
+reduction included). Every backward phase record of a pipeline rank thus has a begin and an end.
+
 Cost per recorded phase boundary: one ``memory_by_role()`` call, one ``comm.stats()`` copy, one
 allocator sample (CUDA: ``torch.cuda.memory_stats_as_nested_dict``; CPU: a /proc pread and glibc
 ``mallinfo2``, whose cost grows with the number of free heap chunks, ~0.1 ms with thousands) and one flushed JSON
@@ -139,9 +148,9 @@ class ZeroProfiler:
         """CPU time of the threads running those hooks: the same cost, not inflated by other processes."""
         self._writer: RankWriter | None = None
         self._handles: list[Any] = []
-        # a multi-stage rank's forwards run stage by stage, never its StageChunks container: no accounting
-        multi_stage = self.pipeline is not None and len(self.pipeline.stages) > 1
-        self.activations = ActivationAccounting(model) if activations and not multi_stage else None
+        # a multi-stage rank's forwards run stage by stage, never its StageChunks container: measure each stage
+        entries = list(self.pipeline.stages) if self.pipeline is not None and len(self.pipeline.stages) > 1 else None
+        self.activations = ActivationAccounting(model, entries=entries) if activations else None
         self._modules: dict[int | None, torch.nn.Module] = (
             {s.stage_index: s for s in self.pipeline.stages} if self.pipeline is not None else {None: model})
         """The modules whose forwards are phases, by global pipeline stage (None without a pipeline)."""
@@ -230,9 +239,12 @@ class ZeroProfiler:
         if self._header is not None and self.pipeline is None:  # a pipeline stage holds some layers only
             self._input_hook = self.model.register_forward_pre_hook(self._on_first_input, with_kwargs=True)
             self._handles.append(self._input_hook)
-        handle = self.engine.add_backward_end_hook(self._on_backward_end)
-        if hasattr(handle, "remove"):
-            self._handles.append(handle)
+        if self.pipeline is not None:  # See [Note: pipeline backward phases]
+            self._handles.append(self.pipeline.add_pass_observer(self._on_pipeline_pass))
+        else:
+            handle = self.engine.add_backward_end_hook(self._on_backward_end)
+            if hasattr(handle, "remove"):
+                self._handles.append(handle)
         if self.activations is not None:
             self.activations.attach()
             self._handles.append(types.SimpleNamespace(remove=self.activations.detach))
@@ -271,7 +283,7 @@ class ZeroProfiler:
         if not (self._recording() and torch.is_grad_enabled()):
             return
         self._phase_edge("forward", "end", key=stage, micro=self._micro.get(stage, 0), **self._where(stage))
-        for tensor in _top_level_tensors(output):
+        for tensor in _top_level_tensors(output) if self.pipeline is None else ():
             if tensor.requires_grad:
                 tensor.register_hook(functools.partial(self._on_output_grad, stage))
 
@@ -293,6 +305,13 @@ class ZeroProfiler:
                 stage, micro = max(self._modules), None  # a backward whose begin was not seen
             self._backward_open = None
             self._phase_edge("backward", "end", key=stage, micro=micro, **self._where(stage))
+
+    @_costed
+    def _on_pipeline_pass(self, edge: str, stage: int, micro: int, part: str) -> None:
+        """A pipeline stage's backward action (``part``: "full", "input" or "weight"), micro-batch ``micro``
+        (from 1): a begin or end phase record. See [Note: pipeline backward phases]."""
+        if self._recording():
+            self._phase_edge("backward", edge, key=stage, micro=micro, part=part, stage=stage)
 
     @_costed
     def _on_step_begin(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -18,7 +18,7 @@ Memory held (bf16 + Adam, Ψ trainable parameters, N ranks), matching the paper:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ from hfzero.runtime.agreement import StepAgreement
 from hfzero.runtime.layout import FlatLayout
 from hfzero.runtime.offload import HostOffload, offload_active
 from hfzero.runtime.precision import LossScaler, PrecisionPolicy
-from hfzero.runtime.reducer import GradientReducer
+from hfzero.runtime.reducer import GradientReducer, GradState
 from hfzero.runtime.tensors import is_replicated_over_tp, local_tensor
 
 logger = get_logger(__name__)
@@ -46,8 +46,10 @@ class ZeroEngine:
     """Flattens, shards and updates the trainable parameters of ``model`` over ``comm``'s group."""
 
     def __init__(self, model: nn.Module, param_groups: list[list[nn.Parameter]], config: ZeroConfig,
-                 comm: Communicator, device: torch.device):
+                 comm: Communicator, device: torch.device, *, bucket_units: Sequence[str] | None = None):
         self.model = model
+        self._bucket_units = bucket_units
+        """Stages 0-2: module names whose parameters never share a bucket with another's (prepare's ``units=``)."""
         self.config = config
         self.comm = comm
         self.device = device
@@ -129,8 +131,15 @@ class ZeroEngine:
                           unit_of=self._bucket_unit_of())
 
     def _bucket_unit_of(self) -> Callable[[nn.Parameter], Hashable] | None:
-        """Stage 3: the unit of each parameter (buckets never span two units); None at stages 0-2."""
-        return None
+        """The unit of each parameter (buckets never span two units): at stages 0-2 the index of the first of
+        ``bucket_units`` holding it (-1 for none), or None without them; stage 3 overrides it."""
+        if not self._bucket_units:
+            return None
+        unit_of: dict[nn.Parameter, int] = {}
+        for index, name in enumerate(self._bucket_units):
+            for p in self.model.get_submodule(name).parameters():
+                unit_of.setdefault(p, index)
+        return lambda p: unit_of.get(p, -1)
 
     def _place_params(self) -> None:
         """Move the trainable parameters into ``param_flat`` (full, PARAM_FULL) and sync them from rank 0."""
@@ -186,15 +195,21 @@ class ZeroEngine:
         """Take ``.grad`` tensors written by hand into the engine's gradient store; returns how many.
 
         The zero-bubble pipeline schedules compute weight gradients outside autograd's accumulation,
-        so no post-accumulate-grad hook fires for them: call this after such a schedule's step. The
-        gradients are added as one more local contribution, reduced by the next ``reduce_pending()``
-        (or step) whatever the policy, since they were accumulated whole across micro-batches anyway.
+        so no post-accumulate-grad hook fires for them: the pipeline driver calls this after every
+        weight pass. Under the "local" policy, or outside a sharded pass, they are added as one more
+        local contribution, reduced by the next ``reduce_pending()`` (or step). Under "sharded" they
+        are reduced right away into the shard (``reducer.reduce_added``, a collective: every rank of the
+        group calls it at the same point), so no full gradient is held across micro-batches.
         """
         grads = [(slot, param.grad) for param, slot in self.layout.slots.items() if param.grad is not None]
-        if grads:
-            self.reducer.add_local([(slot, grad) for slot, grad in grads])
         for slot, _ in grads:
             slot.param.grad = None
+        if not grads:  # e.g. the first stage's weight pass: a full backward, its hooks reduced it
+            return 0
+        if self.reducer.policy == "sharded" and self.reducer.state is not GradState.LOCAL:
+            self.reducer.reduce_added([(slot, local_tensor(grad)) for slot, grad in grads])
+        else:
+            self.reducer.add_local([(slot, local_tensor(grad)) for slot, grad in grads])
         return len(grads)
 
     def add_backward_end_hook(self, fn: Callable[[], None]) -> RemovableHandle:

@@ -45,9 +45,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     ``optimizer`` (which must not be used afterwards). Every rank must call this with the same
     model, optimizer and config; a mismatch is reported, not hung on.
 
-    Stage 3 only: ``units`` names the modules gathered as one unit (default: the decoder blocks, see
+    Stage 3: ``units`` names the modules gathered as one unit (default: the decoder blocks, see
     [Note: stage-3 units]); ``verify_gather_order`` checks before every gather that all ranks gather
-    the same unit (a tiny extra collective), raising GatherOrderError instead of hanging.
+    the same unit (a tiny extra collective), raising GatherOrderError instead of hanging. At stages 0-2
+    ``units`` only keeps each named module's parameters in buckets of their own (the pipeline driver
+    uses it so a stage's backward reduces that stage's buckets only: [Note: active buckets] in reducer.py).
     ``weights`` (a stage-3 WeightSource) fills each rank's shard directly, for a model whose trainable
     parameters are on the meta device (see stage3/init.py, ``from_pretrained_sharded``).
     ``tp_group``: the tensor-parallel group of a dp x tp mesh (``process_group`` is then its dp group);
@@ -72,8 +74,6 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
                           "config = hfzero.autostage.resolve_auto_stage(config, model, optimizer, world_size=...) "
                           "(the Trainer and ZeroAccelerator do this for you)")
     _check_process_group(process_group)
-    if config.stage != 3 and units is not None:
-        raise ConfigError("hfzero.prepare: units= applies to ZeroConfig(stage=3) only")
     if units is not None and (isinstance(units, str) or not all(isinstance(u, str) for u in units)):
         raise ConfigError("hfzero.prepare: units must be a list of module names, e.g. ['model.layers.0']")
     if weights is not None and config.stage != 3:
@@ -98,7 +98,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         engine = Stage3Engine(model, groups, config, comm, device, units=units,
                               verify_gather_order=verify_gather_order, weights=weights)
     else:
-        engine = ZeroEngine(model, groups, config, comm, device)
+        engine = ZeroEngine(model, groups, config, comm, device, bucket_units=units)
     if tp_group is not None:
         engine.norm_group = Communicator(tp_group, device=device)
     if hasattr(model, "_set_gradient_checkpointing"):

@@ -38,6 +38,14 @@ is False): when the backward pass moves on to a later unit (``force_ready``), or
 backward pass, never at the moment its last gradient happens to arrive, which differs between ranks
 (an unused parameter, a slower branch). Gradients arriving after their bucket was launched ("late")
 are kept and reduced at the end of the backward pass, after one small agreement collective.
+
+[Note: active buckets]
+A pipeline rank running several stages (a multi-stage schedule) back-propagates one stage at a time;
+the other stages' buckets get nothing from that backward. ``active`` (set by the pipeline driver
+around each backward and weight pass) names the buckets a pass reduces: the others are neither
+launched nor, at stage 0, zeroed, so a stage's per-micro-batch reduction moves that stage's
+buckets only. It is the same set on every rank of the dp group (the schedule is), so the order
+of collectives stays rank-independent. None (the default): every bucket.
 """
 
 from __future__ import annotations
@@ -122,6 +130,8 @@ class GradientReducer:
         """Parameters that received a gradient on this rank since the last zero()."""
         self._dirty = False
         self._next_launch = 0
+        self.active: frozenset[int] | None = None
+        """Bucket indices the next backward or ``reduce_added`` reduces; None: all. See [Note: active buckets]."""
         self._inflight: collections.deque[tuple[Bucket, Handle]] = collections.deque()
         self._in_backward = False
         self._graph_task = -1
@@ -225,8 +235,7 @@ class GradientReducer:
     def _begin_backward(self) -> None:
         if self.before_first_grad is not None:
             self.before_first_grad()
-        if self.state is GradState.REDUCED and self.stage == 0 and self.comm.rank != 0:
-            self.grad_full.zero_()  # only rank 0 keeps the sum S: See [Note: gradient sums]
+        self._zero_before_new_sums()
         if self.state is GradState.EMPTY and self.on_step_begin is not None:
             self.on_step_begin()  # before any bucket of the step: See [Note: step agreement]
         self._in_backward = True
@@ -247,6 +256,21 @@ class GradientReducer:
                     self._pending[slot.bucket] -= 1
             if self.sync and self.overlap and self.launch_on_fill:
                 self._launch_ready()
+
+    def _zero_before_new_sums(self) -> None:
+        """Stage 0, after a reduction: every rank but rank 0 zeroes the buckets about to be reduced again, so
+        only rank 0 keeps the sum S (see [Note: gradient sums]); the other buckets keep S on every rank."""
+        if self.state is not GradState.REDUCED or self.stage != 0 or self.comm.rank == 0:
+            return
+        if self.active is None:
+            self.grad_full.zero_()
+            return
+        for index in self.active:
+            bucket = self.layout.buckets[index]
+            self.grad_full[bucket.offset: bucket.offset + bucket.padded].zero_()
+
+    def _is_active(self, index: int) -> bool:
+        return self.active is None or index in self.active
 
     def _end_backward(self) -> None:
         try:
@@ -332,14 +356,18 @@ class GradientReducer:
     # ---- reduction ------------------------------------------------------------------------------
     def _launch_ready(self) -> None:
         buckets = self.layout.buckets
-        while self._next_launch < len(buckets) and (
-                self._forced[self._next_launch] or (self.launch_on_fill and self._pending[self._next_launch] <= 0)):
-            self._launch(buckets[self._next_launch])
+        while self._next_launch < len(buckets):
+            index = self._next_launch
+            if self._is_active(index):
+                if not (self._forced[index] or (self.launch_on_fill and self._pending[index] <= 0)):
+                    break
+                self._launch(buckets[index])
             self._next_launch += 1
 
     def _launch_all_remaining(self) -> None:
         while self._next_launch < len(self.layout.buckets):
-            self._launch(self.layout.buckets[self._next_launch])
+            if self._is_active(self._next_launch):
+                self._launch(self.layout.buckets[self._next_launch])
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket, source: torch.Tensor | None = None) -> None:
@@ -431,6 +459,40 @@ class GradientReducer:
             self.used.add(slot.param)
         self._dirty = True
         self.state = GradState.LOCAL
+
+    def reduce_added(self, grads: list[tuple[ParamSlot, torch.Tensor]]) -> None:
+        """Reduce gradients computed outside autograd's accumulation (a zero-bubble weight pass) now, as a
+        synchronizing backward pass would ("sharded": no full gradient is kept across micro-batches): every
+        active bucket is filled from ``grads`` (zeros elsewhere) and reduced into the store, in bucket order.
+        Collective over the dp group; every rank calls it at the same point of the schedule."""
+        if self._in_backward:
+            raise RuntimeError("hfzero: gradients can be added by hand only between backward passes")
+        if self.state is GradState.LOCAL:
+            raise RuntimeError("hfzero: local gradients are pending; reduce_pending() them before reduce_added()")
+        if self.before_first_grad is not None:
+            self.before_first_grad()
+        self._zero_before_new_sums()
+        if self.state is GradState.EMPTY and self.on_step_begin is not None:
+            self.on_step_begin()
+        by_bucket: dict[int, list[tuple[ParamSlot, torch.Tensor]]] = collections.defaultdict(list)
+        for slot, grad in grads:
+            if not self._is_active(slot.bucket):
+                raise RuntimeError(f"hfzero: a gradient for {slot.name!r} arrived outside the buckets being reduced")
+            by_bucket[slot.bucket].append((slot, grad))
+        for bucket in self.layout.buckets:
+            if not self._is_active(bucket.index):
+                continue
+            dest = self._fill_target(bucket)
+            for slot, grad in by_bucket.get(bucket.index, ()):
+                dest[slot.offset: slot.offset + slot.numel].add_(grad.reshape(-1))
+                self.used.add(slot.param)
+            self._launch(bucket)
+        self._wait_all()
+        if self.sink is not None:
+            self.sink.drain()
+        self._trim_pool()
+        self._dirty = True
+        self.state = GradState.REDUCED
 
     # ---- recovery -------------------------------------------------------------------------------
     def abort_pass(self) -> None:

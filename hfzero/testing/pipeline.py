@@ -34,6 +34,8 @@ class PipeSpec:
     schedule: str = "1F1B"
     n_micro: int = 4
     stage3_gather: str = "step"
+    cross_prefetch: bool = True
+    """PipelineConfig.stage3_cross_prefetch."""
     dtype: str = "fp32"
     steps: int = 10
     global_batch: int = 16
@@ -117,8 +119,12 @@ def _train_pipeline(spec: PipeSpec, stack: contextlib.ExitStack, profile_dir: st
     zero = hfzero.ZeroConfig(stage=spec.stage, dtype=spec.dtype, reduce_bucket_size=spec.bucket_size,
                              accumulation=spec.accumulation, **dict(spec.extra_config))
     config = PipelineConfig(pp_size=spec.pp, schedule=spec.schedule, n_microbatches=spec.n_micro,
-                            stage3_gather=spec.stage3_gather)
+                            stage3_gather=spec.stage3_gather, stage3_cross_prefetch=spec.cross_prefetch)
     pipe = pipeline(model, torch.optim.AdamW(param_groups(model), lr=spec.lr), zero, config, mesh=mesh)
+    released_bytes = pipe.release_other_stages(model)  # as the Trainer does: training needs only the stages
+    held = {id(t) for t in (*pipe.module.parameters(), *pipe.module.buffers())}
+    source = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    not_freed = sorted(n for n, t in source if t.numel() and id(t) not in held)  # other stages' tensors left whole
     del model
     scheduler = _schedule(pipe.optimizer)
     engine = pipe.engine
@@ -158,6 +164,8 @@ def _train_pipeline(spec: PipeSpec, stack: contextlib.ExitStack, profile_dir: st
         "num_params": engine.num_params,
         "num_params_padded": engine.num_params_padded,
         "cross_prefetches": getattr(getattr(engine, "scheduler", None), "cross_prefetches", 0),
+        "released_bytes": released_bytes,
+        "source_not_freed": not_freed,
     }
 
 

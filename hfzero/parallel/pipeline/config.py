@@ -33,6 +33,12 @@ class PipelineConfig:
     (torchtitan's choice: P_os+g parameter memory inside the step, one gather per step); "micro"
     gathers per micro-batch forward and backward (true P_os+g+p, 2 x n_microbatches gathers)."""
 
+    stage3_cross_prefetch: bool = True
+    """ZeRO-3 with ``stage3_gather="micro"`` only: at each pass's last unit, start gathering the next pass's
+    first unit (the schedule's pass order from the previous step) and carry it across the pass boundary, so
+    the gather overlaps the P2P waits ([Note: prefetch across micro-batches]); False gathers each pass's
+    units from its start only. Gathers per step are the same either way ("true"/"false" on the command line)."""
+
     def __post_init__(self) -> None:
         from hfzero.parallel.pipeline.schedule import resolve_schedule
 
@@ -43,6 +49,8 @@ class PipelineConfig:
         resolve_schedule(self.schedule)
         if self.stage3_gather not in ("step", "micro"):
             raise ConfigError(f'PipelineConfig.stage3_gather={self.stage3_gather!r} must be "step" or "micro"')
+        if not isinstance(self.stage3_cross_prefetch, bool):
+            raise ConfigError(f"PipelineConfig.stage3_cross_prefetch={self.stage3_cross_prefetch!r} must be True or False")
         if self.layers_per_stage is not None:
             object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
 
@@ -74,9 +82,22 @@ class PipelineConfig:
                     converted[field] = int(raw)
                 elif field == "layers_per_stage":
                     converted[field] = tuple(int(x) for x in str(raw).replace(" ", "").split(",") if x)
+                elif field == "stage3_cross_prefetch":
+                    converted[field] = _boolean(raw)
                 else:
                     converted[field] = str(raw)
             except ValueError:
-                what = "a comma list of integers" if field == "layers_per_stage" else "an integer"
+                what = {"layers_per_stage": "a comma list of integers",
+                        "stage3_cross_prefetch": "true or false"}.get(field, "an integer")
                 raise ConfigError(f"--zero_{option}: cannot read {raw!r} as {what}") from None
         return cls(**converted)
+
+
+def _boolean(raw: Any) -> bool:
+    """true/false, yes/no, on/off, 1/0 (any case); ValueError otherwise."""
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)

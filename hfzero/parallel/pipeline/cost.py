@@ -15,6 +15,12 @@ stage), N = dp size, M = micro-batches per step, p/g = parameter/gradient bytes,
   (Ψ_s once per step with "step" gathering, 2Ψ_s M with "micro"). The tied embedding (T elements) adds
   an all-reduce of its owned slice between the first and last stage: 2T/N (2T at stage 0).
   A dp size of 1 moves nothing within the stage.
+- a rank running several stages (v per rank): Ψ_s is the sum over its stages, and each backward
+  reduces only the stage it back-propagates ([Note: active buckets] in reducer.py), so "sharded" is
+  still M reductions of Ψ_s. Zero-bubble schedules reduce the weight pass's gradients right after it,
+  the same count. When both ends of a tied embedding run on one rank (V-shaped schedules' first pp
+  rank) it is one parameter (counted once in Ψ_s, no pair all-reduce), but both stages' backwards
+  produce its gradient: "sharded" reduces its T elements 2M times (M(Ψ_s + T)), "local" once.
 - activations: a stage keeps the activations of the micro-batches it has run forward and not yet
   backward: M under GPipe, min(P - s, M) under 1F1B (stage 0 the most).
 - bubble fraction: (P - 1) / M for GPipe and 1F1B, (P - 1) / (v M) with v stages per rank: the idle
@@ -37,7 +43,7 @@ ROLE_NAMES = ("param_full", "param_shard", "param_gathered", "grad_full", "grad_
 @dataclasses.dataclass(frozen=True)
 class StageShape:
     """Attributes: params (Ψ_s, trainable, tied copy included), tied (elements of the tied embedding
-    this stage holds, 0 if none or if both copies are on one rank), blocks (decoder blocks)."""
+    this stage holds, 0 if none or with one stage in all), blocks (decoder blocks)."""
 
     params: int
     tied: int
@@ -81,16 +87,29 @@ def model_state_roles(params: float, dp: int, stage: int, *, dtype: str = "bf16"
     return roles
 
 
+def rank_params(shapes: list[StageShape], stage_ids: list[int]) -> tuple[int, int, int]:
+    """(params, tied, shared) of the rank running ``stage_ids``: its parameters counted once, the tied
+    embedding's elements summed with a peer rank (0 when both ends run here), and the elements of the
+    parameter two of its stages hold (the tied embedding with both ends here, else 0)."""
+    mine = [shapes[i] for i in stage_ids]
+    holders = [s.tied for s in mine if s.tied]
+    params = sum(s.params for s in mine)
+    if len(holders) > 1:
+        return params - holders[0], 0, holders[0]
+    return params, sum(holders), 0
+
+
 def comm_elements(params: float, dp: int, stage: int, n_micro: int, *, accumulation: str = "local",
-                  stage3_gather: str = "step", tied: float = 0) -> dict[str, float]:
-    """Elements per step per rank by collective kind; see [Note: pipeline x ZeRO costs]."""
-    reductions = 1 if accumulation == "local" else n_micro
+                  stage3_gather: str = "step", tied: float = 0, shared: float = 0) -> dict[str, float]:
+    """Elements per step per rank by collective kind; see [Note: pipeline x ZeRO costs]. ``params`` counts
+    every parameter once; ``shared``: elements of one held by two of the rank's stages (``rank_params``)."""
+    reduced = params if accumulation == "local" else (params + shared) * n_micro
     out = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
     if dp > 1:
         if stage == 0:
-            out["all_reduce"] += 2 * params * reductions
+            out["all_reduce"] += 2 * reduced
         else:
-            out["reduce_scatter"] += params * reductions
+            out["reduce_scatter"] += reduced
             if stage < 3:
                 out["all_gather"] += params
             else:
@@ -150,19 +169,23 @@ def estimate_pipeline(shapes: list[StageShape], *, pp: int, dp: int, stage: int,
                       accumulation: str = "auto", stage3_gather: str = "step",
                       stages_per_rank: int = 1) -> dict[str, Any]:
     """Per-rank figures for every pp rank (its stages summed), as ``hfzero estimate --pp`` prints them."""
+    from hfzero.parallel.pipeline.schedule import resolve_schedule
+
     policy = accumulation if accumulation != "auto" else ("sharded" if stage >= 2 else "local")
+    kind = resolve_schedule(schedule)
     ranks = []
     for pp_rank in range(pp):
-        mine = [shapes[pp_rank + k * pp] for k in range(stages_per_rank)]
-        params = sum(s.params for s in mine)
-        tied = sum(s.tied for s in mine)
+        ids = (kind.stage_ids(pp_rank, pp) if kind.stages_per_rank == stages_per_rank
+               else [pp_rank + k * pp for k in range(stages_per_rank)])
+        mine = [shapes[i] for i in ids]
+        params, tied, shared = rank_params(shapes, ids)
         roles = model_state_roles(params, dp, stage, dtype=dtype, optimizer=optimizer, accumulation=policy,
                                   stage3_gather=stage3_gather)
         ranks.append({
             "pp_rank": pp_rank, "params": params, "blocks": sum(s.blocks for s in mine),
             "model_states_by_role": roles, "model_states_bytes": sum(roles.values()),
             "comm_elements_per_step": comm_elements(params, dp, stage, n_micro, accumulation=policy,
-                                                    stage3_gather=stage3_gather, tied=tied),
+                                                    stage3_gather=stage3_gather, tied=tied, shared=shared),
             "microbatches_in_flight": activation_in_flight(schedule, pp, pp_rank, n_micro),
         })
     return {"pp": pp, "dp": dp, "stage": stage, "n_micro": n_micro, "schedule": schedule, "dtype": dtype,

@@ -10,9 +10,13 @@ One call of ``forward_backward(batch)`` is one optimizer step's worth of gradien
    ``engine.no_sync()``; under "local" the backwards accumulate full local gradients, reduced once at
    the stage's end-of-step action; under "sharded" no_sync does not defer and every backward
    reduce-scatters into the shard (ZeRO-2/3 memory, n_micro reductions).
+   Zero-bubble schedules: a weight pass writes ``.grad`` by hand (no hook fires); the stage's weight
+   action takes it right after (``engine.absorb_manual_grads``): "sharded" reduce-scatters it then, per
+   micro-batch like the hooks do, "local" adds it to the accumulator. A rank running several stages
+   reduces, per backward, only the buckets of the stage back-propagated ([Note: active buckets]).
 3. End-of-step action (``ZeroPipelineStage.perform_reduce_grad``, after this rank's last backward):
-   absorb hand-written ``.grad`` (zero-bubble weight passes), finish pending reductions, then sum the
-   tied embedding's reduced gradient between the first and last stage (see [Note: tied embeddings]).
+   absorb any hand-written ``.grad`` left, finish pending reductions, then sum the tied embedding's
+   reduced gradient between the first and last stage (see [Note: tied embeddings]).
 4. After the schedule: materialize the fp32 gradients, vote fp16 overflow over pp (the engine voted
    over dp), average the loss over dp and broadcast it over pp. Clipping sums squared norms over
    dp and pp, counting the tied embedding once.
@@ -27,17 +31,19 @@ then hold the full sum and take identical optimizer steps, so the two copies sta
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from hfzero.comm import Communicator
 from hfzero.config import ConfigError, ZeroConfig
@@ -73,6 +79,11 @@ class Pipeline:
         self.config = config
         self.zero_config = zero_config
         self.kind = resolve_schedule(config.schedule)
+        if zero_config.stage == 3 and self.kind.v_shape and tied_embeddings(model):
+            # both ends (and the one tied parameter) on pp rank 0, in two stage-3 chunk units: not supported
+            raise ConfigError(f"hfzero pipeline: schedule {self.kind.name} at ZeRO stage 3 with tied input/output "
+                              "embeddings is not supported (both ends run on one rank, in two gathering units); "
+                              "use InterleavedZeroBubble or Interleaved1F1B, or ZeRO stage 0-2")
         self.mesh = mesh or build_mesh(config.pp_size)
         if self.kind.stages_per_rank > 1 and self.mesh.pp_size == 1:
             raise ConfigError(f"hfzero pipeline: schedule {self.kind.name} needs pp_size >= 2")
@@ -83,6 +94,9 @@ class Pipeline:
         tied = self._tied_param()
         self.tied_numel = tied.numel() if tied is not None else 0
         """Elements of the tied embedding this rank's stages hold (0 if none); counted before ZeRO shards it."""
+        self.shared_numel = self.tied_numel if sum(s.tied_name is not None for s in self.stages) > 1 else 0
+        """Elements of the parameter two of this rank's stages hold (the tied embedding with both ends here,
+        V-shaped schedules): both stages' backwards reduce it under "sharded" (see cost.rank_params)."""
         is_tied = tied_embeddings(model)
         stage_optimizer, self._tied_group, self.tied_user_group = _stage_optimizer(optimizer, self.module, tied)
         self.generation_config = getattr(model, "generation_config", None)
@@ -92,12 +106,20 @@ class Pipeline:
         if is_tied and self._holder_ranks(0) != self._holder_ranks(self.num_stages - 1):
             self.tied_names = (self.stages[0].family.first[0] + ".weight", "lm_head.weight")
         prepare_kwargs: dict[str, Any] = {}
-        if zero_config.stage == 3:
-            prepare_kwargs["units"] = self._stage3_units()
+        if zero_config.stage == 3 or len(self.stages) > 1:  # chunks never share a bucket: [Note: active buckets]
+            prepare_kwargs["units"] = self._units()
         self.module, self.optimizer = hfzero.prepare(self.module, stage_optimizer, zero_config,
                                                      process_group=self.mesh.dp_group, **prepare_kwargs)
         self.engine = hfzero.get_engine(self.module)
         self.accumulation = self.engine.accumulation
+        self._chunk_buckets: dict[int, frozenset[int]] = {}
+        """Per stage index, the buckets holding its parameters, when this rank runs several stages."""
+        if len(self.stages) > 1:
+            chunks = self.module if isinstance(self.module, StageChunks) else self.stages
+            for stage in chunks:
+                mine = set(stage.parameters())
+                self._chunk_buckets[stage.stage_index] = frozenset(
+                    slot.bucket for p, slot in self.engine.layout.slots.items() if p in mine)
         if zero_config.stage == 3:
             self.engine.scheduler.keep_gathered = config.stage3_gather == "step"
         # scalars (loss, norms, overflow flags) on ledgers of their own: engine.comm.stats() counts
@@ -109,6 +131,8 @@ class Pipeline:
         self._n_micro, self._divisor = config.n_microbatches, None
         _PIPELINES[self.optimizer] = self
         self._reduced_stages = 0
+        self._pass_observers: collections.OrderedDict[int, Callable[[str, int, int, str], None]] = \
+            collections.OrderedDict()
         self.clock = StageClock()
         """Times this rank's stage actions and counts its P2P bytes in each training step; ``clock.last``
         is the last step's summary (the profiler's ``pipeline`` figures; see [Note: measuring the bubble])."""
@@ -130,7 +154,7 @@ class Pipeline:
         holder = next(s for s in self.stages if s.tied_name is not None)
         return holder.get_parameter(holder.tied_name)
 
-    def _stage3_units(self) -> list[str]:
+    def _units(self) -> list[str]:
         if len(self.stages) == 1:
             return self.stages[0].block_names
         return [str(i) for i in range(len(self.stages))]  # chunk units: their forward is what runs
@@ -181,7 +205,8 @@ class Pipeline:
                 outputs.requires_grad_(train)
                 pipeline_stages.append(ZeroPipelineStage(
                     stage, stage.stage_index, self.num_stages, device, input_args=inputs, output_args=outputs,
-                    group=self.mesh.pp_group, on_reduce_grad=self._on_reduce_grad, clock=self.clock))
+                    group=self.mesh.pp_group, on_reduce_grad=self._on_reduce_grad, clock=self.clock,
+                    backward_pass=self._backward_pass))
             target = pipeline_stages[0] if len(pipeline_stages) == 1 else pipeline_stages
             self._schedules[key] = self.kind.cls(target, n_microbatches=n_micro,
                                                  loss_fn=self._loss_fn, scale_grads=False)
@@ -263,8 +288,10 @@ class Pipeline:
 
     def _planned_scheduler(self) -> Any:
         """The stage-3 unit scheduler when it gathers per micro-batch on a single-stage rank (the units'
-        passes follow the schedule: it prefetches across micro-batches), else None."""
-        if self.zero_config.stage != 3 or self.config.stage3_gather != "micro" or len(self.stages) > 1:
+        passes follow the schedule: it prefetches across micro-batches) and ``stage3_cross_prefetch`` is on,
+        else None."""
+        if (self.zero_config.stage != 3 or self.config.stage3_gather != "micro" or len(self.stages) > 1
+                or not self.config.stage3_cross_prefetch):
             return None
         return self.engine.scheduler
 
@@ -299,6 +326,33 @@ class Pipeline:
                 yield
         else:
             yield
+
+    def add_pass_observer(self, fn: Callable[[str, int, int, str], None]) -> RemovableHandle:
+        """Call ``fn(edge, stage_index, micro, part)`` at the "begin" and "end" of every backward action of this
+        rank's stages (``micro`` from 1; ``part``: "full", "input" or "weight"); the profiler's backward phases.
+        Returns a handle whose ``remove()`` unregisters ``fn``."""
+        handle = RemovableHandle(self._pass_observers)
+        self._pass_observers[handle.id] = fn
+        return handle
+
+    @contextlib.contextmanager
+    def _backward_pass(self, stage_index: int, chunk_id: int, part: str) -> Iterator[None]:
+        """Around a backward action (``part``: "full", "input" or a zero-bubble "weight" pass) of stage
+        ``stage_index``: on a rank running several stages, reduce only that stage's buckets ([Note: active
+        buckets] in reducer.py); after a weight pass, take the ``.grad`` it wrote by hand: reduced now under
+        "sharded", added to the local accumulator under "local" (see [Note: pipeline x ZeRO step])."""
+        for fn in list(self._pass_observers.values()):
+            fn("begin", stage_index, chunk_id + 1, part)
+        reducer = self.engine.reducer
+        reducer.active = self._chunk_buckets.get(stage_index)
+        try:
+            yield
+            if part == "weight":
+                self.engine.absorb_manual_grads()
+        finally:
+            reducer.active = None
+        for fn in list(self._pass_observers.values()):
+            fn("end", stage_index, chunk_id + 1, part)
 
     def _on_reduce_grad(self) -> None:
         """End-of-step action of one of this rank's stages; the last one finishes the reduction."""
@@ -339,6 +393,28 @@ class Pipeline:
         return float(total.item())
 
     # ---- whole-model weights ---------------------------------------------------------------------
+    def release_other_stages(self, model: nn.Module) -> int:
+        """Free, in ``model`` (the HF model this pipeline was split from), the parameters and buffers no stage
+        of this rank holds: each becomes an empty tensor of its dtype and device (its whole numel stays known
+        to ``released_numel``). Returns the bytes freed. The model object stays (its config, its class for
+        ``save_pretrained``); whole weights come from ``full_state_dict``, which gathers from the stage owners.
+        """
+        mine = {id(t) for stage in self.stages for t in (*stage.parameters(), *stage.buffers())}
+        freed = 0
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, tensor in table.items():
+                    if tensor is None or id(tensor) in mine or tensor.numel() == 0:
+                        continue
+                    freed += tensor.numel() * tensor.element_size()
+                    if isinstance(tensor, nn.Parameter):
+                        tensor.hfzero_released_numel = tensor.numel()  # See released_numel
+                        tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+                    else:
+                        table[name] = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        logger.info("freed %d bytes of other stages' parameters and buffers in the source model", freed)
+        return freed
+
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The whole model's state dict (CPU copies, HF names, the tied embedding once), assembled from every
         stage: a collective over the world. ``rank0_only``: other ranks get ``{}``."""
@@ -421,6 +497,11 @@ def _stage_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module,
 
 
 _PIPELINES: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Pipeline]" = weakref.WeakKeyDictionary()
+
+def released_numel(param: nn.Parameter) -> int | None:
+    """The whole numel of a parameter another stage owns (freed here by ``release_other_stages``, which tags
+    it), else None."""
+    return getattr(param, "hfzero_released_numel", None)
 
 
 def pipeline_of(optimizer: Any) -> Pipeline | None:

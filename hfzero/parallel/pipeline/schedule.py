@@ -10,6 +10,7 @@ REDUCE_GRAD action). No private torch API is used, so no version pin; tested on 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -67,17 +68,23 @@ def resolve_schedule(name: str) -> ScheduleKind:
 
 
 class ZeroPipelineStage(PipelineStage):
-    """A PipelineStage whose end-of-step action (REDUCE_GRAD) calls ``on_reduce_grad()``, and whose
-    actions and P2P operations are timed and counted by ``clock``.
+    """A PipelineStage whose end-of-step action (REDUCE_GRAD) calls ``on_reduce_grad()``, whose backward
+    and weight passes run inside ``backward_pass(stage_index, chunk_id, part)`` (part: "full", "input" or
+    "weight"), and whose actions and P2P
+    operations are timed and counted by ``clock``.
 
     The driver uses the first to run ZeRO's deferred reduction once the stage's last backward is done,
-    the second for the profiler's bubble and P2P figures (see [Note: measuring the bubble]). Both wrap
+    the second to reduce only this stage's buckets and take a weight pass's hand-written ``.grad``, the
+    third for the profiler's bubble and P2P figures (see [Note: measuring the bubble]). Both wrap
     the public PipelineStage methods the schedules call; the stage computes exactly what torch's does.
     """
 
-    def __init__(self, *args, on_reduce_grad: Callable[[], None], clock: StageClock | None = None, **kwargs):
+    def __init__(self, *args, on_reduce_grad: Callable[[], None], clock: StageClock | None = None,
+                 backward_pass: Callable[[int, int, str], contextlib.AbstractContextManager[None]] | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self._on_reduce_grad = on_reduce_grad
+        self._backward_pass = backward_pass or (lambda stage, chunk, part: contextlib.nullcontext())
         self.clock = clock if clock is not None else StageClock()
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
@@ -91,11 +98,14 @@ class ZeroPipelineStage(PipelineStage):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
-        with self.clock.span("backward", self.stage_index, bwd_chunk_id):
+        full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+        with self.clock.span("backward", self.stage_index, bwd_chunk_id), \
+                self._backward_pass(self.stage_index, bwd_chunk_id, "full" if full else "input"):
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
-        with self.clock.span("backward_weight", self.stage_index, bwd_chunk_id):
+        with self.clock.span("backward_weight", self.stage_index, bwd_chunk_id), \
+                self._backward_pass(self.stage_index, bwd_chunk_id, "weight"):
             return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def get_fwd_send_ops(self, fwd_chunk_id):

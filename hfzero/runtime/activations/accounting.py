@@ -80,8 +80,12 @@ class ActivationAccounting:
         per_layer: layer name -> bytes its forward added in the last recorded forward.
     """
 
-    def __init__(self, model: nn.Module, layers: dict[str, nn.Module] | None = None) -> None:
+    def __init__(self, model: nn.Module, layers: dict[str, nn.Module] | None = None,
+                 entries: list[nn.Module] | None = None) -> None:
         self.model = model
+        self._entries = list(entries) if entries else [model]
+        """Modules whose forwards are measured: ``model``, or its parts when they run on their own (the stages
+        of a pipeline rank running several: their container's forward never runs)."""
         self.saved = LiveBytes()
         self.per_layer: dict[str, int] = {}
         self._layers = _decoder_layers(model) if layers is None else layers
@@ -92,8 +96,9 @@ class ActivationAccounting:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def attach(self) -> "ActivationAccounting":
-        self._handles.append(self.model.register_forward_pre_hook(self._enter, prepend=True))
-        self._handles.append(self.model.register_forward_hook(self._exit, always_call=True))
+        for entry in self._entries:
+            self._handles.append(entry.register_forward_pre_hook(self._enter, prepend=True))
+            self._handles.append(entry.register_forward_hook(self._exit, always_call=True))
         for name, layer in self._layers.items():
             self._handles.append(layer.register_forward_pre_hook(self._layer_begin(name)))
             self._handles.append(layer.register_forward_hook(self._layer_end(name)))
