@@ -45,8 +45,8 @@ STAGE = {"ddp": 0, "fsdp2": 3, "deepspeed1": 1, "deepspeed2": 2, "deepspeed3": 3
          "zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
+def _status(key: str, path: str = "/proc/self/status") -> int:
+    with open(path, encoding="ascii") as f:
         for line in f:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
@@ -134,15 +134,7 @@ def _fits(rows: list[dict], system: str, size: str, world: int) -> tuple[bool, f
     params = VOCAB * hidden + 128 * hidden + layers * 12 * hidden * hidden
     (x0, y0), (x1, y1) = points[-2], points[-1]
     need = world * (y1 + (y1 - y0) / (x1 - x0) * (params - x1))
-    return need < 0.9 * _status_meminfo("MemAvailable"), need
-
-
-def _status_meminfo(key: str) -> int:
-    with open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return need < 0.9 * _status("MemAvailable", "/proc/meminfo"), need
 
 
 def _check(rank: int, world: int, num_params: float) -> dict[str, Any]:
