@@ -44,18 +44,20 @@ def test_unmodified_accelerate_script_trains_with_zero(tmp_path: Path) -> None:
 
 
 def test_zero_stage_auto_picks_the_tables_stage(tmp_path: Path) -> None:
-    """`--zero_stage auto` with a budget where the estimator's table (model states + activations of the
-    loader's batch 2 at the model's 32 positions) fits stage 2 but not 0 or 1."""
+    """`--zero_stage auto` with a budget where the estimator's table (model states + the decoder activation
+    model's figure for the loader's batch 2 at the model's 32 positions) fits stage 2 but not 0 or 1."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from hfzero import estimate as est
-    from hfzero.autostage import resolve_auto_stage
+    from hfzero.autostage import activation_reserve, resolve_auto_stage
     from hfzero.config import ZeroConfig
 
-    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=32, vocab_size=128))
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=32, vocab_size=128,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # as the script's
     psi = sum(p.numel() for p in model.parameters())
-    activations = est.activation_bytes(est.TransformerShape.from_hf_config(model.config), 32, 2, dtype_bytes=4).total
+    activations, source = activation_reserve(model, ZeroConfig(), (2, 32), 4, torch.device("cpu"))
+    assert source == "decoder activation model"
     rows = est.stage_table(psi, 2, 0, activation_bytes=activations, param_bytes=4, grad_bytes=4, optimizer_k=8,
                            persistent_params=psi)
     budget = int(rows[2].total) + 1
