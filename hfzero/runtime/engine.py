@@ -191,7 +191,7 @@ class ZeroEngine:
         pipeline schedule calls after its last micro-batch (``step()`` calls it too)."""
         self.reducer.reduce_pending()
 
-    def absorb_manual_grads(self) -> int:
+    def absorb_manual_grads(self, *, collective: bool = False) -> int:
         """Take ``.grad`` tensors written by hand into the engine's gradient store; returns how many.
 
         The zero-bubble pipeline schedules compute weight gradients outside autograd's accumulation,
@@ -200,13 +200,17 @@ class ZeroEngine:
         local contribution, reduced by the next ``reduce_pending()`` (or step). Under "sharded" they
         are reduced right away into the shard (``reducer.reduce_added``, a collective: every rank of the
         group calls it at the same point), so no full gradient is held across micro-batches.
+        ``collective``: the caller is at such a point for a pass that writes ``.grad`` by hand (a weight
+        pass after the first stage); the reduction then runs even where this rank holds no gradient
+        (zeros), so whether the collective is issued never depends on this rank's data.
         """
         grads = [(slot, param.grad) for param, slot in self.layout.slots.items() if param.grad is not None]
         for slot, _ in grads:
             slot.param.grad = None
-        if not grads:  # e.g. the first stage's weight pass: a full backward, its hooks reduced it
+        sharded = self.reducer.policy == "sharded" and self.reducer.state is not GradState.LOCAL
+        if not grads and not (collective and sharded):  # e.g. the first stage's weight pass: its hooks reduced it
             return 0
-        if self.reducer.policy == "sharded" and self.reducer.state is not GradState.LOCAL:
+        if sharded:
             self.reducer.reduce_added([(slot, local_tensor(grad)) for slot, grad in grads])
         else:
             self.reducer.add_local([(slot, local_tensor(grad)) for slot, grad in grads])

@@ -23,10 +23,10 @@ compute stream has waited on that event (``order_after``: the caching allocator 
 within our own pool), ``record_stream`` keeps the caching allocator from handing the block to a new
 tensor if the reducer drops it (pool trimming, the local accumulator) before the copy is done, and the
 stages 0-1 gradient buffer is written again only after ``drain``. ``drain`` (end of a synchronizing
-backward, or the step's pending reduction) waits for the events in push order and folds each slice
-into ``grad``, the host add of bucket k overlapping the copy of bucket k+1: ADD at stages 2-3 (the
-device slice holds one backward's sum, the host holds the step's), REPLACE at stages 0-1 (the device
-buffer holds the running sum, see [Note: gradient sums]). A bucket reduced twice in one backward
+backward, the step's pending reduction, or a zero-bubble weight pass's ``reduce_added``) waits for
+the events in push order and folds each slice into ``grad``, the host add of bucket k overlapping
+the copy of bucket k+1: ADD at stages 2-3 (the device slice holds one backward's sum, the host holds
+the step's), REPLACE at stages 0-1 (the device buffer holds the running sum, see [Note: gradient sums]). A bucket reduced twice in one backward
 (stage-3 late gradients) drains first, so no staged slice is overwritten before it was folded.
 
 Parameters, host -> device (``upload``): the copy stream waits on the compute stream (backward may
@@ -189,14 +189,16 @@ class HostOffload:
         overrides: dict = {}
         if "capturable" in defaults:
             overrides["capturable"] = False
-        if cls.__module__.startswith("torch.optim") and cls.__name__ in _FUSED_CPU and defaults.get("fused") is not False:
+        if (cls.__module__.startswith("torch.optim") and cls.__name__ in _FUSED_CPU
+                and defaults.get("fused") is not False):
             overrides.update(fused=True, foreach=False)
         elif "foreach" in defaults:
             overrides["foreach"] = True
         return overrides
 
     def pin_states(self, optimizer: torch.optim.Optimizer) -> None:
-        """Move the optimizer's state tensors into pinned memory (CUDA devices; once, when created)."""
+        """Move the optimizer's state tensors into pinned memory (CUDA devices). Called after every step: states
+        the step created are pinned then, states already pinned are left as they are."""
         if not self.pinned:
             return
         for state in optimizer.state.values():

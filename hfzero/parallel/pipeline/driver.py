@@ -126,6 +126,11 @@ class Pipeline:
         # the gradient and parameter traffic the estimator models (the tied-embedding sum included)
         self.pp_comm = self.engine.comm.on_group(self.mesh.pp_group, share_stats=False)
         self.dp_scalars = self.engine.comm.on_group(self.mesh.dp_group, share_stats=False)
+        if is_tied and self.engine.offload is not None and self.engine.device.type == "cuda":
+            # every rank decides alike (model, config and device agree), so all raise together
+            raise ConfigError("hfzero pipeline: offload_optimizer with tied input/output embeddings is not supported "
+                              "on CUDA (the tied-gradient sum would run on host tensors); untie the embeddings "
+                              "(tie_word_embeddings=False) or train without offload_optimizer")
         self.tied_comm = self._tied_pair_comm(is_tied, tied is not None)
         self._schedules: dict[tuple, Any] = {}
         self._n_micro, self._divisor = config.n_microbatches, None
@@ -347,12 +352,12 @@ class Pipeline:
         reducer.active = self._chunk_buckets.get(stage_index)
         try:
             yield
-            if part == "weight":
-                self.engine.absorb_manual_grads()
+            if part == "weight":  # stage 0's weight pass is a full backward (hooks): nothing written by hand
+                self.engine.absorb_manual_grads(collective=stage_index != 0)
         finally:
             reducer.active = None
-        for fn in list(self._pass_observers.values()):
-            fn("end", stage_index, chunk_id + 1, part)
+            for fn in list(self._pass_observers.values()):
+                fn("end", stage_index, chunk_id + 1, part)
 
     def _on_reduce_grad(self) -> None:
         """End-of-step action of one of this rank's stages; the last one finishes the reduction."""

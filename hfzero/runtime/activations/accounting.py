@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from hfzero.roles import MemoryRole
+from hfzero.runtime.tensors import local_tensor
 
 
 class LiveBytes:
@@ -152,19 +153,12 @@ def _unpack(packed: object) -> torch.Tensor:
     return packed.tensor if isinstance(packed, _Saved) else packed  # type: ignore[return-value]
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank's local tensor of a DTensor (tensor-parallel parameters and activations), else itself:
-    its storage is what this rank holds."""
-    local = getattr(tensor, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else tensor
-
-
 def _param_keys(model: nn.Module) -> set[int]:
     return {_storage_key(p) for p in model.parameters()}
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
-    tensor = _local(tensor)
+    tensor = local_tensor(tensor)
     try:
         return tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # tensor subclasses without storage: by identity
@@ -172,7 +166,7 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 
 def _storage_bytes(tensor: torch.Tensor) -> int:
-    tensor = _local(tensor)
+    tensor = local_tensor(tensor)
     try:
         return tensor.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):
