@@ -279,7 +279,8 @@ def test_stage3_state_dict_semantics_and_options():
     # Below stage 3, units only keep each named module's parameters in buckets of their own.
     m = tiny_causal_lm("gpt2")
     m, _ = hfzero.prepare(m, torch.optim.AdamW(m.parameters()), hfzero.ZeroConfig(stage=2), units=["transformer.h.0"])
-    buckets = [{slot.name.startswith("transformer.h.0.") for slot in b.slots} for b in hfzero.get_engine(m).layout.buckets]
+    layout = hfzero.get_engine(m).layout
+    buckets = [{slot.name.startswith("transformer.h.0.") for slot in b.slots} for b in layout.buckets]
     assert all(len(kinds) == 1 for kinds in buckets) and {True} in buckets and {False} in buckets, buckets
     # Custom units: one unit for the whole decoder stack.
     model, _ = _prepared("gpt2", units=["transformer.h"])
