@@ -419,10 +419,6 @@ class ZeroEngine:
         if self._untracked_param_bytes is None:  # parameters outside the layout never change size
             in_layout = set(self.layout.slots)
             self._untracked_param_bytes = sum(_nbytes(p) for p in set(self.model.parameters()) if p not in in_layout)
-        optim = 0
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                optim += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
         host = self.host_memory_by_role()
         roles = {
             MemoryRole.PARAM_FULL: _nbytes(self.param_flat) + self._untracked_param_bytes,
@@ -430,7 +426,7 @@ class ZeroEngine:
             MemoryRole.GRAD_SHARD: _nbytes(self.reducer.grad_shard) + host.get(MemoryRole.GRAD_SHARD, 0),
             MemoryRole.GRAD_ACCUM: self.reducer.accumulator_bytes(),
             MemoryRole.MASTER_SHARD: _nbytes(self.master_flat),
-            MemoryRole.OPTIM_STATE: optim,
+            MemoryRole.OPTIM_STATE: self._optim_state_bytes(),
             MemoryRole.GRAD_BUCKET: self.reducer.staging_bytes() + host.get(MemoryRole.GRAD_BUCKET, 0),
             MemoryRole.GRAD_FP32: _nbytes(self.master_grad_flat) + host.get(MemoryRole.GRAD_FP32, 0),
         }
@@ -442,18 +438,21 @@ class ZeroEngine:
         the held gradient; GRAD_FP32 at stages 0-1, a copy of the device's) and the host staging."""
         if self.offload is None:
             return {}
-        optim = 0
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                optim += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
         grad_role = MemoryRole.GRAD_SHARD if self.stage >= 2 else MemoryRole.GRAD_FP32
         roles = {
             MemoryRole.MASTER_SHARD: _nbytes(self.master_flat),
-            MemoryRole.OPTIM_STATE: optim,
+            MemoryRole.OPTIM_STATE: self._optim_state_bytes(),
             grad_role: self.offload.grad_bytes(),
             MemoryRole.GRAD_BUCKET: self.offload.staging_bytes(),
         }
         return {role: size for role, size in roles.items() if size}
+
+    def _optim_state_bytes(self) -> int:
+        """Bytes of the inner optimizer's state tensors (0 before it exists)."""
+        if self.optimizer is None:
+            return 0
+        return sum(_nbytes(v) for state in self.optimizer.state.values() for v in state.values()
+                   if isinstance(v, torch.Tensor))
 
     def model_state_bytes(self) -> int:
         """Sum of the model-state roles held right now."""
