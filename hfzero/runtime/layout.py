@@ -8,19 +8,36 @@ Trainable parameters of each optimizer param group are laid out in reverse regis
 ``reduce_bucket_size`` elements; a parameter is never split across buckets. Buckets are sorted by
 the backward position at which they become complete, which is also the fixed order in which every
 rank launches their reductions (identical order on all ranks, so an unused parameter on one rank
-delays but never mismatches a collective). Each bucket is padded to a multiple of
+delays but never mismatches a collective). Inside a bucket every parameter starts at a multiple of
+``ALIGN`` elements (see [Note: slot alignment]); each bucket is padded to a multiple of
 ``shard_world * ALIGN`` elements and every rank owns the equal slice
 ``[rank * chunk, (rank + 1) * chunk)`` of it, so a bucket's gradient reduction is one
 reduce-scatter and its parameter update one all-gather, both of constant size. Stage 0 uses
 ``shard_world = 1``: every rank owns every bucket whole. A rank's shard is the concatenation of its
 slices of all buckets (``Bucket.shard_offset``); fp32 master weights, optimizer states and the stage-2
 gradient shard are laid out that way.
+
+[Note: slot alignment]
+Every buffer laid out by this module starts at a 16-byte multiple (torch's allocations are 64-byte
+aligned on the host, 512-byte on CUDA; sub-buffers start at bucket or chunk boundaries, which are
+multiples of ``ALIGN`` elements). Inside a bucket, each parameter's slot starts at a multiple of
+``ALIGN = 8`` elements: 16 bytes in the 16-bit dtypes (the smallest element in any flat buffer:
+bf16/fp16 parameters, gradients and compute copies) and 32 bytes in fp32 (masters, optimizer states,
+fp32 gradients), so every parameter, gradient and master view is 16-byte aligned in every dtype in
+use. 16 bytes is the width of CUDA's vectorized loads (float4, 8 x bf16), the alignment PyTorch's
+vectorized and multi-tensor kernels test before falling back to scalar code; a stronger one (64, 256
+bytes) would cost up to 31 or 127 padding elements per parameter for no kernel we call. Padding sits
+after a parameter's last element, belongs to no parameter, is zero in every buffer (parameters,
+gradients, masters, optimizer states: zero gradients keep element-wise optimizer updates and
+weight decay at zero) and is never saved (checkpoints are keyed by per-parameter ranges,
+checkpoint/ranges.py). Bucket membership counts parameter elements only, so it does not depend on
+the alignment. Layouts written before slots were aligned (``slot_align=1``; optimizer state format 1)
+are rebuilt with ``FlatLayout(..., slot_align=1)`` to read them (runtime/optimizer.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Hashable
 
 import torch
@@ -29,7 +46,13 @@ from torch import nn
 from hfzero.runtime.tensors import local_tensor
 
 ALIGN = 8
-"""Chunk sizes are multiples of this many elements (16-byte aligned slices in 16-bit dtypes)."""
+"""Slot offsets and chunk sizes are multiples of this many elements: 16 bytes in 16-bit dtypes, 32 in
+fp32. See [Note: slot alignment]."""
+
+
+def align_up(numel: int, align: int = ALIGN) -> int:
+    """``numel`` rounded up to a multiple of ``align``."""
+    return -(-numel // align) * align
 
 
 @dataclasses.dataclass(eq=False)
@@ -56,7 +79,7 @@ class Bucket:
     numel: int
     """Elements of real parameters (no padding)."""
     padded: int
-    """Elements including padding: a multiple of shard_world * ALIGN."""
+    """Elements including padding (between parameters and at the end): a multiple of shard_world * ALIGN."""
     chunk: int
     """Elements each rank owns: padded // shard_world."""
     shard_offset: int
@@ -74,14 +97,17 @@ class FlatLayout:
     """
 
     def __init__(self, groups: list[list[tuple[int, str, nn.Parameter]]], bucket_size: int, shard_world: int,
-                 rank: int, unit_of: Callable[[nn.Parameter], Hashable] | None = None):
+                 rank: int, unit_of: Callable[[nn.Parameter], Hashable] | None = None, slot_align: int = ALIGN):
         """``groups[g]`` lists (backward position, name, parameter) of group g, sorted by position.
 
         ``unit_of`` (stage 3) maps a parameter to its gathering unit: a bucket never holds parameters
-        of two units, so a unit's parameters are whole buckets.
+        of two units, so a unit's parameters are whole buckets. ``slot_align``: each parameter starts
+        at a multiple of this many elements inside its bucket; ``ALIGN`` unless rebuilding the layout
+        of a state saved before slots were aligned (1). See [Note: slot alignment].
         """
         self.shard_world = shard_world
         self.rank = rank
+        self.slot_align = slot_align
         drafts: list[tuple[int, int, list[tuple[str, nn.Parameter]]]] = []  # (ready position, group, params)
         for group_index, named in enumerate(groups):
             current: list[tuple[str, nn.Parameter]] = []
@@ -104,22 +130,25 @@ class FlatLayout:
         self.slots: dict[nn.Parameter, ParamSlot] = {}
         offset = shard_offset = 0
         for index, (_, group_index, params) in enumerate(drafts):
-            numel = sum(local_tensor(p).numel() for _, p in params)
-            padded = math.ceil(numel / (shard_world * ALIGN)) * shard_world * ALIGN
-            bucket = Bucket(index, group_index, [], offset, numel, padded, padded // shard_world, shard_offset)
+            bucket = Bucket(index, group_index, [], offset, numel=0, padded=0, chunk=0, shard_offset=shard_offset)
             inner = 0
             for name, param in params:
                 local = local_tensor(param)  # See [Note: tensor-parallel parameters] in parallel/tensor.py
+                inner = align_up(inner, slot_align)  # See [Note: slot alignment]
                 slot = ParamSlot(param, name, index, inner, local.numel(), local.shape)
                 bucket.slots.append(slot)
                 self.slots[param] = slot
                 inner += local.numel()
+                bucket.numel += local.numel()
+            bucket.padded = align_up(inner, shard_world * ALIGN)
+            bucket.chunk = bucket.padded // shard_world
             self.buckets.append(bucket)
-            offset += padded
+            offset += bucket.padded
             shard_offset += bucket.chunk
         self.total_padded = offset
         self.shard_numel = shard_offset
         self.num_params = sum(b.numel for b in self.buckets)
+        """Elements of the trainable parameters; ``total_padded - num_params`` elements are padding."""
 
     def group_buckets(self, group: int) -> list[Bucket]:
         return [b for b in self.buckets if b.group == group]
