@@ -1,10 +1,12 @@
 """Writes tests/data/checkpoint_v1/: checkpoints of the unaligned flat layout (before parameter slots
 were aligned), for tests/test_alignment.py. Kept to show how the fixture was made; it was run once
-with the code of commit 53d7cdb (``PYTHONPATH=<that checkout> python tests/data/make_checkpoint_v1.py``):
+with the code of commit 53d7cdb (``git archive 53d7cdb hfzero | tar -x -C OLD``, this repository's
+hfzero/testing/states.py copied in, ``PYTHONPATH=OLD python tests/data/make_checkpoint_v1.py``):
 running it on the aligned layout would not reproduce an unaligned fixture.
 
 World 2, a tiny GPT-2 with odd sizes (so parameter offsets in the old layout are unaligned), trained
-2 steps with AdamW and saved at stage 2 (fp32) and stage 3 (bf16); next to each checkpoint:
+2 steps with AdamW and saved at stage 2 (fp32) and stage 3 (bf16); next to each checkpoint, and
+alone for stage 0 (bf16, where each rank holds every bucket whole):
 ``expected.safetensors``, the master weights and optimizer states each parameter had when saved
 (read from the engines' memory, not from the checkpoint), and ``optimizer-rank<r>.pt``, each rank's
 ``optimizer.state_dict()`` (state format 1; tensors and plain containers only, read with
@@ -28,7 +30,8 @@ from hfzero.testing.states import held_states, merge_states
 
 OUT = Path(__file__).parent / "checkpoint_v1"
 MODEL = {"hidden": 4, "layers": 1, "vocab": 37, "positions": 9}
-CASES = {"stage2": (2, "fp32"), "stage3": (3, "bf16")}
+CASES = {"stage2": (2, "fp32", True), "stage3": (3, "bf16", True), "stage0": (0, "bf16", False)}
+"""name: (stage, dtype, whether to save a hfzero checkpoint besides the optimizer state dicts)"""
 BUCKET = 60
 STEPS, BATCH, SEQ = 2, 4, 8
 
@@ -43,13 +46,15 @@ def build(stage: int, dtype: str, seed: int = 0, group=None):
 
 
 def _worker(rank: int, world: int) -> None:
-    for name, (stage, dtype) in CASES.items():
+    for name, (stage, dtype, checkpoint) in CASES.items():
         model, opt = build(stage, dtype)
         for batch in token_batches(STEPS, BATCH, SEQ, vocab=MODEL["vocab"]):
             mb = micro_batches(batch, rank, world, 1)[0]
             opt.backward(model(input_ids=mb, labels=mb).loss)
             opt.step()
-        save_checkpoint(OUT / name, model, opt)
+        if checkpoint:
+            save_checkpoint(OUT / name, model, opt)
+        (OUT / name).mkdir(parents=True, exist_ok=True)
         torch.save(opt.state_dict(), OUT / name / f"optimizer-rank{rank}.pt")
         held = [None] * world
         dist.all_gather_object(held, held_states(opt.engine))
