@@ -32,7 +32,7 @@ gradients, masters, optimizer states: zero gradients keep element-wise optimizer
 weight decay at zero) and is never saved (checkpoints are keyed by per-parameter ranges,
 checkpoint/ranges.py). Bucket membership counts parameter elements only, so it does not depend on
 the alignment. Layouts written before slots were aligned (``slot_align=1``; optimizer state format 1)
-are rebuilt with ``FlatLayout(..., slot_align=1)`` to read them (runtime/optimizer.py).
+are rebuilt with ``FlatLayout.realigned(1)`` to read them (runtime/legacy_state.py).
 """
 
 from __future__ import annotations
@@ -108,6 +108,7 @@ class FlatLayout:
         self.shard_world = shard_world
         self.rank = rank
         self.slot_align = slot_align
+        self._inputs = (groups, bucket_size, unit_of)
         drafts: list[tuple[int, int, list[tuple[str, nn.Parameter]]]] = []  # (ready position, group, params)
         for group_index, named in enumerate(groups):
             current: list[tuple[str, nn.Parameter]] = []
@@ -149,6 +150,12 @@ class FlatLayout:
         self.shard_numel = shard_offset
         self.num_params = sum(b.numel for b in self.buckets)
         """Elements of the trainable parameters; ``total_padded - num_params`` elements are padding."""
+
+    def realigned(self, slot_align: int) -> FlatLayout:
+        """The layout of the same parameters, bucket size and ranks with another slot alignment (the
+        same buckets holding the same parameters: membership ignores alignment)."""
+        groups, bucket_size, unit_of = self._inputs
+        return FlatLayout(groups, bucket_size, self.shard_world, self.rank, unit_of, slot_align)
 
     def group_buckets(self, group: int) -> list[Bucket]:
         return [b for b in self.buckets if b.group == group]

@@ -20,10 +20,13 @@ from hfzero.config import ConfigError
 from hfzero.logging import get_logger
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.hostmem import trim_host_heap
+from hfzero.runtime.legacy_state import upgrade_v1
 
 logger = get_logger(__name__)
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2
+"""Version of ``state_dict()``'s layout: 2 since parameter slots are aligned (see [Note: slot alignment]
+in layout.py); format 1 is upgraded on load (runtime/legacy_state.py)."""
 
 # Optimizers whose update of an element depends only on that element's history: they give the same
 # result on a flat shard as on the whole tensor. Others (Adafactor, LAMB, LBFGS, ...) do not.
@@ -148,7 +151,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """This rank's shard: inner optimizer state, fp32 master slice, loss scaler, hyper-parameters.
 
         Loadable by ``load_state_dict`` on the same rank of the same layout (world size, stage,
-        bucket size); use hfzero.checkpoint to move state between layouts.
+        bucket size); use hfzero.checkpoint to move state between layouts. A state of format 1 (written
+        before slots were aligned) is upgraded on load, collectively where the layout shards: every
+        rank of the group must call ``load_state_dict`` together (runtime/legacy_state.py).
         """
         return {
             "hfzero": self._layout_meta(),
@@ -165,11 +170,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ConfigError("hfzero: this optimizer state was not saved by a hfzero ZeroOptimizer "
                               "(no 'hfzero' section); load the model weights and start a fresh optimizer")
         mine = self._layout_meta()
-        diffs = {k: (meta.get(k), v) for k, v in mine.items() if meta.get(k) != v}
+        upgrade = meta.get("format") == 1  # unaligned slots: see runtime/legacy_state.py
+        diffs = {k: (meta.get(k), v) for k, v in mine.items() if meta.get(k) != v and not (upgrade and k == "format")}
         if diffs:
             detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(diffs.items()))
             raise ConfigError(f"hfzero: optimizer state was saved with another layout ({detail}); use "
                               "hfzero.checkpoint.load_checkpoint, which reshards across world sizes and stages")
+        if upgrade:
+            buckets = [b.index for g in range(len(self.inner.param_groups)) for b in self.engine.layout.group_buckets(g)]
+            state_dict = upgrade_v1(self.engine, state_dict, buckets)
         self.engine.wait_host_copies()
         self.inner.load_state_dict(state_dict["inner"])
         if self.engine.master_flat is not None:
