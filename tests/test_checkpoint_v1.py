@@ -11,7 +11,8 @@ per-parameter master weights and optimizer states (and the parameters) with what
 3. both ranks load their format-1 state dicts at the stage, dtype and bucket size they were saved with
    (stage 0: each rank moves its whole buckets; stages 2 and 3: the collective upgrade). In fp32 the
    state dict holds no weights (the master weights are the parameters): the model's come first from
-   the saved masters, as a resuming user restores them with ``model.load_state_dict``.
+   the saved masters, as a resuming user restores them with ``model.load_state_dict``. Ranks loading
+   state dicts that hold different tensors get a ConfigError on every rank (no collective mismatch).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from hfzero import ZeroConfig, prepare
+from hfzero.config import ConfigError
 from hfzero.checkpoint import load_checkpoint
 from hfzero.runtime.stage3 import full_state_dict
 from hfzero.testing import run_distributed
@@ -72,6 +74,12 @@ def _worker(rank: int, world: int) -> list[dict]:
             model.load_state_dict({n: weights[n].view(p.shape) for n, p in model.named_parameters()}, strict=False)
         opt.load_state_dict(state)
         out.append(_report(model, opt, f"statedict-{source}", stage))
+    model, opt = _build(2, "fp32", SAVED_BUCKET)  # ranks whose states differ are refused on every rank, no hang
+    state = torch.load(DATA / "stage2" / f"optimizer-rank{rank}.pt", map_location="cpu", weights_only=True)
+    if rank == 1:
+        del state["inner"]["state"][0]["exp_avg"]
+    with pytest.raises(ConfigError, match="hold different tensors"):
+        opt.load_state_dict(state)
     return out
 
 

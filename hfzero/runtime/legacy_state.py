@@ -11,13 +11,16 @@ each parameter's elements locally. Where it shards, the elements a rank owns now
 another rank's: per bucket and per flat tensor (the fp32 master and each element-wise optimizer
 state), every rank places its old slice in a zeroed old-layout bucket, one all-reduce (a sum with
 zeros: exact) makes the whole old bucket on every rank, and each rank cuts out its new slice.
-That is a collective, launched the same number of times on every rank (the layout is the same on
-all of them), so every rank of the group must call ``load_state_dict``, as resuming does anyway.
+That is a collective, launched the same number of times on every rank: the layout is the same on all
+of them, and one all-gather first checks that every rank's state holds the same state tensors (else
+ConfigError on every rank). So every rank of the group must call ``load_state_dict``, as resuming
+does anyway.
 Transient memory: two fp32 buckets of ``reduce_bucket_size`` elements at a time.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -54,6 +57,11 @@ def _move(engine: ZeroEngine, old: FlatLayout, old_bucket: Bucket, new_bucket: B
     return new[lo:hi].to(flat.device)
 
 
+def _is_flat(value: object, bucket: Bucket) -> bool:
+    """An element-wise state of ``bucket`` (shaped like the rank's old slice), as opposed to a scalar."""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == bucket.chunk
+
+
 def upgrade_v1(engine: ZeroEngine, state_dict: dict[str, Any], buckets_of_index: list[int]) -> dict[str, Any]:
     """``state_dict`` (format 1, this rank's) with its flat tensors moved to the running layout.
 
@@ -63,6 +71,14 @@ def upgrade_v1(engine: ZeroEngine, state_dict: dict[str, Any], buckets_of_index:
     new_buckets = engine.layout.buckets
     out = dict(state_dict)
     master = state_dict.get("master")
+    inner = state_dict["inner"]
+    flat = {index: sorted(k for k, v in inner["state"].get(index, {}).items() if _is_flat(v, old.buckets[b]))
+            for index, b in enumerate(buckets_of_index)}
+    if old.shard_world > 1:  # the all-reduces below follow ``flat`` and ``master``: the same on every rank?
+        mine = json.dumps([None if master is None else master.numel(), flat]).encode()
+        if any(other != mine for other in engine.comm.all_gather_bytes(mine)):
+            raise ConfigError("hfzero: the ranks' optimizer states (format 1) hold different tensors; each rank "
+                              "must load the state dict its own rank saved, all from the same save")
     if master is not None:
         if master.numel() != old.shard_numel:
             raise ConfigError(f"hfzero: this optimizer state (format 1) holds {master.numel()} master elements, "
@@ -70,15 +86,12 @@ def upgrade_v1(engine: ZeroEngine, state_dict: dict[str, Any], buckets_of_index:
         moved = [_move(engine, old, b, n, master[b.shard_offset: b.shard_offset + b.chunk])
                  for b, n in zip(old.buckets, new_buckets)]
         out["master"] = torch.cat(moved) if moved else master
-    inner = state_dict["inner"]
     states = {}
     for index, bucket_index in enumerate(buckets_of_index):
         saved = inner["state"].get(index)
-        if saved is None:  # no step taken yet: every rank has no state for every bucket
+        if saved is None:  # no step taken yet for this bucket
             continue
         was, now = old.buckets[bucket_index], new_buckets[bucket_index]
-        states[index] = {k: _move(engine, old, was, now, v)
-                         if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == was.chunk else v
-                         for k, v in sorted(saved.items())}
+        states[index] = {k: _move(engine, old, was, now, v) if k in flat[index] else v for k, v in saved.items()}
     out["inner"] = {**inner, "state": states}
     return out
