@@ -3,7 +3,7 @@ runtime/layout.py), at stages 0-3, fp32 and bf16, world 1 and 2, on a small BERT
 tiny GPT-2 with sizes chosen so that unpadded slots would fall off 16-byte boundaries; padding stays
 zero through a training step.
 
-Checked by address (``data_ptr() % 16``): parameters as modules see them in forward (stage 3: the
+Checked by address (``data_ptr() % 16``; on CPU, and on one CUDA device with NCCL when there is one): parameters as modules see them in forward (stage 3: the
 gathered unit's views), and each parameter's range in the rank's master weights, optimizer states
 and reduced gradients.
 """
@@ -38,8 +38,8 @@ def _misaligned(tensor: torch.Tensor, start: int) -> bool:
     return (tensor.data_ptr() + start * tensor.element_size()) % 16 != 0
 
 
-def _check(rank: int, world: int, kind: str, stage: int, dtype: str) -> dict[str, object]:
-    model = _model(kind)
+def _check(rank: int, world: int, kind: str, stage: int, dtype: str, device: str) -> dict[str, object]:
+    model = _model(kind).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     config = ZeroConfig(stage=stage, dtype=dtype, reduce_bucket_size=200, param_persistence_threshold=20)
     model, opt = prepare(model, opt, config)
@@ -53,7 +53,7 @@ def _check(rank: int, world: int, kind: str, stage: int, dtype: str) -> dict[str
                 bad.add(f"param {names[p]}")
     hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in model.modules()]
     for batch in token_batches(1, BATCH, SEQ, vocab=VOCAB):
-        mb = micro_batches(batch, rank, world, 1)[0]
+        mb = micro_batches(batch, rank, world, 1)[0].to(device)
         labels = mb if kind == "gpt2" else mb[:, 0] % 3
         opt.backward(model(input_ids=mb, labels=labels).loss)
         for r in held_ranges(engine.layout, engine.rank):
@@ -81,16 +81,26 @@ def _check(rank: int, world: int, kind: str, stage: int, dtype: str) -> dict[str
             "padded": layout.total_padded, "shard_world": layout.shard_world}
 
 
-def _all_cases(rank: int, world: int) -> list[dict[str, object]]:
-    return [_check(rank, world, *case) for case in CASES]
+def _all_cases(rank: int, world: int, device: str) -> list[dict[str, object]]:
+    return [_check(rank, world, *case, device) for case in CASES]
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_parameter_views_are_16_byte_aligned(world):
-    results = run_distributed(_all_cases, world)
+def _assert_aligned(results: list[list[dict[str, object]]]) -> None:
     for rank, per_case in enumerate(results):
         for case, result in zip(CASES, per_case):
             assert result["bad"] == [], f"rank {rank} {case}: {len(result['bad'])} unaligned: {result['bad'][:6]}"
             assert result["padding_nonzero"] == 0, f"rank {rank} {case}: padding elements became non-zero"
             # the padding is small: < ALIGN elements per parameter plus each bucket's tail
             assert result["padded"] - result["params"] < 0.2 * result["params"], (case, result)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_parameter_views_are_16_byte_aligned(world):
+    _assert_aligned(run_distributed(_all_cases, world, "cpu"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA device (NCCL, world 1); the layout's offsets are checked on CPU above")
+def test_parameter_views_are_16_byte_aligned_on_cuda():
+    _assert_aligned(run_distributed(_all_cases, 1, "cuda", backend="nccl", timeout=600))

@@ -107,7 +107,6 @@ class FlatLayout:
         """
         self.shard_world = shard_world
         self.rank = rank
-        self.slot_align = slot_align
         self._inputs = (groups, bucket_size, unit_of)
         drafts: list[tuple[int, int, list[tuple[str, nn.Parameter]]]] = []  # (ready position, group, params)
         for group_index, named in enumerate(groups):
