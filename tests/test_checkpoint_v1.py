@@ -6,7 +6,8 @@ rank's ``optimizer.state_dict()`` (state format 1) at stages 0 (bf16), 2 and 3, 
 and optimizer states every parameter had then (``expected.safetensors``, read from the engines'
 memory). One spawn of 2 ranks loads them into the aligned layout and compares, bit for bit, the
 per-parameter master weights and optimizer states (and the parameters) with what was saved:
-1. each rank alone (world 1) loads a checkpoint: the stage-2 one at stage 3, the stage-3 one at stage 0;
+1. each rank alone (world 1) loads both checkpoints: rank 0 the stage-2 one at stage 3 (bf16) and the
+   stage-3 one at stage 0 (fp32), rank 1 the stage-3 one at stage 3 and the stage-2 one at stage 0;
 2. both ranks (world 2) load the stage-2 checkpoint at stage 3, the stage-3 one at stage 1;
 3. both ranks load their format-1 state dicts at the stage, dtype and bucket size they were saved with
    (stage 0: each rank moves its whole buckets; stages 2 and 3: the collective upgrade). In fp32 the
