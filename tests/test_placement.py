@@ -5,9 +5,12 @@ CUDA host faked by patching what torch reports (no GPU needed)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.run
 
 import hfzero
 from hfzero.comm import Communicator, _default_device
@@ -79,3 +82,54 @@ def test_prepare_checks_placement(world1, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
     with pytest.raises(ConfigError, match=r"model is on cpu but the process group serves cuda:nccl.*gloo for cpu"):
         hfzero.prepare(model, torch.optim.AdamW(model.parameters()), hfzero.ZeroConfig(stage=1))
+
+
+SCRIPT = str(Path(__file__).resolve().parents[1] / "examples" / "train_clm.py")
+
+
+@pytest.fixture
+def one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host with one visible GPU, no CPU run requested, and torchrun never actually started."""
+    from hfzero.integrations import gpus
+
+    monkeypatch.setattr(gpus, "accelerator_count", lambda: 1)
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+
+    def started(*args, **kwargs):
+        raise AssertionError("torchrun started")
+
+    monkeypatch.setattr(torch.distributed.run, "run", started)
+
+
+def test_hfzero_run_refuses_more_ranks_than_gpus(one_gpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hfzero.integrations.launch import launch
+
+    with pytest.raises(ConfigError, match=r"2 ranks on this host.*only 1 .*--nproc_per_node 1.*CUDA_VISIBLE_DEVICES"):
+        launch(["--nproc_per_node", "2", SCRIPT, "--output_dir", "o", "--zero_stage", "2"])
+    with pytest.raises(ConfigError, match="only 1"):
+        launch(["--nproc_per_node", "2", SCRIPT, "--output_dir", "o"])  # plain torchrun through hfzero run too
+    for cpu_run in (["--use_cpu"], ["--use_cpu", "true"], ["--use_cpu=true"]):
+        with pytest.raises(AssertionError, match="torchrun started"):  # a CPU run needs no GPU
+            launch(["--nproc_per_node", "2", SCRIPT, "--output_dir", "o", *cpu_run])
+    with pytest.raises(ConfigError, match="only 1"):
+        launch(["--nproc_per_node", "2", SCRIPT, "--output_dir", "o", "--use_cpu", "false"])
+    with pytest.raises(AssertionError, match="torchrun started"):  # one rank per GPU
+        launch(["--nproc_per_node", "1", SCRIPT, "--output_dir", "o"])
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    with pytest.raises(AssertionError, match="torchrun started"):
+        launch(["--nproc_per_node", "2", SCRIPT, "--output_dir", "o"])
+
+
+def test_trainer_and_accelerator_refuse_more_ranks_than_gpus(one_gpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain torchrun of a Trainer / accelerate script: refused when its arguments or accelerator are built."""
+    from hfzero.integrations.gpus import check_ranks_fit_devices, local_world_size
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert local_world_size() == 2
+    with pytest.raises(ConfigError, match=r"ZeroAccelerator: 2 ranks on this host \(LOCAL_WORLD_SIZE 2\)"):
+        check_ranks_fit_devices(local_world_size(), what="ZeroAccelerator", option="LOCAL_WORLD_SIZE")
+    check_ranks_fit_devices(2, what="ZeroAccelerator", cpu=True)
+    from hfzero.integrations.trainer import ZeroTrainingArguments
+
+    with pytest.raises(ConfigError, match="ZeroTrainingArguments: 2 ranks on this host"):
+        ZeroTrainingArguments(output_dir="o", report_to="none")

@@ -47,6 +47,7 @@ from hfzero.checkpoint.format import TRAINER_SHARD_DIR as SHARD_DIR
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.accelerate import ZeroAccelerator, apply_mixed_precision
 from hfzero.integrations.env import config_strings_from_env, pipeline_strings_from_env, profile_dir_from_env
+from hfzero.integrations.gpus import check_ranks_fit_devices, cpu_requested, local_world_size
 from hfzero.integrations.state import (has_shards, is_partitioned, load_optimizer_shards, model_param_count,
                                       needs_gathered_weights, save_optimizer_shards, scheduler_state_for_stage,
                                       scheduler_state_for_user_groups, unwrap_optimizer)
@@ -121,6 +122,8 @@ def _post_init(self: Any) -> None:
     """
     if not self.use_cpu and not torch.accelerator.is_available() and _env_true("ACCELERATE_USE_CPU"):
         self.use_cpu = True
+    check_ranks_fit_devices(local_world_size(), what="ZeroTrainingArguments", option="LOCAL_WORLD_SIZE",
+                            cpu=self.use_cpu or cpu_requested())  # before the Trainer places each rank
     TrainingArguments.__post_init__(self)
 
 
