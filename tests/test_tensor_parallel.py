@@ -22,14 +22,12 @@ element's bound is 2.8e-7, 16 of 26,912 elements get more than 1e-5 (element 351
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import warnings
 
 import pytest
 import torch
 
-from hfzero.testing.parity import AdamRoundingBound, scalar_bound
+from hfzero.testing.parity import ParityReference, flat, float64_reference
 from hfzero.testing.spawn import run_distributed
 
 STEPS, BATCH, SEQ, TP, DP, CLIP = 10, 4, 8, 2, 2, 0.5
@@ -44,19 +42,6 @@ CASES = {  # name: (stage, checkpointing, partition_activations, cpu_checkpointi
     "s3_pa": (3, True, True, False),
     "s3_pa_cpu": (3, True, True, True),
 }
-
-
-@dataclasses.dataclass
-class Reference:
-    """The float64 run's per-step losses and gradient norms, their fp32 bounds, its final parameters and the
-    per-parameter bound (``AdamRoundingBound``)."""
-
-    losses: list[float]
-    norms: list[float]
-    loss_bounds: list[float]
-    norm_bounds: list[float]
-    params: torch.Tensor
-    bound: AdamRoundingBound
 
 
 def _llama(**overrides) -> torch.nn.Module:
@@ -76,43 +61,9 @@ def _batches() -> list[torch.Tensor]:
     return [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def _flat(model: torch.nn.Module, attr: str | None = None) -> torch.Tensor:
-    return torch.cat([(getattr(p, attr) if attr else p).detach().reshape(-1) for p in model.parameters()])
-
-
-def _step_gradients(model: torch.nn.Module, ids: torch.Tensor, params: torch.Tensor | None = None) -> tuple:
-    """(loss, clipped norm, clipped flat gradient) of ``model`` on the whole batch, at ``params`` if given."""
-    if params is not None:
-        with torch.no_grad():
-            torch.nn.utils.vector_to_parameters(params.to(next(model.parameters()).dtype), model.parameters())
-    model.zero_grad()
-    loss = model(input_ids=ids, labels=ids).loss  # the mean over the batch = the mean of the dp halves' means
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-    return loss.item(), norm.item(), _flat(model, "grad")
-
-
-def _reference() -> Reference:
+def _reference() -> ParityReference:
     """The float64 run and the rounding bounds of any fp32 run of it; see [Note: parity against float64]."""
-    model = _llama().double()
-    probe, shifted = copy.deepcopy(model).float(), copy.deepcopy(model)  # fp32 at the reference's parameters; float64
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    bound = AdamRoundingBound(sum(p.numel() for p in model.parameters()), LR)
-    signs = torch.Generator().manual_seed(0)
-    ref = Reference([], [], [], [], torch.empty(0), bound)
-    for ids in _batches():
-        params = _flat(model).clone()
-        loss, norm, grad = _step_gradients(model, ids)
-        loss32, norm32, grad32 = _step_gradients(probe, ids, params)
-        loss_shifted, norm_shifted, grad_shifted = _step_gradients(shifted, ids, params + bound.shift(signs))
-        bound.observe(grad, grad32, params, grad_shifted)
-        optimizer.step()
-        ref.losses.append(loss)
-        ref.norms.append(norm)
-        ref.loss_bounds.append(scalar_bound(loss, loss32, loss_shifted))
-        ref.norm_bounds.append(scalar_bound(norm, norm32, norm_shifted))
-    ref.params = _flat(model)
-    return ref
+    return float64_reference(_llama(), lambda model: torch.optim.AdamW(model.parameters(), lr=LR), _batches(), CLIP)
 
 
 def _fp32_run(lr: float = LR, reduce_dp: bool = True) -> tuple[list[float], list[float], torch.Tensor]:
@@ -132,14 +83,12 @@ def _fp32_run(lr: float = LR, reduce_dp: bool = True) -> tuple[list[float], list
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)
-    return losses, norms, _flat(model)
+    return losses, norms, flat(model)
 
 
-def _assert_matches(ref: Reference, losses: list[float], norms: list[float], params: torch.Tensor) -> None:
-    for step, (got, want, tol) in enumerate(zip(losses, ref.losses, ref.loss_bounds)):
-        assert abs(got - want) <= tol, f"step {step}: loss {got} vs float64 {want}, bound {tol:.3g}"
-    for step, (got, want, tol) in enumerate(zip(norms, ref.norms, ref.norm_bounds)):
-        assert abs(got - want) <= tol, f"step {step}: gradient norm {got} vs float64 {want}, bound {tol:.3g}"
+def _assert_matches(ref: ParityReference, losses: list[float], norms: list[float], params: torch.Tensor) -> None:
+    ref.check_losses(losses)
+    ref.check_norms(norms)
     ref.bound.check(params, ref.params)
 
 
@@ -185,7 +134,7 @@ def _worker(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results() -> tuple[list[dict], Reference]:
+def results() -> tuple[list[dict], ParityReference]:
     return run_distributed(_worker, 4, timeout=600), _reference()
 
 

@@ -26,7 +26,10 @@ whose gradients are well above rounding level get bounds of ~1e-7; the few at ro
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+from torch import nn
 
 U32 = 2.0 ** -24
 """fp32 unit roundoff."""
@@ -54,10 +57,12 @@ class AdamRoundingBound:
         return self.bound * signs
 
     def observe(self, grad64: torch.Tensor, grad32: torch.Tensor, params: torch.Tensor,
-                shifted64: torch.Tensor | None = None) -> None:
+                shifted64: torch.Tensor | None = None, lr: float | None = None) -> None:
         """One optimizer step: the reference's (clipped) gradient, the fp32 gradient at the same parameters,
         the parameters before the step and (``shifted64``) the reference's gradient at ``params + shift()``,
-        each flat over the model's elements."""
+        each flat over the model's elements; ``lr``: this step's learning rate (a schedule's), default the
+        constructor's."""
+        lr = self.lr if lr is None else lr
         beta1, beta2 = self.betas
         self.steps += 1
         sigma = self.k * (grad32.double() - grad64).abs()
@@ -66,8 +71,8 @@ class AdamRoundingBound:
         self.v.mul_(beta2).add_((1 - beta2) * grad64.square())
         self.dm.mul_(beta1).add_((1 - beta1) * sigma)
         v_hat = self.v / (1 - beta2 ** self.steps)
-        update = self.lr * self.dm / ((1 - beta1 ** self.steps) * (v_hat.sqrt() + self.eps))
-        cap = 2 * self.lr * max_update_ratio(self.steps, self.betas)
+        update = lr * self.dm / ((1 - beta1 ** self.steps) * (v_hat.sqrt() + self.eps))
+        cap = 2 * lr * max_update_ratio(self.steps, self.betas)
         self.bound.add_(update.clamp(max=cap)).add_(3 * U32 * params.double().abs())
 
     def check(self, got: torch.Tensor, reference: torch.Tensor, what: str = "parameters") -> None:
@@ -97,3 +102,99 @@ def scalar_bound(value64: float, value32: float, shifted64: float | None = None,
     if shifted64 is not None:
         bound += k_feedback * abs(shifted64 - value64)
     return bound
+
+
+def flat(model: nn.Module, attr: str | None = None) -> torch.Tensor:
+    """The model's parameters (``attr="grad"``: their gradients) as one flat tensor, in parameters() order."""
+    return torch.cat([(getattr(p, attr) if attr else p).detach().reshape(-1) for p in model.parameters()])
+
+
+def step_gradients(model: nn.Module, ids: torch.Tensor, clip: float | None,
+                   params: torch.Tensor | None = None) -> tuple[float, float, torch.Tensor]:
+    """(loss, gradient norm, flat gradient clipped to ``clip``) of a causal LM on ``ids``, at ``params``
+    (flat, loaded first) if given."""
+    if params is not None:
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(params.to(next(model.parameters()).dtype), model.parameters())
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip is not None else float("inf"))
+    return loss.item(), norm.item(), flat(model, "grad")
+
+
+@dataclasses.dataclass
+class ParityReference:
+    """A float64 run's per-step losses and gradient norms with their fp32 bounds, its final parameters (flat
+    and by name) and the per-parameter bound."""
+
+    losses: list[float]
+    norms: list[float]
+    loss_bounds: list[float]
+    norm_bounds: list[float]
+    params: torch.Tensor
+    bound: AdamRoundingBound
+    names: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
+    """(name, start, end) of each parameter in the flat tensors."""
+
+    def param(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float64 value, bound) of parameter ``name``, in its shape."""
+        for n, start, end in self.names:
+            if n == name:
+                return self.params[start:end], self.bound.bound[start:end]
+        raise KeyError(name)
+
+    def check_losses(self, losses: list[float], what: str = "loss") -> None:
+        for step, (got, want, tol) in enumerate(zip(losses, self.losses, self.loss_bounds, strict=True)):
+            assert abs(got - want) <= tol, f"step {step}: {what} {got} vs float64 {want}, bound {tol:.3g}"
+
+    def check_norms(self, norms: list[float]) -> None:
+        for step, (got, want, tol) in enumerate(zip(norms, self.norms, self.norm_bounds, strict=True)):
+            assert abs(got - want) <= tol, f"step {step}: gradient norm {got} vs float64 {want}, bound {tol:.3g}"
+
+    def check_params(self, params: dict[str, torch.Tensor], what: str = "") -> None:
+        """Each named parameter within its bound of the float64 value."""
+        for name, start, end in self.names:
+            got = params[name].reshape(-1).double()
+            excess = (got - self.params[start:end]).abs() - self.bound.bound[start:end]
+            worst = int(excess.argmax())
+            assert excess[worst] <= 0, (
+                f"{what}{name}[{worst}] is {float((got[worst] - self.params[start + worst]).abs()):.3g} from the "
+                f"float64 reference, over its rounding bound {float(self.bound.bound[start + worst]):.3g} "
+                f"({int((excess > 0).sum())} element(s) over)")
+
+
+def float64_reference(model: nn.Module, optimizer_factory, batches: list[torch.Tensor], clip: float | None,
+                      scheduler_factory=None, seed: int = 0) -> ParityReference:
+    """Train ``model`` (fp32 weights, cast to float64 here) on the whole ``batches`` with the optimizer
+    ``optimizer_factory(model)`` (AdamW with default betas and eps; ``scheduler_factory(optimizer)`` an LR
+    schedule), and bound any fp32 run of the same training; see [Note: Adam rounding bound]."""
+    import copy
+
+    model = model.double()
+    probe, shifted = copy.deepcopy(model).float(), copy.deepcopy(model)
+    optimizer = optimizer_factory(model)
+    scheduler = scheduler_factory(optimizer) if scheduler_factory is not None else None
+    lr = optimizer.param_groups[0]["lr"]
+    bound = AdamRoundingBound(sum(p.numel() for p in model.parameters()), lr)
+    names, start = [], 0
+    for name, p in model.named_parameters():
+        names.append((name, start, start + p.numel()))
+        start += p.numel()
+    signs = torch.Generator().manual_seed(seed)
+    ref = ParityReference([], [], [], [], torch.empty(0), bound, names)
+    for ids in batches:
+        params = flat(model).clone()
+        loss, norm, grad = step_gradients(model, ids, clip)
+        loss32, norm32, grad32 = step_gradients(probe, ids, clip, params)
+        loss_shifted, norm_shifted, grad_shifted = step_gradients(shifted, ids, clip, params + bound.shift(signs))
+        bound.observe(grad, grad32, params, grad_shifted, lr=optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        ref.losses.append(loss)
+        ref.norms.append(norm)
+        ref.loss_bounds.append(scalar_bound(loss, loss32, loss_shifted))
+        ref.norm_bounds.append(scalar_bound(norm, norm32, norm_shifted))
+    ref.params = flat(model)
+    return ref
