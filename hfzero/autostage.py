@@ -1,7 +1,8 @@
 """``--zero_stage auto``: pick the lowest ZeRO stage whose per-rank memory fits, once the model is known.
 
 ``resolve_auto_stage(config, model, optimizer, ...)`` measures the budget (``memory_budget_bytes``, else
-free CUDA memory, or on a CPU the available RAM divided by the ranks on the host, less
+free CUDA memory, or on a CPU the available RAM divided by the ranks on the host, plus the bytes of the
+model's parameters already loaded there, the minimum over the ranks (one all_reduce), less
 ``DEFAULT_HEADROOM``), builds the estimator's table for this model (``hfzero.estimate.stage_table``:
 model states with frozen and persistent parameters, the accumulation policy's buffer, the activation
 bytes reserved for the batch: the decoder activation model's device peak for a transformers model,
@@ -27,14 +28,46 @@ from hfzero.logging import get_logger
 logger = get_logger(__name__)
 
 
-def device_budget_bytes(device: torch.device, ranks_per_host: int) -> float:
-    """Bytes one rank may use, before headroom: free CUDA memory, or available RAM / ranks per host."""
+def free_bytes(device: torch.device, ranks_per_host: int) -> float:
+    """Memory this rank may still take, as it measures it: free CUDA memory, or available RAM / ranks per
+    host. The model already loaded is not free (see ``device_budget_bytes``)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return float(free)
     import psutil
 
     return psutil.virtual_memory().available / max(1, ranks_per_host)
+
+
+def resident_bytes(model: nn.Module, device: torch.device) -> int:
+    """Bytes of ``model``'s parameters already on ``device`` (tied ones once)."""
+    params = dict.fromkeys(p for p in model.parameters() if p.device == device)
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def device_budget_bytes(device: torch.device, ranks_per_host: int, resident: int = 0) -> float:
+    """Bytes one rank may use for its model states and activations, before headroom: the free memory it
+    measures plus the ``resident`` bytes of the model's parameters already loaded there. The stage table
+    counts those parameters among the model states (and ZeRO replaces them by its own buffers), so leaving
+    them out of the free memory would count them twice."""
+    return free_bytes(device, ranks_per_host) + resident
+
+
+def agreed_budget(budget: float) -> float:
+    """The smallest ``budget`` over the ranks (each measures its own free memory, and they can disagree), so
+    every rank picks the same stage. Collective over the world group when torch.distributed is initialized:
+    one all_reduce(MIN), on every rank at the same point (resolve_auto_stage's measuring branch, which
+    depends on the config only)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return budget
+    from hfzero.comm import Communicator
+
+    comm = Communicator()  # See [Note: collective device] in hfzero/devices.py
+    value = torch.tensor([budget], dtype=torch.float64, device=comm.device)
+    comm.all_reduce(value, op=dist.ReduceOp.MIN)
+    return float(value.item())
 
 
 def activation_reserve(model: nn.Module, config: ZeroConfig, batch: tuple[int, int] | None, dtype_bytes: int,
@@ -78,7 +111,8 @@ def resolve_auto_stage(config: ZeroConfig, model: nn.Module, optimizer: torch.op
 
     ``batch``: (micro-batch size, sequence length) per rank for the activation estimate (None: no
     activations counted). ``accumulation_steps`` > 1 counts the "local" accumulation buffer where the
-    policy keeps one (``ZeroConfig.accumulation`` when present, else "auto").
+    policy keeps one (``ZeroConfig.accumulation`` when present, else "auto"). Collective when the budget
+    is measured (no ``memory_budget_bytes``): every rank calls it, as the integrations do (``agreed_budget``).
     """
     if config.stage != STAGE_AUTO:
         return config
@@ -95,8 +129,10 @@ def resolve_auto_stage(config: ZeroConfig, model: nn.Module, optimizer: torch.op
     if config.memory_budget_bytes:
         budget, source = float(config.memory_budget_bytes), "memory_budget_bytes"
     else:
-        budget = (1 - est.DEFAULT_HEADROOM) * device_budget_bytes(device, ranks)
-        source = f"{device.type} memory of {ranks} rank(s) per host, less {est.DEFAULT_HEADROOM:.0%} headroom"
+        measured = device_budget_bytes(device, ranks, resident_bytes(model, device))
+        budget = (1 - est.DEFAULT_HEADROOM) * agreed_budget(measured)
+        source = (f"{device.type} memory of {ranks} rank(s) per host with the loaded parameters added back, the "
+                  f"smallest over the ranks, less {est.DEFAULT_HEADROOM:.0%} headroom")
     activations, activation_source = activation_reserve(model, config, batch, p_bytes, device)
     rows = est.stage_table(trainable, world_size, budget, activation_bytes=activations,
                            accumulation=getattr(config, "accumulation", "auto"), accumulation_steps=accumulation_steps,

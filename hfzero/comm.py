@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from hfzero import gloo_exit
+from hfzero.devices import collective_device
 from hfzero.logging import get_logger
 
 logger = get_logger(__name__)
@@ -33,12 +34,10 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER_VIA_ALL_REDUCE = {"gloo": True, "nccl": False}
 
 
-def _default_device(backend: str) -> torch.device:
-    """The device a backend's collectives operate on: the current accelerator for NCCL-like backends."""
-    device_type = {"nccl": "cuda", "xccl": "xpu"}.get(backend.split(":")[0], "cpu")
-    if device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(device_type, torch.accelerator.current_device_index())
+def _default_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device ``group``'s collectives operate on, asked of the group's backend table (not its name,
+    which is "undefined" for ``init_process_group()``); see [Note: collective device] in devices.py."""
+    return collective_device(group)
 
 
 @dataclasses.dataclass
@@ -96,7 +95,8 @@ class Communicator:
         else:
             via_ar = reduce_scatter_impl == "all_reduce"
         self.reduce_scatter_via_all_reduce = via_ar
-        self.device = device if device is not None else _default_device(self.backend)
+        self.device = device if device is not None else (
+            _default_device(group) if self.distributed else torch.device("cpu"))
         """Where scratch tensors for metadata collectives live (NCCL needs them on the GPU)."""
         self._stats: dict[str, CommStats] = {}
 

@@ -60,7 +60,8 @@ def _reference() -> list[float]:
 def _accelerate_run(rank: int, world: int, stage: int, policy: str) -> dict:
     from hfzero.integrations.accelerate import ZeroAccelerator
 
-    accelerator = ZeroAccelerator(zero_config=_config(stage, policy), gradient_accumulation_steps=ACCUM)
+    accelerator = ZeroAccelerator(zero_config=_config(stage, policy), gradient_accumulation_steps=ACCUM,
+                                  cpu=True)  # CPU models on gloo, also on a GPU host
     model = tiny_causal_lm("gpt2")
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(param_groups(model), lr=1e-3))
     engine = hfzero.get_engine(model)
@@ -90,7 +91,7 @@ def _fp16_scheduler_run(rank: int, world: int) -> dict:
     """fp16 with an overflow injected on rank 1 at step 1: the scheduler stays at its step on every rank."""
     from hfzero.integrations.accelerate import ZeroAccelerator
 
-    accelerator = ZeroAccelerator(zero_config=hfzero.ZeroConfig(stage=2), mixed_precision="fp16")
+    accelerator = ZeroAccelerator(zero_config=hfzero.ZeroConfig(stage=2), mixed_precision="fp16", cpu=True)
     model = tiny_causal_lm("gpt2")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))

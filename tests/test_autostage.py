@@ -112,3 +112,34 @@ def test_auto_in_config_and_prepare() -> None:
     model = tiny_causal_lm("gpt2", layers=1)
     with pytest.raises(ConfigError, match="must be resolved first"):
         hfzero.prepare(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage="auto"))
+
+
+FREE = {0: 10**9, 1: None}  # rank 1's free memory is set in the worker: only the resident bytes make it fit
+
+
+def _auto_worker(rank: int, world: int) -> dict:
+    from hfzero import autostage
+
+    model = tiny_causal_lm("gpt2", layers=2)
+    resident = autostage.resident_bytes(model, torch.device("cpu"))
+    fits_stage1 = BUDGET / (1 - est.DEFAULT_HEADROOM)  # the measured bytes that leave BUDGET after headroom
+    free = {0: FREE[0], 1: fits_stage1 - resident}[rank]
+    autostage.free_bytes = lambda device, ranks: free  # this rank's probe: ranks measure different figures
+    config = ZeroConfig(stage="auto", param_persistence_threshold=0)
+    picked = resolve_auto_stage(config, model, torch.optim.AdamW(model.parameters()), world_size=world).stage
+    alone = autostage.device_budget_bytes(torch.device("cpu"), 1, resident)
+    return {"stage": picked, "resident": resident, "alone": alone}
+
+
+def test_measured_budget_adds_resident_parameters_and_takes_the_min_over_ranks() -> None:
+    """Rank 0 measures 1 GB free (stage 0 alone), rank 1 just what stage 1 needs once its loaded parameters
+    (resident, counted by the table as model states) are added back; both pick stage 1."""
+    from hfzero.testing.spawn import run_distributed
+
+    ranks = run_distributed(_auto_worker, 2)
+    psi = sum(p.numel() for p in set(tiny_causal_lm("gpt2", layers=2).parameters()))
+    assert ranks[0]["resident"] == 4 * psi  # fp32 parameters, the tied embedding once
+    rows = est.stage_table(psi, 2, BUDGET, param_bytes=4, grad_bytes=4, optimizer_k=8)
+    assert est.pick_stage(rows, BUDGET) == 1
+    assert [r["stage"] for r in ranks] == [1, 1]
+    assert ranks[0]["alone"] == FREE[0] + ranks[0]["resident"]

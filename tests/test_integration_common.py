@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CLM = str(ROOT / "examples" / "train_clm.py")
@@ -45,11 +44,10 @@ def launch(cmd: list[str], env: dict[str, str] | None = None) -> str:
 
 
 def launch_env() -> dict[str, str]:
-    """The environment for launched workers: one thread each, and a CPU run on a host without an accelerator."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if not torch.accelerator.is_available():
-        env["ACCELERATE_USE_CPU"] = "true"
-    return env
+    """The environment for launched workers: one thread each, and a CPU run with any GPU hidden, so these
+    multi-rank CPU launches pass on a host with fewer GPUs than ranks too (`hfzero run` refuses more ranks
+    than visible GPUs for a GPU run; see hfzero/integrations/gpus.py)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "true"}
 
 
 def _torchrun_options(nproc: int) -> list[str]:

@@ -47,6 +47,7 @@ from torch import nn
 from hfzero.autostage import auto_batch_from, default_seq_len, resolve_auto_stage
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.env import config_from_env
+from hfzero.integrations.gpus import check_ranks_fit_devices, cpu_requested, local_world_size
 from hfzero.integrations.state import (load_optimizer_shards, needs_gathered_weights,
                                       save_optimizer_shards, unwrap_optimizer)
 from hfzero.logging import get_logger
@@ -146,6 +147,8 @@ class ZeroAccelerator(Accelerator):
         self.zero_config: ZeroConfig = apply_mixed_precision(config, mixed)
         if kwargs.get("cpu") is None and not torch.accelerator.is_available() and _world_size_env() > 1:
             kwargs["cpu"] = True  # without it accelerate runs torchrun workers on CPU as separate single processes
+        check_ranks_fit_devices(local_world_size(), what="ZeroAccelerator", option="LOCAL_WORLD_SIZE",
+                                cpu=bool(kwargs.get("cpu")) or cpu_requested())
         super().__init__(*args, mixed_precision="no", **kwargs)
         if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP,
                                      DistributedType.MEGATRON_LM) or getattr(self, "is_fsdp2", False):

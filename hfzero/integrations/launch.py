@@ -192,13 +192,15 @@ def _check_tp_size(options: Mapping[str, str], args: argparse.Namespace) -> None
 
 def launch(argv: Sequence[str]) -> int:
     """Validate, export ``HFZERO_*`` and run ``torch.distributed.run``; return its exit code."""
-    import torch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
+    from hfzero.integrations.gpus import accelerator_count
+
     launch_plan = plan(argv)
+    _check_devices(launch_plan.torchrun_args)  # before anything starts: one rank per GPU
     os.environ.update(launch_plan.env)  # the environment's HFZERO_* with the flags applied over them
-    if not torch.accelerator.is_available():
+    if accelerator_count() == 0:
         # transformers/accelerate treat a torchrun worker on a host without an accelerator as a
         # single process unless told it is a CPU run: each rank would train alone on all the data.
         # With ACCELERATE_USE_CPU they form a gloo data-parallel group.
@@ -214,6 +216,27 @@ def launch(argv: Sequence[str]) -> int:
         logger.error("a worker failed: %s", error.get_first_failure()[1].message)
         return 1
     return 0
+
+
+def _check_devices(args: argparse.Namespace) -> None:
+    """Refuse more ranks per host than visible GPUs unless the run is a CPU run (see integrations/gpus.py)."""
+    from hfzero.integrations.gpus import check_ranks_fit_devices, cpu_requested
+
+    nproc = str(args.nproc_per_node)
+    if nproc.isdigit():
+        cpu = cpu_requested() or _flag_true(list(args.training_script_args), "--use_cpu")
+        check_ranks_fit_devices(int(nproc), what="hfzero run", cpu=cpu)
+
+
+def _flag_true(script_args: list[str], flag: str) -> bool:
+    """The script's boolean ``flag`` is given and true (``--use_cpu``, ``--use_cpu true``, ``--use_cpu=true``)."""
+    for index, token in enumerate(script_args):
+        if token == flag:
+            following = script_args[index + 1] if index + 1 < len(script_args) else ""
+            return following.startswith("-") or following.lower() not in ("false", "0", "no", "n", "off")
+        if token.startswith(flag + "="):
+            return token.split("=", 1)[1].lower() not in ("false", "0", "no", "n", "off")
+    return False
 
 
 def _not_applied_message(options: dict[str, str]) -> str:

@@ -47,11 +47,14 @@ from hfzero.checkpoint.format import TRAINER_SHARD_DIR as SHARD_DIR
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.accelerate import ZeroAccelerator, apply_mixed_precision
 from hfzero.integrations.env import config_strings_from_env, pipeline_strings_from_env, profile_dir_from_env
+from hfzero.integrations.gpus import check_ranks_fit_devices, cpu_requested, local_world_size
 from hfzero.integrations.state import (has_shards, is_partitioned, load_optimizer_shards, model_param_count,
                                       needs_gathered_weights, save_optimizer_shards, scheduler_state_for_stage,
                                       scheduler_state_for_user_groups, unwrap_optimizer)
 from hfzero.logging import get_logger
 from hfzero.parallel.pipeline import PipelineConfig
+from hfzero.parallel.pipeline.microbatches import check_explicit, default_microbatches
+from hfzero.parallel.pipeline.schedule import resolve_schedule
 from hfzero.runtime.stage3 import full_state_dict
 
 logger = get_logger(__name__)
@@ -85,7 +88,8 @@ _PIPELINE_HELP = {
     "pp_size": "pipeline stages; > 1 trains with hfzero.pipeline (the data-parallel size is world / pp_size, and "
                "--per_device_train_batch_size is per data-parallel replica).",
     "schedule": "GPipe, 1F1B (default), Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV.",
-    "n_microbatches": "micro-batches per step; default --gradient_accumulation_steps (the accumulated batches).",
+    "n_microbatches": "micro-batches per step; default --gradient_accumulation_steps (the accumulated batches), "
+                      "each batch split further when they are fewer than the schedule's stages.",
     "layers_per_stage": "decoder blocks per stage, e.g. 3,5 (default: balanced by parameter count).",
     "stage3_gather": "ZeRO-3: step (gather once per step, default) or micro (per micro-batch).",
     "stage3_cross_prefetch": "ZeRO-3 with micro gathering: true (default) prefetches the next pass's first unit "
@@ -118,6 +122,8 @@ def _post_init(self: Any) -> None:
     """
     if not self.use_cpu and not torch.accelerator.is_available() and _env_true("ACCELERATE_USE_CPU"):
         self.use_cpu = True
+    check_ranks_fit_devices(local_world_size(), what="ZeroTrainingArguments", option="LOCAL_WORLD_SIZE",
+                            cpu=self.use_cpu or cpu_requested())  # before the Trainer places each rank
     TrainingArguments.__post_init__(self)
 
 
@@ -274,12 +280,31 @@ class ZeroTrainer(Trainer):
         self.pipeline_config = resolve_pipeline_config(self.args)
         self._pipeline_micro_explicit = bool(self.pipeline_config) and "pp_n_microbatches" in {
             **pipeline_strings_from_env(), **getattr(self.args, "zero_pipeline_strings", dict)()}
+        if self.pipeline_config is not None:
+            self.pipeline_config = self._check_microbatches(self.pipeline_config)
         self._pending: list[dict[str, Any]] = []
         factory = functools.partial(ZeroAccelerator, zero_config=self.zero_config,
                                     pipeline_config=self.pipeline_config)
         with _in_trainer_module("Accelerator", factory):
             super().create_accelerator_and_postprocess()
         logger.info("ZeroTrainer: ZeRO stage %s, dtype %s", self.zero_config.stage, self.zero_config.dtype)
+
+    def _check_microbatches(self, config: PipelineConfig) -> PipelineConfig:
+        """Before the model is prepared: the step's micro-batches can feed the schedule's stages (an explicit
+        ``--zero_pp_n_microbatches``, else the accumulated batches split as ``default_microbatches`` does).
+        Returns ``config`` with that count (evaluation splits its batches by it too)."""
+        kind = resolve_schedule(config.schedule)
+        if self._pipeline_micro_explicit:
+            check_explicit(config.n_microbatches, kind, config.pp_size)
+            return config
+        accumulated = int(self.args.gradient_accumulation_steps)
+        n_micro = default_microbatches(self.args.per_device_train_batch_size * accumulated, accumulated, kind,
+                                       config.pp_size)
+        if n_micro != accumulated:
+            logger.info("ZeroTrainer: %d stage(s) need %d micro-batches per step; each step's batch of %d row(s) "
+                        "is split into %d (the global batch is unchanged)", config.pp_size * kind.stages_per_rank,
+                        n_micro, self.args.per_device_train_batch_size * accumulated, n_micro)
+        return dataclasses.replace(config, n_microbatches=n_micro)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's training; its "Number of trainable parameters" counts partitioned parameters whole."""
@@ -329,7 +354,9 @@ class ZeroTrainer(Trainer):
         if not self.accelerator.sync_gradients:
             return torch.zeros((), device=self.args.device)
         ids, labels = _pipeline_batch(self._pending)
-        n_micro = self.pipeline_config.n_microbatches if self._pipeline_micro_explicit else len(self._pending)
+        n_micro = self.pipeline_config.n_microbatches if self._pipeline_micro_explicit else default_microbatches(
+            ids.shape[0], len(self._pending), resolve_schedule(self.pipeline_config.schedule),
+            self.pipeline_config.pp_size)  # the accumulated batches, split further when fewer than the stages
         self._pending = []
         divisor = self._token_divisor(labels) if num_items_in_batch is not None else None
         loss = pipe.forward_backward(ids, labels, n_microbatches=n_micro, token_divisor=divisor)

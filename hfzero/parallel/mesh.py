@@ -64,7 +64,7 @@ def initialized_world_size(what: str) -> int:
 def world_mesh(sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     """A device mesh of ``sizes`` (dims ``names``) over the whole world, on the backend's device type
     (collective: every rank calls it, in the same order)."""
-    device_type = _default_device(str(dist.get_backend())).type
+    device_type = _default_device().type  # See [Note: collective device]
     return init_device_mesh(device_type, sizes, mesh_dim_names=names)
 
 

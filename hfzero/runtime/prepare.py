@@ -19,6 +19,7 @@ from hfzero.runtime.activations.checkpoint import CheckpointPolicy, enable_check
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.hostmem import configure_host_allocator
 from hfzero.runtime.optimizer import ZeroOptimizer
+from hfzero.runtime.placement import check_placement
 from hfzero.runtime.stage3 import Stage3Engine
 from hfzero.runtime.stage3.weights import WeightSource, materialize_meta_params
 
@@ -85,6 +86,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
                           "hfzero.parallel.tensor.prepare_tensor_parallel(model, optimizer, config)")
     groups = _optimizer_groups(model, optimizer)
     device = _single_device(groups) if weights is None else _meta_device(groups, weights.device)
+    check_placement(device, process_group)  # before any collective: a clear error, not an NCCL one
     if config.mixed_precision:
         model.to(config.torch_dtype)
     if weights is not None:  # trainable and frozen parameters left on meta get their shard from ``weights``

@@ -1,0 +1,200 @@
+"""Parity tolerances derived from the arithmetic, for tests that compare an fp32 run against a reference.
+
+Two fp32 runs of the same training differ only by rounding, and by how much depends on the reduction
+order, which changes with the CPU (vector width, thread count, the BLAS kernel picked), the world size
+and the bucket layout. A fixed ``atol=1e-5`` holds for one machine's order and not another's: Adam
+divides each gradient element by its own running RMS, so an element whose gradient nearly cancels (a
+token whose contributions sum to almost nothing) turns fp32 rounding noise of ~1e-9 into updates of up
+to ``lr`` per step, whichever way the noise falls.
+
+[Note: Adam rounding bound]
+``AdamRoundingBound`` follows a float64 reference run step by step and, at each step, measures the fp32
+gradient's rounding error at the same parameters (``sigma``, one sample of the noise a reduction order
+leaves). It propagates ``K * sigma`` through Adam to first order: the perturbation enters the first moment
+as ``(1 - beta1) * K * sigma``, decays by ``beta1`` per step, and moves the update by ``lr * dm / ((1 -
+beta1^s) (sqrt(v_hat_s) + eps))``, capped at twice the largest update Adam can make at step s
+(``max_update_ratio``: by Cauchy-Schwarz ``|m_hat_s| / sqrt(v_hat_s) <= (1 - beta1) / sqrt(1 - beta2) *
+sqrt(sum_{j<s} (beta1^2 / beta2)^j) * sqrt(1 - beta2^s) / (1 - beta1^s)``, 1.0 at s = 1 and 1.04 at s = 10
+for the default betas), whatever the gradients.
+Each element's bound is the sum over steps plus the rounding of the parameter updates themselves
+(``3 * u32 * |theta|`` per step: the decay, the update and the store). ``K = 8`` covers another order's
+noise being larger than the one sampled (rounding errors of a sum of n terms vary by a small factor with
+the order) and the second-order effect of the parameters' own deviations on later gradients. Elements
+whose gradients are well above rounding level get bounds of ~1e-7; the few at rounding level get up to
+``2 * lr * steps``, so a real bug (a wrong lr, a missing gradient reduction) still fails everywhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+U32 = 2.0 ** -24
+"""fp32 unit roundoff."""
+
+
+class AdamRoundingBound:
+    """Per-element bound on |fp32 run - float64 reference| after AdamW steps; see [Note: Adam rounding bound].
+
+    Holds, per parameter element: the second moment ``v`` of the reference gradients, the bounded first
+    moment perturbation ``dm`` and the accumulated bound, all float64 (3 x the model's elements).
+    """
+
+    def __init__(self, numel: int, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 k: float = 8.0, k_feedback: float = 2.0):
+        self.lr, self.betas, self.eps, self.k, self.k_feedback = lr, betas, eps, k, k_feedback
+        self.steps = 0
+        self.v = torch.zeros(numel, dtype=torch.float64)
+        self.dm = torch.zeros(numel, dtype=torch.float64)
+        self.bound = torch.zeros(numel, dtype=torch.float64)
+
+    def shift(self, generator: torch.Generator) -> torch.Tensor:
+        """A parameter deviation as large as the bound so far, with random signs: the reference's gradient
+        at ``params + shift`` measures how the deviations already allowed feed into this step's gradients."""
+        signs = torch.randint(0, 2, self.bound.shape, generator=generator, dtype=torch.float64) * 2 - 1
+        return self.bound * signs
+
+    def observe(self, grad64: torch.Tensor, grad32: torch.Tensor, params: torch.Tensor,
+                shifted64: torch.Tensor | None = None, lr: float | None = None) -> None:
+        """One optimizer step: the reference's (clipped) gradient, the fp32 gradient at the same parameters,
+        the parameters before the step and (``shifted64``) the reference's gradient at ``params + shift()``,
+        each flat over the model's elements; ``lr``: this step's learning rate (a schedule's), default the
+        constructor's."""
+        lr = self.lr if lr is None else lr
+        beta1, beta2 = self.betas
+        self.steps += 1
+        sigma = self.k * (grad32.double() - grad64).abs()
+        if shifted64 is not None:
+            sigma += self.k_feedback * (shifted64 - grad64).abs()
+        self.v.mul_(beta2).add_((1 - beta2) * grad64.square())
+        self.dm.mul_(beta1).add_((1 - beta1) * sigma)
+        v_hat = self.v / (1 - beta2 ** self.steps)
+        update = lr * self.dm / ((1 - beta1 ** self.steps) * (v_hat.sqrt() + self.eps))
+        cap = 2 * lr * max_update_ratio(self.steps, self.betas)
+        self.bound.add_(update.clamp(max=cap)).add_(3 * U32 * params.double().abs())
+
+    def check(self, got: torch.Tensor, reference: torch.Tensor, what: str = "parameters") -> None:
+        """Assert ``|got - reference| <= bound`` element-wise, naming the worst element on failure."""
+        excess = (got.double() - reference.double()).abs() - self.bound
+        worst = int(excess.argmax())
+        assert excess[worst] <= 0, (
+            f"{what}: element {worst} is {abs(float(got[worst]) - float(reference[worst])):.3g} from the float64 "
+            f"reference, over its rounding bound {float(self.bound[worst]):.3g} "
+            f"({int((excess > 0).sum())} element(s) over)")
+
+
+def max_update_ratio(step: int, betas: tuple[float, float]) -> float:
+    """The largest ``|m_hat| / sqrt(v_hat)`` Adam can reach at ``step`` (1-based), any gradients."""
+    beta1, beta2 = betas
+    decay = sum((beta1 ** 2 / beta2) ** j for j in range(step))
+    return (1 - beta1) / (1 - beta2) ** 0.5 * decay ** 0.5 * (1 - beta2 ** step) ** 0.5 / (1 - beta1 ** step)
+
+
+def scalar_bound(value64: float, value32: float, shifted64: float | None = None, *, k: float = 8.0,
+                 k_feedback: float = 2.0) -> float:
+    """The bound on |fp32 - float64| of a scalar the run reports (a loss, a gradient norm) at one step, as
+    ``AdamRoundingBound`` bounds parameters: ``k`` x the fp32 rounding error sampled at the reference's
+    parameters (at least one unit roundoff of the value: a sample can land on zero error by chance) plus
+    ``k_feedback`` x its change when the parameters move by the bound so far."""
+    bound = k * (abs(value32 - value64) + U32 * abs(value64))
+    if shifted64 is not None:
+        bound += k_feedback * abs(shifted64 - value64)
+    return bound
+
+
+def flat(model: nn.Module, attr: str | None = None) -> torch.Tensor:
+    """The model's parameters (``attr="grad"``: their gradients) as one flat tensor, in parameters() order."""
+    return torch.cat([(getattr(p, attr) if attr else p).detach().reshape(-1) for p in model.parameters()])
+
+
+def step_gradients(model: nn.Module, ids: torch.Tensor, clip: float | None,
+                   params: torch.Tensor | None = None) -> tuple[float, float, torch.Tensor]:
+    """(loss, gradient norm, flat gradient clipped to ``clip``) of a causal LM on ``ids``, at ``params``
+    (flat, loaded first) if given."""
+    if params is not None:
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(params.to(next(model.parameters()).dtype), model.parameters())
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip is not None else float("inf"))
+    return loss.item(), norm.item(), flat(model, "grad")
+
+
+@dataclasses.dataclass
+class ParityReference:
+    """A float64 run's per-step losses and gradient norms with their fp32 bounds, its final parameters (flat
+    and by name) and the per-parameter bound."""
+
+    losses: list[float]
+    norms: list[float]
+    loss_bounds: list[float]
+    norm_bounds: list[float]
+    params: torch.Tensor
+    bound: AdamRoundingBound
+    names: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
+    """(name, start, end) of each parameter in the flat tensors."""
+
+    def param(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float64 value, bound) of parameter ``name``, in its shape."""
+        for n, start, end in self.names:
+            if n == name:
+                return self.params[start:end], self.bound.bound[start:end]
+        raise KeyError(name)
+
+    def check_losses(self, losses: list[float], what: str = "loss") -> None:
+        for step, (got, want, tol) in enumerate(zip(losses, self.losses, self.loss_bounds, strict=True)):
+            assert abs(got - want) <= tol, f"step {step}: {what} {got} vs float64 {want}, bound {tol:.3g}"
+
+    def check_norms(self, norms: list[float]) -> None:
+        for step, (got, want, tol) in enumerate(zip(norms, self.norms, self.norm_bounds, strict=True)):
+            assert abs(got - want) <= tol, f"step {step}: gradient norm {got} vs float64 {want}, bound {tol:.3g}"
+
+    def check_params(self, params: dict[str, torch.Tensor], what: str = "") -> None:
+        """Each named parameter within its bound of the float64 value."""
+        for name, start, end in self.names:
+            got = params[name].reshape(-1).double()
+            excess = (got - self.params[start:end]).abs() - self.bound.bound[start:end]
+            worst = int(excess.argmax())
+            assert excess[worst] <= 0, (
+                f"{what}{name}[{worst}] is {float((got[worst] - self.params[start + worst]).abs()):.3g} from the "
+                f"float64 reference, over its rounding bound {float(self.bound.bound[start + worst]):.3g} "
+                f"({int((excess > 0).sum())} element(s) over)")
+
+
+def float64_reference(model: nn.Module, optimizer_factory, batches: list[torch.Tensor], clip: float | None,
+                      scheduler_factory=None, seed: int = 0) -> ParityReference:
+    """Train ``model`` (fp32 weights, cast to float64 here) on the whole ``batches`` with the optimizer
+    ``optimizer_factory(model)`` (AdamW with default betas and eps; ``scheduler_factory(optimizer)`` an LR
+    schedule), and bound any fp32 run of the same training; see [Note: Adam rounding bound]."""
+    import copy
+
+    model = model.double()
+    probe, shifted = copy.deepcopy(model).float(), copy.deepcopy(model)
+    optimizer = optimizer_factory(model)
+    scheduler = scheduler_factory(optimizer) if scheduler_factory is not None else None
+    lr = optimizer.param_groups[0]["lr"]
+    bound = AdamRoundingBound(sum(p.numel() for p in model.parameters()), lr)
+    names, start = [], 0
+    for name, p in model.named_parameters():
+        names.append((name, start, start + p.numel()))
+        start += p.numel()
+    signs = torch.Generator().manual_seed(seed)
+    ref = ParityReference([], [], [], [], torch.empty(0), bound, names)
+    for ids in batches:
+        params = flat(model).clone()
+        loss, norm, grad = step_gradients(model, ids, clip)
+        loss32, norm32, grad32 = step_gradients(probe, ids, clip, params)
+        loss_shifted, norm_shifted, grad_shifted = step_gradients(shifted, ids, clip, params + bound.shift(signs))
+        bound.observe(grad, grad32, params, grad_shifted, lr=optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        ref.losses.append(loss)
+        ref.norms.append(norm)
+        ref.loss_bounds.append(scalar_bound(loss, loss32, loss_shifted))
+        ref.norm_bounds.append(scalar_bound(norm, norm32, norm_shifted))
+    ref.params = flat(model)
+    return ref

@@ -1,0 +1,135 @@
+"""Placement on fresh machines: which device a group's collectives serve (asked of the group's backend
+table, not its name), prepare's check that the model sits where the group and the rank expect it, and
+`hfzero run`'s refusal to start more ranks than visible GPUs. In process: a world-1 gloo group, with the
+CUDA host faked by patching what torch reports (no GPU needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.run
+
+import hfzero
+from hfzero.comm import Communicator, _default_device
+from hfzero.config import ConfigError
+from hfzero.devices import parse_backend_config
+from hfzero.runtime.placement import Placement, placement_error
+from hfzero.testing.models import tiny_causal_lm
+
+
+@pytest.fixture
+def world1():
+    """``init_process_group()`` with no backend (torch calls it "undefined"), one rank, in process."""
+    dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _fake_cuda_host(monkeypatch: pytest.MonkeyPatch, config: str) -> None:
+    """The group reports ``config`` as its backend table and the current accelerator device is 0."""
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+
+
+def test_backend_config_is_parsed() -> None:
+    assert parse_backend_config("cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl"}
+    assert parse_backend_config("cuda:nccl") == {"cuda": "nccl"}
+    assert parse_backend_config("gloo") == {"cpu": "gloo"}
+
+
+def test_undefined_backend_serves_cuda_with_nccl(world1, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert str(dist.get_backend()) == "undefined"
+    assert Communicator().device == torch.device("cpu")  # this host: "cpu:gloo" only
+    # init_process_group() on a CUDA host: "cpu:gloo,cuda:nccl"; the CUDA model's scratch belongs on the GPU
+    _fake_cuda_host(monkeypatch, "cpu:gloo,cuda:nccl")
+    assert Communicator().device == torch.device("cuda", 0)
+    assert _default_device() == torch.device("cuda", 0)
+    _fake_cuda_host(monkeypatch, "cpu:gloo,cuda:gloo")  # gloo stages CUDA tensors through the host: CPU scratch
+    assert Communicator().device == torch.device("cpu")
+
+
+def _where(backends: str = "cuda:nccl", current: int | None = 0, local_rank: int | None = 0,
+           local_world: int | None = 1, count: int = 1) -> Placement:
+    return Placement(parse_backend_config(backends), current, local_rank, local_world, count)
+
+
+def test_placement_errors_name_the_fix() -> None:
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert placement_error(cuda0, _where()) is None
+    assert placement_error(torch.device("cpu"), _where("cpu:gloo", current=None)) is None
+    assert placement_error(torch.device("cpu"), Placement({}, None, None, None, 0)) is None  # no process group
+    assert "gloo for cpu" in placement_error(torch.device("cpu"), _where("cuda:nccl"))
+    assert "nccl for cuda" in placement_error(cuda0, _where("cpu:gloo"))
+    error = placement_error(cuda1, _where(local_rank=1, local_world=2, count=2))
+    assert "current device is cuda:0" in error and "set_device_index" in error
+    # every rank left on cuda:0 of a 2-GPU host: NCCL's "Duplicate GPU detected" at the first collective
+    assert "each rank needs its own device" in placement_error(cuda0, _where(local_rank=1, local_world=2, count=2))
+    # one GPU per rank through CUDA_VISIBLE_DEVICES: LOCAL_RANK 1 sees its GPU as cuda:0
+    assert placement_error(cuda0, _where(local_rank=1, local_world=2, count=1)) is None
+    # gloo ranks sharing one GPU (the CUDA tests' layout) are allowed
+    assert placement_error(cuda0, _where("cpu:gloo,cuda:gloo", local_rank=1, local_world=2, count=2)) is None
+
+
+def test_prepare_checks_placement(world1, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_causal_lm("gpt2")
+    hfzero.prepare(model, torch.optim.AdamW(model.parameters()), hfzero.ZeroConfig(stage=1))  # gloo, CPU: fine
+    model = tiny_causal_lm("gpt2")
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
+    with pytest.raises(ConfigError, match=r"model is on cpu but the process group serves cuda:nccl.*gloo for cpu"):
+        hfzero.prepare(model, torch.optim.AdamW(model.parameters()), hfzero.ZeroConfig(stage=1))
+
+
+SCRIPT = str(Path(__file__).resolve().parents[1] / "examples" / "train_clm.py")
+
+
+@pytest.fixture
+def one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host with one visible GPU, no CPU run requested, and torchrun never actually started."""
+    from hfzero.integrations import gpus
+
+    monkeypatch.setattr(gpus, "accelerator_count", lambda: 1)
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+
+    def started(*args, **kwargs):
+        raise AssertionError("torchrun started")
+
+    monkeypatch.setattr(torch.distributed.run, "run", started)
+
+
+def test_hfzero_run_refuses_more_ranks_than_gpus(one_gpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hfzero.integrations.launch import launch
+
+    with pytest.raises(ConfigError, match=r"2 ranks on this host.*only 1 .*--nproc_per_node 1.*CUDA_VISIBLE_DEVICES"):
+        launch(["--nproc_per_node", "2", SCRIPT, "--output_dir", "o", "--zero_stage", "2"])
+    with pytest.raises(ConfigError, match="only 1"):
+        launch(["--nproc_per_node", "2", SCRIPT, "--output_dir", "o"])  # plain torchrun through hfzero run too
+    for cpu_run in (["--use_cpu"], ["--use_cpu", "true"], ["--use_cpu=true"]):
+        with pytest.raises(AssertionError, match="torchrun started"):  # a CPU run needs no GPU
+            launch(["--nproc_per_node", "2", SCRIPT, "--output_dir", "o", *cpu_run])
+    with pytest.raises(ConfigError, match="only 1"):
+        launch(["--nproc_per_node", "2", SCRIPT, "--output_dir", "o", "--use_cpu", "false"])
+    with pytest.raises(AssertionError, match="torchrun started"):  # one rank per GPU
+        launch(["--nproc_per_node", "1", SCRIPT, "--output_dir", "o"])
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    with pytest.raises(AssertionError, match="torchrun started"):
+        launch(["--nproc_per_node", "2", SCRIPT, "--output_dir", "o"])
+
+
+def test_trainer_and_accelerator_refuse_more_ranks_than_gpus(one_gpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain torchrun of a Trainer / accelerate script: refused when its arguments or accelerator are built."""
+    from hfzero.integrations.gpus import check_ranks_fit_devices, local_world_size
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert local_world_size() == 2
+    with pytest.raises(ConfigError, match=r"ZeroAccelerator: 2 ranks on this host \(LOCAL_WORLD_SIZE 2\)"):
+        check_ranks_fit_devices(local_world_size(), what="ZeroAccelerator", option="LOCAL_WORLD_SIZE")
+    check_ranks_fit_devices(2, what="ZeroAccelerator", cpu=True)
+    from hfzero.integrations.trainer import ZeroTrainingArguments
+
+    with pytest.raises(ConfigError, match="ZeroTrainingArguments: 2 ranks on this host"):
+        ZeroTrainingArguments(output_dir="o", report_to="none")
