@@ -88,3 +88,27 @@ def close(a: list[float], b: list[float], atol: float, rtol: float = 0.0) -> tup
         return False, float("inf")
     worst = max((abs(x - y) for x, y in zip(a, b)), default=0.0)
     return all(abs(x - y) <= atol + rtol * abs(y) for x, y in zip(a, b)), worst
+
+
+def in_process_group(fn: Any, world_size: int, *args: Any, backend: str) -> Any:
+    """``fn(0, world_size, *args)`` in this process as rank 0 of a process group set up here and destroyed
+    after: a real one-rank group (``world_size`` 1, gloo or nccl) or a fake world (backend "fake"). A
+    section's process is its own, so this saves spawning a rank (a torch import) per world-1 run."""
+    import torch
+    import torch.distributed as dist
+
+    if backend == "fake":
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        store: Any = FakeStore()
+    else:
+        if world_size != 1:
+            raise ValueError("in_process_group: a real backend runs one rank here; spawn larger worlds")
+        store = dist.HashStore()
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, store=store, rank=0, world_size=world_size)
+    try:
+        return fn(0, world_size, *args)
+    finally:
+        dist.destroy_process_group()

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hfzero.testing import run_fake_rank
 from hfzero.testing.fake_world import FakeMemorySpec, measure_rank
-from hfzero.testing.gpu_check.common import Checks, Options
+from hfzero.testing.gpu_check.common import Checks, Options, in_process_group
 
 WORLD = 8
 SLACK = 256 << 20
@@ -25,7 +24,7 @@ def run(options: Options, checks: Checks) -> dict[str, Any]:
     size = {"hidden": 64, "layers": 2, "vocab": 256} if options.quick else {"hidden": 1024, "layers": 24, "vocab": 50257}
     specs = [FakeMemorySpec(stage, "bf16", steps=3, seq_len=16 if options.quick else 512, batch=1,
                             device=options.device, **size) for stage in (1, 2, 3)]
-    results = run_fake_rank(measure_rank, WORLD, specs, timeout=600)
+    results = in_process_group(measure_rank, WORLD, specs, backend="fake")
     summary = {}
     for r in results:
         name = f"stage {r['stage']}"

@@ -13,8 +13,7 @@ from typing import Any
 import torch
 
 import hfzero
-from hfzero.testing import run_distributed
-from hfzero.testing.gpu_check.common import Checks, Options
+from hfzero.testing.gpu_check.common import Checks, Options, in_process_group
 from hfzero.testing.models import tiny_causal_lm
 from hfzero.testing.workloads import param_groups
 
@@ -74,8 +73,7 @@ def run(options: Options, checks: Checks) -> dict[str, Any]:
         size, dtype, batch, seq, warmup, timed = {"hidden": 768, "layers": 12, "vocab": 50257, "positions": 512}, \
             "bf16", 8, 512, 3, 10
     backend = "nccl" if options.device == "cuda" else "gloo"
-    medians = run_distributed(time_rank, 1, size, options.device, dtype, batch, seq, warmup, timed,
-                              backend=backend, timeout=600)[0]
+    medians = in_process_group(time_rank, 1, size, options.device, dtype, batch, seq, warmup, timed, backend=backend)
     for system in SYSTEMS:
         checks.add(f"{system} ran", medians.get(system, 0) > 0, medians.get(system))
     plain = medians["plain"]
