@@ -31,8 +31,8 @@ class Options:
 
 @dataclasses.dataclass(frozen=True)
 class SectionSpec:
-    """One section: its module (in this package), time limit in seconds (full run / quick run), and
-    what it checks (one line, for the report)."""
+    """One section: its module (in this package), time limit in seconds (full run on one H100 / quick run:
+    the quick limits only guard against hangs on a loaded CI machine), and what it checks (one line)."""
 
     name: str
     limit_s: int
@@ -41,18 +41,18 @@ class SectionSpec:
 
 
 SECTIONS: tuple[SectionSpec, ...] = (
-    SectionSpec("cuda_tests", 150, 60, "the CUDA tests (pytest -m cuda), three times"),
-    SectionSpec("matrix", 75, 120, "world-1 NCCL: stages 0-3 x fp32/bf16/fp16 x offload x accumulation 1/2 "
+    SectionSpec("cuda_tests", 175, 120, "the CUDA tests (pytest -m cuda), three times"),
+    SectionSpec("matrix", 75, 240, "world-1 NCCL: stages 0-3 x fp32/bf16/fp16 x offload x accumulation 1/2 "
                                   "against plain AdamW"),
-    SectionSpec("shared_device", 105, 150, "2 and 4 gloo ranks on cuda:0: parity, host syncs, prefetch trace, "
+    SectionSpec("shared_device", 105, 240, "2 and 4 gloo ranks on cuda:0: parity, host syncs, prefetch trace, "
                                            "offload copy stream under the CUDA sanitizer"),
-    SectionSpec("fake_memory", 120, 90, "rank 0 of a fake world of 8, ~350M parameters: model states vs the formula, "
+    SectionSpec("fake_memory", 120, 180, "rank 0 of a fake world of 8, ~350M parameters: model states vs the formula, "
                                        "CUDA peak allocated / reserved"),
-    SectionSpec("trainer_profile", 75, 150, "an unmodified Trainer script under `hfzero run --zero_profile_dir`: "
+    SectionSpec("trainer_profile", 60, 240, "an unmodified Trainer script under `hfzero run --zero_profile_dir`: "
                                             "profile fields, dashboard renders"),
-    SectionSpec("step_time", 75, 120, "step time of stages 0-3 against a plain loop and FSDP2 at world 1"),
+    SectionSpec("step_time", 60, 180, "step time of stages 0-3 against a plain loop and FSDP2 at world 1"),
 )
-"""Every section, in run order. The full run's limits add up to 600 s (under 10 minutes on one H100)."""
+"""Every section, in run order. The full run's limits add up to 595 s (under 10 minutes on one H100)."""
 
 
 class SectionSkip(Exception):

@@ -68,7 +68,7 @@ def time_rank(rank: int, world: int, size: dict[str, int], device: str, dtype: s
 
 def run(options: Options, checks: Checks) -> dict[str, Any]:
     if options.quick:
-        size, dtype, batch, seq, warmup, timed = {"hidden": 32, "layers": 2, "vocab": 128}, "fp32", 4, 16, 1, 3
+        size, dtype, batch, seq, warmup, timed = {"hidden": 32, "layers": 2, "vocab": 128}, "fp32", 4, 16, 1, 2
     else:
         size, dtype, batch, seq, warmup, timed = {"hidden": 768, "layers": 12, "vocab": 50257, "positions": 512}, \
             "bf16", 8, 512, 3, 10

@@ -24,7 +24,7 @@ def run(options: Options, checks: Checks) -> dict[str, Any]:
         raise SectionSkip(f"needs a source checkout ({script} and dashboard/app.py)")
     work = Path(options.out) / "trainer_profile"
     profile = work / "profile"
-    steps = 3
+    steps = 2 if options.quick else 3
     command = [sys.executable, "-m", "hfzero", "run", "--nproc_per_node", "1", str(script),
                "--output_dir", str(work / "out"), "--max_steps", str(steps), "--per_device_train_batch_size", "4",
                "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
