@@ -48,3 +48,12 @@ def test_stage3_gather_buffers_flat_over_steps(world):
     assert allocations[1] > 0 and allocations[-1] == allocations[1], allocations  # reused after the first step
     assert idle[1] > 0 and idle[-1] == idle[1], idle
     assert r["gathered_after_step"] == [0] * len(r["gathered_after_step"])  # every unit released by the step
+
+
+def test_fake_rank_bad_input_is_named() -> None:
+    from hfzero.testing import run_distributed
+
+    with pytest.raises(ValueError, match="outside a world of 8"):
+        run_fake_rank(measure_rank, 8, [], rank=8)
+    with pytest.raises(ValueError, match="use run_fake_rank"):
+        run_distributed(measure_rank, 8, [], backend="fake")

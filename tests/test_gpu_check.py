@@ -21,12 +21,10 @@ from hfzero.testing.gpu_check import runner
 from hfzero.testing.gpu_check.common import Options, SectionSpec
 from hfzero.testing.gpu_check.report import environment, write_json, write_markdown
 
-pytestmark = pytest.mark.slow
-
 CPU_SECTIONS = {"matrix", "shared_device", "fake_memory", "trainer_profile", "step_time"}
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run of the check; on a GPU the full run is the check")
+@pytest.mark.slow
 def test_quick_cpu_run_passes_every_cpu_section(tmp_path: Path) -> None:
     out = tmp_path / "check"
     proc = subprocess.run([sys.executable, "-m", "hfzero.testing.gpu_check", "--device", "cpu", "--quick",
@@ -46,6 +44,7 @@ def test_quick_cpu_run_passes_every_cpu_section(tmp_path: Path) -> None:
     assert all(f"## {name}: " in markdown for name in status)
 
 
+@pytest.mark.slow
 def test_failures_and_time_outs_are_recorded_and_the_run_goes_on(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     sections = (SectionSpec("no_such_section", 120, 120, "a module that does not exist"),
@@ -62,3 +61,20 @@ def test_failures_and_time_outs_are_recorded_and_the_run_goes_on(tmp_path: Path,
     write_markdown(tmp_path / "r.md", options, results, environment())
     assert json.loads((tmp_path / "r.json").read_text())["passed"] is False
     assert "timed out after 1 s" in (tmp_path / "r.md").read_text()
+
+
+def test_matrix_comparison_fails_on_drift_skips_and_placement() -> None:
+    """The matrix's verdict can fail: a parameter off by more than the tolerance, a skipped step, or an
+    offload that did not happen each fail the case (no spawn: the comparison alone)."""
+    from hfzero.testing.gpu_check.matrix import Case, compare
+
+    ref = {"losses": [2.0, 1.9], "params": {"w": torch.zeros(3)}}
+    good = {"losses": [2.0, 1.9], "params": {"w": torch.full((3,), 5e-6)}, "skipped": 0, "offloaded": True}
+    case = Case(2, "fp32", True, 1)
+    assert compare(case, good, ref)[0]
+    assert not compare(case, {**good, "params": {"w": torch.tensor([0.0, 2e-5, 0.0])}}, ref)[0]
+    assert not compare(case, {**good, "losses": [2.0, 1.9001]}, ref)[0]
+    assert not compare(case, {**good, "skipped": 1}, ref)[0]
+    assert not compare(case, {**good, "offloaded": False}, ref)[0]
+    assert compare(Case(2, "bf16", True, 1), {**good, "params": {"w": torch.full((3,), 1e-2)}}, ref)[0]
+    assert not compare(case, {"error": "RuntimeError: boom"}, ref)[0]
