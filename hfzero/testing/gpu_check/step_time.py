@@ -1,7 +1,9 @@
 """Section: step time at world 1 (nothing is communicated, so this is the engine's own overhead): hfzero
 stages 0-3 against a plain AdamW loop and FSDP2 (``fully_shard`` per block and the root) on the same
 GPT-2 (hidden 768, 12 layers, bf16, batch 8 x 512 on CUDA; --quick: a tiny fp32 one on the CPU).
-Median of the timed steps after warm-up; on CUDA each step ends with ``torch.cuda.synchronize()``.
+Median of the timed steps after warm-up; on CUDA each step ends with ``torch.cuda.synchronize()``. The plain
+loop holds the model in the run's dtype with AdamW over it (no fp32 master copy: the cheapest step);
+FSDP2 and hfzero keep fp32 masters with 16-bit compute.
 A figure, not a threshold: the check is that every system ran."""
 
 from __future__ import annotations
