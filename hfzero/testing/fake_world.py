@@ -1,0 +1,115 @@
+"""Memory of one rank of a large world, measured in one process on torch's fake process group.
+
+``measure_rank(rank, world_size, specs)`` runs inside ``run_fake_rank`` (spawn.py): the process acts as
+rank ``rank`` of ``world_size`` ranks, every collective returns at once and moves nothing, so losses and
+parameters are meaningless but every tensor the engine allocates has its real size. Each spec prepares a
+GPT-2 model at one stage, trains a few steps and reports, after every step, the model-state bytes the
+engine holds (by role), the stage-3 gather pool's state and, on CUDA, the allocator's peaks; with the
+paper's formula (``hfzero.estimate``) on Ψ and on the padded count, so callers compare without
+re-deriving it. Used by tests/test_fake_world_memory.py (CPU, tiny) and the GPU check (CUDA, ~350M).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from typing import Any
+
+import torch
+
+import hfzero
+from hfzero.estimate import model_states_bytes, precision_bytes
+from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
+from hfzero.testing.models import tiny_causal_lm
+from hfzero.testing.workloads import param_groups
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeMemorySpec:
+    """One measured run.
+
+    Attributes:
+        stage: ZeRO stage (1-3).
+        dtype: "fp32", "bf16" or "fp16".
+        hidden, layers, vocab: the GPT-2 model's size (hidden 1024, 24 layers, vocab 50257 is ~350M).
+        steps: optimizer steps (one micro-batch each).
+        batch, seq_len: the micro-batch this rank trains on.
+        device: "cpu" or "cuda" (cuda: the current device).
+    """
+
+    stage: int
+    dtype: str = "bf16"
+    hidden: int = 64
+    layers: int = 2
+    vocab: int = 256
+    steps: int = 3
+    batch: int = 1
+    seq_len: int = 16
+    device: str = "cpu"
+
+
+def measure_rank(rank: int, world_size: int, specs: list[FakeMemorySpec]) -> list[dict[str, Any]]:
+    """Run every spec on this (fake) rank; one result dict per spec (see ``measure_one``)."""
+    out = []
+    for spec in specs:
+        out.append(measure_one(rank, world_size, spec))
+        gc.collect()
+        if spec.device == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def measure_one(rank: int, world_size: int, spec: FakeMemorySpec) -> dict[str, Any]:
+    """Train ``spec`` on this rank; returns sizes, the formula and per-step memory figures:
+
+    - ``model_state_bytes``: per step, the peak over the step of the engine's model-state roles;
+    - ``formula_bytes``: the paper's formula on Ψ; ``formula_padded_bytes``: on the padded count (the
+      engine pads each bucket to a multiple of the world), plus Adam's fp32 ``step`` scalar per bucket;
+    - stage 3: ``pool_allocations``, ``pool_idle_bytes``, ``gathered_after_step`` per step;
+    - CUDA: ``cuda_peak_allocated`` / ``cuda_peak_reserved`` per step, ``cuda_allocated_after_step``.
+    """
+    cuda = spec.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    model = tiny_causal_lm("gpt2", hidden=spec.hidden, layers=spec.layers, vocab=spec.vocab,
+                           positions=max(64, spec.seq_len)).to(device)
+    extra = {"param_persistence_threshold": 0} if spec.stage == 3 else {}
+    config = hfzero.ZeroConfig(stage=spec.stage, dtype=spec.dtype, **extra)
+    model, optimizer = hfzero.prepare(model, torch.optim.AdamW(param_groups(model), lr=1e-4), config)
+    engine = hfzero.get_engine(model)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    g = torch.Generator().manual_seed(rank)
+    result: dict[str, Any] = {"stage": spec.stage, "dtype": spec.dtype, "world": world_size, "rank": rank,
+                              "num_params": engine.num_params, "num_params_padded": engine.num_params_padded,
+                              "buckets": len(engine.layout.buckets), "model_state_bytes": [],
+                              "pool_allocations": [], "pool_idle_bytes": [], "gathered_after_step": [],
+                              "cuda_peak_allocated": [], "cuda_peak_reserved": [], "cuda_allocated_after_step": []}
+    for _ in range(spec.steps):
+        batch = torch.randint(0, spec.vocab, (spec.batch, spec.seq_len), generator=g).to(device)  # (B, T)
+        optimizer.backward(model(input_ids=batch, labels=batch).loss)
+        peak = engine.model_state_bytes()
+        optimizer.step()
+        peak = max(peak, engine.model_state_bytes())
+        optimizer.zero_grad()
+        result["model_state_bytes"].append(max(peak, engine.model_state_bytes()))
+        if spec.stage == 3:
+            roles = engine.memory_by_role()
+            result["pool_allocations"].append(engine.gather_pool.allocations)
+            result["pool_idle_bytes"].append(roles.get(MemoryRole.COMM_BUFFER, 0))
+            result["gathered_after_step"].append(roles.get(MemoryRole.PARAM_GATHERED, 0))
+        if cuda:
+            torch.cuda.synchronize()
+            result["cuda_peak_allocated"].append(torch.cuda.max_memory_allocated())
+            result["cuda_peak_reserved"].append(torch.cuda.max_memory_reserved())
+            result["cuda_allocated_after_step"].append(torch.cuda.memory_allocated())
+    roles = engine.memory_by_role()
+    result["roles_after_step"] = {k.value: v for k, v in roles.items()}
+    result["model_state_roles_after_step"] = sum(v for k, v in roles.items() if k in MODEL_STATE_ROLES)
+    p, g_, k = precision_bytes(spec.dtype, "adamw")
+    result["formula_bytes"] = model_states_bytes(engine.num_params, world_size, spec.stage, param_bytes=p,
+                                                 grad_bytes=g_, optimizer_k=k)
+    result["formula_padded_bytes"] = model_states_bytes(engine.num_params_padded, world_size, spec.stage,
+                                                        param_bytes=p, grad_bytes=g_, optimizer_k=k) \
+        + 4 * len(engine.layout.buckets)
+    return result
