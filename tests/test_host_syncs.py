@@ -79,3 +79,19 @@ def test_gather_order_error_is_raised_at_the_step_on_every_rank() -> None:
         assert result["step"] == 2, result
         assert "found at the optimizer step" in result["error"] and "training pass 1 since the last step" in result["error"]
         assert result["unchanged"]  # nothing applied
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: counts hfzero's host syncs on CUDA "
+                    "(and torch's own under torch.cuda.set_sync_debug_mode); the CPU proxy runs above")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_at_most_one_host_sync_per_step_on_cuda(stage: int) -> None:
+    from hfzero.testing.host_syncs import host_syncs
+
+    worlds = [1] + ([2] if torch.cuda.device_count() >= 2 else [])  # NCCL: one rank per GPU
+    for world in worlds:
+        for accumulation in (1, 4):
+            result = host_syncs(stage, accumulation, world_size=world, device="cuda", backend="nccl", steps=2,
+                                warmup=1, timeout=600)
+            assert result["cuda_per_step"] is not None  # torch's own count, reported (not bounded: torch's included)
+            assert max(result["per_step_by_rank"]) <= 1, (world, accumulation, result["sites"])

@@ -5,7 +5,8 @@ Memory held, by stage (see [Note: bucket sharding] in layout.py):
   (GRAD_FULL, a model state). Buckets are views of it and are reduced in place.
 - stages 2-3: ``grad_shard``, this rank's slice of every bucket (GRAD_SHARD, a model state), plus
   staging buffers for buckets being filled or reduced within one backward pass (GRAD_BUCKET,
-  transient: at most ``max_inflight`` buffers are pooled between passes), plus, only under the
+  transient: at most ``max_inflight`` buffers are pooled between passes; at stage 3 a bucket's late
+  gradients, rare, keep a buffer until the step), plus, only under the
   "local" accumulation policy while reduction is deferred, a full local accumulator (GRAD_ACCUM, a
   model state: it is held across micro-batches) that the synchronizing backward reduces and frees.
 - with offload (``sink``, runtime/offload.py), stages 2-3 hold no ``grad_shard``: each reduced slice is

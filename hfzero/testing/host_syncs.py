@@ -124,8 +124,10 @@ def measure(rank: int, world_size: int, stage: int, accumulation_steps: int, *, 
     from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
 
     place = torch.device(device) if device is not None else torch.device("cpu")
-    if place.type == "cuda" and place.index is None:
-        place = torch.device("cuda", torch.cuda.current_device())
+    if place.type == "cuda" and place.index is None:  # rank r on GPU r (all on cuda:0 with one GPU)
+        place = torch.device("cuda", rank % torch.cuda.device_count())
+    if place.type == "cuda":
+        torch.cuda.set_device(place)  # before the first collective: NCCL binds to the current device
     model = tiny_causal_lm(model_kind).to(place)
     options = {"stage": stage, "dtype": dtype, "param_persistence_threshold": 0, **config}
     model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),

@@ -65,8 +65,8 @@ def _gather_group_comms(comm: Communicator) -> tuple[Communicator, Communicator 
     data-parallel group's one process group, hence one NCCL communicator. Two communicators used at the
     same time are unsafe (NCCL documents it: their kernels may be scheduled in different orders on two
     ranks and wait on each other forever, even when every rank issues the same sequence), and the second
-    group used to be made with local synchronization (``use_local_synchronization``), which hangs once the default group is
-    bound to a device and split. FSDP2 made the same choice: one process group, the all-gathers and
+    group used to be made with local synchronization (``use_local_synchronization``), which hangs once
+    the default group is bound to a device and split. FSDP2 made the same choice: one process group, the all-gathers and
     reduce-scatters ordered on their streams. On one communicator every collective runs in issue order,
     and the issue order is already the same on every rank (gathers at the recorded order's points,
     reductions at rank-independent points: [Note: collective order across ranks] in reducer.py), so the

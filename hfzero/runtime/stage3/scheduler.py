@@ -5,17 +5,17 @@ Gathers are collectives, so every rank must gather the same units in the same or
 data-parallel group's one communicator, with the gradient reduce-scatters (See [Note: one communicator
 per data-parallel group] in engine.py); the reductions are launched only at rank-independent points of
 the backward pass (when it moves on to the next unit, and at its end), so the interleaving of the two
-sequences is the same on every rank too (see [Note: collective order across ranks] in reducer.py). Within a pass (one forward of the
-root, or one backward) a unit is gathered on demand by its forward pre-hook (forward) or by a hook on
-its forward outputs' gradients (backward), and the next units of the order recorded in the previous
-pass of the same kind are prefetched: the next unit always, whatever its size (a decoder block of a
-1B-parameter model, ~61M elements, is larger than any budget, and gathering it on demand would
-serialize every gather with compute), and the units after it within ``allgather_bucket_size``
-elements of not-yet-used gathered units. So at most the root, the unit in use and
-max(the next unit, the budget) are gathered at once: root + the two largest other units when every unit
-is larger than the budget (the gather pool's limit, the estimator's and the profile's transient). A pass that departs from the recorded order stops prefetching (the rest is gathered
-on demand) and becomes the new recorded order; prefetched units it did not use are released when
-the pass ends.
+sequences is the same on every rank too (see [Note: collective order across ranks] in reducer.py).
+Within a pass (one forward of the root, or one backward) a unit is gathered on demand by its forward
+pre-hook (forward) or by a hook on its forward outputs' gradients (backward), and the next units of the
+order recorded in the previous pass of the same kind are prefetched: the next unit always, whatever its
+size (a decoder block of a 1B-parameter model, ~61M elements, is larger than any budget, and gathering
+it on demand would serialize every gather with compute), and the units after it within
+``allgather_bucket_size`` elements of not-yet-used gathered units. So at most the root, the unit in use
+and max(the next unit, the budget) are gathered at once: root + the two largest other units when every
+unit is larger than the budget (the gather pool's limit, the estimator's and the profile's transient).
+A pass that departs from the recorded order stops prefetching (the rest is gathered on demand) and
+becomes the new recorded order; prefetched units it did not use are released when the pass ends.
 A submodule of a unit called on its own (``model.get_encoder()(...)``, ``lm_head(h)``, an embedding
 called by ``generate``) gathers its unit around that call through the same path (same order check),
 so a unit is gathered whenever any part of it runs, not only through the root's forward.
@@ -26,15 +26,15 @@ gathers its units anew. The driver brackets each step with ``begin_planned_step(
 ``end_planned_step()``, ``plan`` being the kinds of the passes the previous step with the same schedule
 ran (forward, backward, ...). When a pass reaches the last unit of its recorded order, the scheduler
 looks up the next pass's kind in the plan and starts gathering the first unit of that pass's recorded
-order (after the root) that is sharded now, whatever its size (it is the next unit): that gather overlaps the last
-unit's compute and whatever the schedule does between the passes (P2P waits, the loss). The unit is
-carried across the pass end (not released) and used by the next pass; one carried but unused (a
-schedule that departed from the plan) is released at the end of that next pass, and
+order (after the root) that is sharded now, whatever its size (it is the next unit): that gather
+overlaps the last unit's compute and whatever the schedule does between the passes (P2P waits, the
+loss). The unit is carried across the pass end (not released) and used by the next pass; one carried
+but unused (a schedule that departed from the plan) is released at the end of that next pass, and
 ``end_planned_step`` releases anything still carried before the optimizer step (the gathered values
 must never outlive the step). A unit gathered now is never carried: it is released and gathered again
-as usual, so each unit is gathered exactly as often as without the prefetch (the communication stays
-2M x Ψ_s elements per step, the cost model's). Decisions depend on the recorded orders and the plan
-only, the same on every rank of the stage's group, so the gathers keep their order across ranks. The
+as usual, so each unit is gathered exactly as often as without the prefetch (the communication stays 2M
+x Ψ_s elements per step, the cost model's). Decisions depend on the recorded orders and the plan only,
+the same on every rank of the stage's group, so the gathers keep their order across ranks. The
 first step (no plan yet) and passes outside a planned step never prefetch across passes.
 
 With ``verify=True`` the order is checked: while an order is being recorded (the first pass of each
