@@ -108,8 +108,9 @@ class Communicator:
         return "wall" if self.backend.split(":")[0] in ("gloo", "none") else "launch"
 
     def on_group(self, group: dist.ProcessGroup, *, share_stats: bool = True) -> "Communicator":
-        """A communicator over another group (e.g. a second group so gathers do not queue behind
-        reductions), on the same device and, by default, counting into the same statistics."""
+        """A communicator over another group (or the same group with a ledger of its own:
+        ``share_stats=False``, for small checks that are not volume), on the same device and, by default,
+        counting into the same statistics."""
         impl = "all_reduce" if self.reduce_scatter_via_all_reduce else "native"
         other = Communicator(group, impl, device=self.device)
         if share_stats:

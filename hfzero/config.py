@@ -58,9 +58,10 @@ class ZeroConfig:
     gradients stage 2 saves, for small models too."""
 
     allgather_bucket_size: int = 0
-    """Stage 3: elements of prefetched (gathered ahead of use) parameters allowed in flight; 0 (default):
-    sized to the model (``prefetch_numel``: Ψ / (2N) within [2^18, 25M]). Stages 1-2 gather updated
-    parameters one reduce bucket per collective."""
+    """Stage 3: elements of prefetched (gathered ahead of use) parameters allowed in flight beyond the
+    next unit, which is always prefetched whatever its size; 0 (default): sized to the model
+    (``prefetch_numel``: Ψ / (2N) within [2^18, 25M]). Stages 1-2 gather updated parameters one reduce
+    bucket per collective."""
 
     overlap_comm: bool = True
     """Launch each bucket's reduction asynchronously as soon as it is full, overlapping backward."""
@@ -254,6 +255,18 @@ class ZeroConfig:
 _BUDGET_MIN = 2**18
 _BUDGET_MAX = 25_000_000
 """Bounds of the model-sized transient buffers (``bucket_numel``, ``prefetch_numel``), in elements."""
+
+
+def stage3_gathered_numel(root: int, others: "list[int] | tuple[int, ...]", prefetch: int) -> int:
+    """Most elements stage 3 holds gathered at once: the root (gathered for the whole pass), the unit in
+    use and what is prefetched ahead of it: the next unit whatever its size, further ones within
+    ``prefetch``. Bounded by root + largest + max(second largest, prefetch), at most every unit; when every
+    unit is larger than the budget, the root and the two largest other units (See [Note: stage-3 gather
+    order] in runtime/stage3/scheduler.py). Shared by the gather pool, the estimator and the profile header."""
+    ordered = sorted(others, reverse=True)
+    largest = ordered[0] if ordered else 0
+    ahead = max(ordered[1] if len(ordered) > 1 else 0, min(prefetch, sum(ordered[1:])))
+    return root + largest + ahead
 
 
 def _bounded(num_params: int, divisor: int) -> int:

@@ -493,6 +493,41 @@ def params_from_config(source: Any) -> int:
     return count_params(model)
 
 
+def stage3_unit_numels(source: Any, *, persistence_threshold: int | None = None) -> tuple[int, list[int]]:
+    """(root, other units): elements each stage-3 unit of the model a Hugging Face config describes
+    gathers, with the default units (the decoder blocks; the root owns the rest, see [Note: stage-3
+    units]) and parameters below ``persistence_threshold`` (default: ZeroConfig's) left out, since they
+    stay whole. Built on the meta device: no memory, no weights."""
+    from hfzero.config import ZeroConfig
+    from hfzero.runtime.stage3.units import resolve_units
+
+    threshold = ZeroConfig().param_persistence_threshold if persistence_threshold is None else persistence_threshold
+    config = load_hf_config(source)
+    try:
+        model = _meta_model(config)
+        specs = resolve_units(model, None, set(model.parameters()))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise EstimateError(f"cannot build a {type(config).__name__} model to find its stage-3 units ({exc})") from None
+    numels = [sum(p.numel() for p in spec.params if p.numel() >= threshold) for spec in specs]
+    return numels[0], numels[1:]
+
+
+def stage3_gathered_bytes(root: float, others: list[float], dp: int, *, param_bytes: int = 2, mp: int = 1,
+                          prefetch_numel: int | None = None) -> float:
+    """Bytes of parameters stage 3 holds gathered at once per device (PARAM_GATHERED: transient, not a
+    model state): the root, the unit in use and the next one (prefetched whatever its size) or the
+    prefetch budget (``prefetch_numel``; default: ZeroConfig's model-sized rule); with every unit larger
+    than the budget, the root and the two largest units. Units are divided over ``mp`` model-parallel
+    ranks. See ``hfzero.config.stage3_gathered_numel``."""
+    from hfzero.config import ZeroConfig, stage3_gathered_numel
+
+    _check_layout(dp, 3, mp)
+    units = [int(math.ceil(n / mp)) for n in others]
+    if prefetch_numel is None:
+        prefetch_numel = ZeroConfig().prefetch_numel(int(root / mp) + sum(units), dp)
+    return float(stage3_gathered_numel(int(math.ceil(root / mp)), units, prefetch_numel) * param_bytes)
+
+
 # --------------------------------------------------------------------------------------------------
 # Activation memory (an estimate)
 # --------------------------------------------------------------------------------------------------

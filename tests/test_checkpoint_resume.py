@@ -39,10 +39,9 @@ from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
 STEPS, K, GLOBAL_BATCH, SEQ = 6, 3, 4, 16
 BUCKET = 3000  # several buckets, parameters split across ranks' slices
 PERSIST = 100  # stage 3: the layer norms and attention biases (<= 96 elements) stay whole, the rest is sharded
-# (stage, dtype, param_persistence_threshold) run by ranks 0-1 and, side by side, by ranks 2-3. Each pair
-# builds the same number of stage-3 engines: a Stage3Engine makes a process group with
-# use_local_synchronization, whose name torch derives from the count of groups the process already has,
-# so ranks that later build one engine together must have built equally many before (else they hang).
+# (stage, dtype, param_persistence_threshold) run by ranks 0-1 and, side by side, by ranks 2-3. (Each pair
+# builds the same number of stage-3 engines; a Stage3Engine no longer makes a process group, see
+# [Note: one communicator per data-parallel group], so this is no longer required.)
 PAIR_CASES = (((0, "fp32", 0), (2, "fp32", 0), (3, "fp32", 0), (3, "bf16", PERSIST)),
               ((1, "fp32", 0), (2, "bf16", 0), (3, "fp32", PERSIST), (3, "bf16", 0)))
 CASES = PAIR_CASES[0] + PAIR_CASES[1]

@@ -229,6 +229,10 @@ def _estimate(request: _Request) -> dict[str, Any]:
             for stage in est.STAGES}
         if request.offload_optimizer:
             result["model_states_cpu_bytes"] = _per_stage(est.model_states_cpu_bytes, params, request, precision)
+    if request.config:  # See [Note: stage-3 gather order]: the next unit is gathered ahead whatever its size
+        root, units = est.stage3_unit_numels(request.config)
+        result["stage3_gathered_bytes"] = est.stage3_gathered_bytes(root, units, request.dp, mp=request.mp,
+                                                                    param_bytes=precision.param_bytes)
     activations = _activations(request, precision) if request.seq_len is not None else None
     if activations is not None:
         result["activations"] = activations
@@ -298,6 +302,9 @@ def _render(result: dict[str, Any]) -> str:
     if result["params"] is not None:
         lines.insert(0, f"model: {result['params'] / 1e9:.4g}B parameters" + (f" ({result['config']})" if result["config"] else ""))
     lines += _stage_table(result)
+    if "stage3_gathered_bytes" in result:
+        lines.append(f"stage 3 also holds up to {result['stage3_gathered_bytes'] / _GB:.2f} GB of gathered parameters "
+                     "(transient: the root unit, the block in use and the next one, prefetched)")
     if "activations" in result:
         lines += _activation_lines(result["activations"])
     if "auto_stage" in result:

@@ -94,7 +94,13 @@ def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: i
     host_inputs = {k: v for k, v in inputs.items() if k != "frozen_params"}
     device = model_states_bytes(**inputs, offload_optimizer=offloaded)
     host = model_states_cpu_bytes(**host_inputs, offload_optimizer=offloaded)
-    return {
+    extra = {}
+    if inputs["stage"] == 3 and getattr(engine, "units", None):  # See [Note: stage-3 gather order]
+        from hfzero.config import stage3_gathered_numel
+
+        numels = [int(u.numel) for u in engine.units]
+        extra["stage3_gathered_bytes"] = stage3_gathered_numel(numels[0], numels[1:], int(engine.prefetch_numel)) * p
+    return {**extra,
         # offloaded, the host holds gradients in fp32 (and an fp32 master in fp32 runs): the sum of both sides
         "model_state_bytes": device + host if offloaded else model_states_bytes(**inputs),
         "device_model_state_bytes": device,

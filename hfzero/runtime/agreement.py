@@ -9,8 +9,11 @@ passes (forwards of the prepared model with gradients enabled) and, at the first
 step, launches one asynchronous 2-element all-reduce (MAX of [count, -count]) on the data-parallel
 group, ordered before that step's bucket reductions. The step waits for it where it already waits for
 those reductions, and every rank whose count differs from another's raises StepMismatchError before
-the optimizer applies anything. No host synchronization is added on the hot path. Stage 3 is left out:
-its gathers run on a second group and their per-pass order check already stops ranks that diverge.
+the optimizer applies anything. The counts go into a 2-element device tensor allocated once and filled
+with ``fill_`` (no copy of Python data to the device), and the result is read once, at the step: the
+step's one host synchronization (See [Note: host-sync budget] in hfzero/testing/host_syncs.py). Stage 3
+has a check of its own at the step, which packs its gather-order fingerprint and late-gradient flags
+into one such read (stage3/step_check.py).
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ class StepAgreement:
         self.comm = comm
         self.forwards = 0
         """Forward passes of the prepared model run with gradients enabled on this rank."""
-        self._pending: tuple[torch.Tensor, Handle, int] | None = None
+        self._pending: tuple[Handle, int] | None = None
+        self._counts = torch.zeros(2, dtype=torch.int64, device=comm.device)
+        """[count, -count], all-reduced (MAX) in place; allocated once (scratch, 16 bytes)."""
         self._hook = model.register_forward_pre_hook(self._count)
 
     def _count(self, module: nn.Module, args: object) -> None:
@@ -44,17 +49,19 @@ class StepAgreement:
         """At the first backward of a step: start the agreement all-reduce (asynchronous)."""
         if self.comm.world_size == 1 or self._pending is not None:
             return
-        counts = torch.tensor([self.forwards, -self.forwards], dtype=torch.int64, device=self.comm.device)
-        self._pending = (counts, self.comm.all_reduce(counts, op=dist.ReduceOp.MAX, async_op=True), self.forwards)
+        self._counts[0].fill_(self.forwards)  # a kernel with a scalar argument: no host synchronization
+        self._counts[1].fill_(-self.forwards)
+        self._pending = (self.comm.all_reduce(self._counts, op=dist.ReduceOp.MAX, async_op=True), self.forwards)
 
     def check(self) -> None:
         """Before the step applies anything: raise on every rank whose step differs from another's."""
         if self._pending is None:
             return
-        counts, handle, mine = self._pending
+        handle, mine = self._pending
         self._pending = None
         handle.wait()
-        most, least = counts.tolist()[0], -counts.tolist()[1]
+        most, negated_least = self._counts.tolist()  # the step's one host synchronization
+        least = -negated_least
         if most != least:
             raise StepMismatchError(
                 f"hfzero: ranks are at different training steps: this rank had run {mine} training forward "
@@ -66,5 +73,5 @@ class StepAgreement:
     def forget(self) -> None:
         """Drop an agreement of a step that was abandoned (zero_grad after a failure)."""
         if self._pending is not None:
-            self._pending[1].wait()
+            self._pending[0].wait()
             self._pending = None

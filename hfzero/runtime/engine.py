@@ -257,8 +257,7 @@ class ZeroEngine:
         if self._materialized:
             return
         self.reducer.reduce_pending()
-        if self.agreement is not None:
-            self.agreement.check()
+        self._check_step()
         if self.offload is not None:  # the host writes master weights next: See [Note: offload copies]
             self.offload.wait_uploads()
         factor = 1.0 / (self.world_size * self.scaler.scale)
@@ -278,6 +277,12 @@ class ZeroEngine:
             flag = (~finite).to(self.comm_device, torch.float32).reshape(1)  # one device sync, below
             self.comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             self.overflow = bool(flag.item() > 0)
+
+    def _check_step(self) -> None:
+        """The step's checks, before anything is applied: the step agreement (See [Note: step agreement]),
+        whose one read is the step's one host synchronization."""
+        if self.agreement is not None:
+            self.agreement.check()
 
     def _find_unused_ranges(self) -> list[tuple[int, int, int]]:
         """(bucket index, start, end) ranges of master views whose parameters no rank used since the

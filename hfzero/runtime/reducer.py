@@ -5,7 +5,8 @@ Memory held, by stage (see [Note: bucket sharding] in layout.py):
   (GRAD_FULL, a model state). Buckets are views of it and are reduced in place.
 - stages 2-3: ``grad_shard``, this rank's slice of every bucket (GRAD_SHARD, a model state), plus
   staging buffers for buckets being filled or reduced within one backward pass (GRAD_BUCKET,
-  transient: at most ``max_inflight`` buffers are pooled between passes), plus, only under the
+  transient: at most ``max_inflight`` buffers are pooled between passes; at stage 3 a bucket's late
+  gradients, rare, keep a buffer until the step), plus, only under the
   "local" accumulation policy while reduction is deferred, a full local accumulator (GRAD_ACCUM, a
   model state: it is held across micro-batches) that the synchronizing backward reduces and frees.
 - with offload (``sink``, runtime/offload.py), stages 2-3 hold no ``grad_shard``: each reduced slice is
@@ -31,13 +32,14 @@ same two behaviours without the user's ``no_sync``: it runs its micro-batches in
 [Note: collective order across ranks]
 Every rank launches every bucket's reduction exactly once per synchronizing backward, in bucket
 index order, so a single process group never sees mismatched collectives. Stage 3 runs parameter
-gathers on a second group; there the *interleaving* of gathers and reductions must not depend on
-the rank either (NCCL kernels of two communicators issued in different orders on two ranks can
-deadlock). So at stage 3 a bucket is launched only at rank-independent points (``launch_on_fill``
+gathers on the same group (See [Note: one communicator per data-parallel group] in stage3/engine.py);
+there the *interleaving* of gathers and reductions must not depend on the rank either (a gather
+paired with another rank's reduce-scatter mixes or hangs). So at stage 3 a bucket is launched only at rank-independent points (``launch_on_fill``
 is False): when the backward pass moves on to a later unit (``force_ready``), or at the end of the
 backward pass, never at the moment its last gradient happens to arrive, which differs between ranks
 (an unused parameter, a slower branch). Gradients arriving after their bucket was launched ("late")
-are kept and reduced at the end of the backward pass, after one small agreement collective.
+are kept and reduced at the optimizer step, after the step's one check collective (See [Note: stage-3
+step check] in stage3/step_check.py).
 
 [Note: active buckets]
 A pipeline rank running several stages (a multi-stage schedule) back-propagates one stage at a time;
@@ -116,8 +118,6 @@ class GradientReducer:
         self.accumulator: torch.Tensor | None = None
         self.launch_on_fill = True
         """False at stage 3: buckets launch only at rank-independent points (see the Note above)."""
-        self.agree_comm: Communicator | None = None
-        """Where the end-of-backward agreement on late gradients runs (launch_on_fill=False only)."""
         self._staging: dict[int, torch.Tensor] = {}
         self._late: dict[int, torch.Tensor] = {}
         self._pool: list[torch.Tensor] = []
@@ -276,8 +276,7 @@ class GradientReducer:
         try:
             if self.sync:
                 self._launch_all_remaining()
-                self._wait_all()
-                self._reduce_late()
+                self._wait_all()  # late gradients (stage 3) wait for the step: See [Note: stage-3 step check]
                 if self.sink is not None:  # before the accumulator is freed: See [Note: offload copies]
                     self.sink.drain()
                 self.accumulator = None
@@ -403,29 +402,25 @@ class GradientReducer:
         while self._inflight:
             self._complete(*self._inflight.popleft())
 
-    def _reduce_late(self) -> None:
-        """Reduce gradients that arrived after their bucket was launched (stage 3 only, rare).
+    def late_buckets(self) -> list[int]:
+        """Buckets holding this rank's gradients that arrived after their bucket was launched (stage 3,
+        rare): kept, summed over the step's backward passes, until ``reduce_late`` at the step."""
+        return sorted(self._late)
 
-        Every rank takes part in one tiny all-reduce of a flag per bucket, so they agree on which
-        buckets need a second reduction; ranks without late gradients contribute zeros.
-        """
-        if self.launch_on_fill:
-            return
-        if self.comm.world_size > 1 and self.agree_comm is not None:
-            flags = torch.zeros(len(self.layout.buckets), dtype=torch.uint8, device=self.agree_comm.device)
-            for index in self._late:
-                flags[index] = 1
-            self.agree_comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-            late = [i for i, flag in enumerate(flags.tolist()) if flag]  # one host sync per backward
-        else:
-            late = sorted(self._late)
-        for index in late:
+    def reduce_late(self, indices: list[int]) -> None:
+        """Reduce the late gradients of buckets ``indices`` into the store (collective: ``indices`` must be
+        the same on every rank, the step check's flags; a rank without late gradients for one of them
+        contributes zeros). See [Note: stage-3 step check] in stage3/step_check.py."""
+        for index in indices:
             bucket = self.layout.buckets[index]
             source = self._late.get(index)
             if source is None:
                 source = self._late[index] = self._take_buffer(bucket.padded)
             self._launch(bucket, source)
         self._wait_all()
+        if indices and self.sink is not None:
+            self.sink.drain()
+        self._trim_pool()
 
     def reduce_pending(self) -> None:
         """Reduce whatever backward passes under ``no_sync`` left local (before a step or clip)."""
@@ -534,6 +529,9 @@ class GradientReducer:
             return
         self.used.clear()
         self._graph_roots, self._roots_complete = [], True
+        for buffer in self._late.values():  # late gradients of an abandoned step (stage 3)
+            self._give_back(buffer)
+        self._late.clear()
         if self.sink is not None:
             self.sink.reset()
         if not self._dirty:  # already zero (e.g. zero_grad() right after step(), which zeroed)

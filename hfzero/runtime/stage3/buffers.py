@@ -21,8 +21,8 @@ reallocated block of the caching allocator.
 
 Buffers are matched by exact size (decoder blocks share one size, the root has its own), so a large
 buffer is never tied up by a small unit. The pool keeps idle buffers while everything it holds
-stays within ``limit_bytes``: the root unit plus the largest unit plus the prefetch budget, the most
-that can be gathered at once (see [Note: stage-3 gather order] in scheduler.py); a buffer given back
+stays within ``limit_bytes``: the root unit, the largest unit and the next one or the prefetch budget,
+the most that can be gathered at once (``config.stage3_gathered_numel``) (see [Note: stage-3 gather order] in scheduler.py); a buffer given back
 beyond that is freed.
 """
 

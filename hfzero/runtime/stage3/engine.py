@@ -20,7 +20,8 @@ happen to be full; see scheduler.py.
   optimizer states are sharded like the others'; after a step they are all-gathered.
 - full buffers of the units gathered right now (PARAM_GATHERED, transient): the unit running
   forward or backward, the root (the whole forward and the whole backward), and prefetched units
-  (at most ``prefetch_numel`` elements); see unit.py and scheduler.py. They are borrowed
+  (the next unit whatever its size, more within ``prefetch_numel`` elements; at most
+  ``config.stage3_gathered_numel`` in all); see unit.py and scheduler.py. They are borrowed
   from ``gather_pool``, whose idle buffers (COMM_BUFFER, transient) are kept for the next gathers:
   see [Note: stage-3 gather buffers] in buffers.py.
 - gradients, master weights, optimizer states: as at stage 2 (GRAD_SHARD 2Ψ/N, MASTER_SHARD 4Ψ/N,
@@ -32,18 +33,18 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hfzero.comm import Communicator
-from hfzero.config import ZeroConfig
+from hfzero.config import ZeroConfig, stage3_gathered_numel
 from hfzero.logging import get_logger
 from hfzero.roles import MemoryRole
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.layout import Bucket, FlatLayout
 from hfzero.runtime.stage3.buffers import GatherBufferPool
 from hfzero.runtime.stage3.scheduler import Phase, UnitScheduler
+from hfzero.runtime.stage3.step_check import StepCheck
 from hfzero.runtime.stage3.unit import GatherUnit, UnitState
 from hfzero.runtime.stage3.units import UnitSpec, resolve_units
 from hfzero.runtime.stage3.weights import WeightSource
@@ -55,27 +56,27 @@ _PERSISTENT = -1
 """Unit key of the persistent parameters' buckets (they are never gathered)."""
 
 
-_GATHER_GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
-"""One gather group per set of ranks (and default group): engines built again reuse it, so groups
-neither pile up nor depend on how many engines each rank built before (torch names a new group from
-its ranks and the count of groups this process created, so unequal counts would hang its setup)."""
-
-
 def _gather_group_comms(comm: Communicator) -> tuple[Communicator, Communicator | None]:
-    """A communicator for parameter gathers on a group of its own, and one for order checks.
+    """The communicator for parameter gathers (the data-parallel one itself) and one for order checks
+    (same group, its own ledger: checks are bookkeeping, not volume).
 
-    See [Note: stage-3 gather order]. Gather volumes are counted in ``comm``'s statistics, so
-    ``engine.comm.stats()`` reports every collective of the step.
+    [Note: one communicator per data-parallel group]
+    Stage 3 runs its parameter all-gathers, its gradient reduce-scatters and its small checks on the
+    data-parallel group's one process group, hence one NCCL communicator. Two communicators used at the
+    same time are unsafe (NCCL documents it: their kernels may be scheduled in different orders on two
+    ranks and wait on each other forever, even when every rank issues the same sequence), and the second
+    group used to be made with local synchronization (``use_local_synchronization``), which hangs once
+    the default group is bound to a device and split. FSDP2 made the same choice: one process group, the all-gathers and
+    reduce-scatters ordered on their streams. On one communicator every collective runs in issue order,
+    and the issue order is already the same on every rank (gathers at the recorded order's points,
+    reductions at rank-independent points: [Note: collective order across ranks] in reducer.py), so the
+    order on the wire is the same too. The cost: a prefetch gather issued after a unit's reduce-scatter
+    waits for it (both still overlap compute, which runs on the compute stream). No process group is
+    created here, so no rank can skip one (tests/test_stage3_comm_order.py).
     """
     if comm.world_size == 1:
         return comm, None
-    ranks = tuple(dist.get_process_group_ranks(comm.group or dist.group.WORLD))
-    key = (id(dist.group.WORLD), ranks)
-    if key not in _GATHER_GROUPS:
-        _GATHER_GROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
-    group = _GATHER_GROUPS[key]
-    # one ledger for the data-parallel group's collectives; order checks are bookkeeping, not volume
-    return comm.on_group(group), comm.on_group(group, share_stats=False)
+    return comm, comm.on_group(comm.group, share_stats=False)
 
 
 class Stage3Engine(ZeroEngine):
@@ -114,7 +115,9 @@ class Stage3Engine(ZeroEngine):
         self.scheduler = UnitScheduler(self.units, verify_comm if verify_gather_order else None, self.prefetch_numel)
         # See [Note: collective order across ranks] in reducer.py
         self.reducer.launch_on_fill = False
-        self.reducer.agree_comm = comm.on_group(comm.group, share_stats=False)
+        self.step_check = None if comm.world_size == 1 else StepCheck(comm.on_group(comm.group, share_stats=False),
+                                                                      len(self.layout.buckets))
+        """The step's one check collective (gather order, late gradients): See [Note: stage-3 step check]."""
         self.scheduler.on_unit_done = lambda unit: self.reducer.force_ready(unit.buckets)
         self._partitioned = {p for p, unit in self._unit_of.items() if unit != _PERSISTENT}
         self.allow_partitioned_state_dict = False
@@ -240,11 +243,10 @@ class Stage3Engine(ZeroEngine):
                           self.policy.param_dtype, self.device, self.gather_pool)
 
     def _gather_pool_limit(self) -> int:
-        """Bytes the gather pool may hold: the root, the largest other unit and the prefetch budget
-        (the most gathered at once), never more than every unit at once. See [Note: stage-3 gather buffers]."""
+        """Bytes the gather pool may hold: the most gathered at once (``stage3_gathered_numel``: the
+        root, the unit in use and the next one or the prefetch budget). See [Note: stage-3 gather buffers]."""
         numels = [u.numel for u in self.units]
-        bound = numels[0] + max(numels[1:], default=0) + self.prefetch_numel
-        return min(bound, sum(numels)) * self.param_shard.element_size()
+        return stage3_gathered_numel(numels[0], numels[1:], self.prefetch_numel) * self.param_shard.element_size()
 
     def _owned_param(self, bucket: Bucket) -> torch.Tensor:
         return self._shard_views[bucket.index]
@@ -256,6 +258,16 @@ class Stage3Engine(ZeroEngine):
         super().finish_step()
 
     # ---- step -----------------------------------------------------------------------------------
+    def _check_step(self) -> None:
+        """One all-reduce and one host read per step (world > 1): every training pass since the last step
+        gathered the same units on every rank (else GatherOrderError on every rank), and the buckets with
+        late gradients on any rank are reduced. See [Note: stage-3 step check] in step_check.py."""
+        late = self.reducer.late_buckets()
+        if self.step_check is not None:
+            agreed, late = self.step_check.run(self.scheduler.fingerprint, late)
+            self.scheduler.end_step_check(agreed)
+        self.reducer.reduce_late(late)
+
     def publish_params(self) -> None:
         """Copy master slices into the parameter shard; all-gather only the persistent parameters.
 

@@ -1,17 +1,21 @@
 """Stage-3 hooks: gather before a unit's forward and backward, release after, prefetch in recorded order.
 
 [Note: stage-3 gather order]
-Gathers are collectives, so every rank must gather the same units in the same order. They run on a
-process group of their own (the gather group), apart from the gradient reduce-scatters; the
-reductions are launched only at rank-independent points of the backward pass (when it moves on to
-the next unit, and at its end), so the interleaving of the two sequences is the same on every rank
-too (see [Note: collective order across ranks] in reducer.py). Within a pass (one forward of the
-root, or one backward) a unit is gathered on demand by its forward pre-hook (forward) or by a hook on
-its forward outputs' gradients (backward), and the next units of the order recorded in the previous
-pass of the same kind are prefetched, within ``allgather_bucket_size`` elements of not-yet-used
-gathered units. A pass that departs from the recorded order stops prefetching (the rest is gathered
-on demand) and becomes the new recorded order; prefetched units it did not use are released when
-the pass ends.
+Gathers are collectives, so every rank must gather the same units in the same order. They run on the
+data-parallel group's one communicator, with the gradient reduce-scatters (See [Note: one communicator
+per data-parallel group] in engine.py); the reductions are launched only at rank-independent points of
+the backward pass (when it moves on to the next unit, and at its end), so the interleaving of the two
+sequences is the same on every rank too (see [Note: collective order across ranks] in reducer.py).
+Within a pass (one forward of the root, or one backward) a unit is gathered on demand by its forward
+pre-hook (forward) or by a hook on its forward outputs' gradients (backward), and the next units of the
+order recorded in the previous pass of the same kind are prefetched: the next unit always, whatever its
+size (a decoder block of a 1B-parameter model, ~61M elements, is larger than any budget, and gathering
+it on demand would serialize every gather with compute), and the units after it within
+``allgather_bucket_size`` elements of not-yet-used gathered units. So at most the root, the unit in use
+and max(the next unit, the budget) are gathered at once: root + the two largest other units when every
+unit is larger than the budget (the gather pool's limit, the estimator's and the profile's transient).
+A pass that departs from the recorded order stops prefetching (the rest is gathered on demand) and
+becomes the new recorded order; prefetched units it did not use are released when the pass ends.
 A submodule of a unit called on its own (``model.get_encoder()(...)``, ``lm_head(h)``, an embedding
 called by ``generate``) gathers its unit around that call through the same path (same order check),
 so a unit is gathered whenever any part of it runs, not only through the root's forward.
@@ -22,23 +26,27 @@ gathers its units anew. The driver brackets each step with ``begin_planned_step(
 ``end_planned_step()``, ``plan`` being the kinds of the passes the previous step with the same schedule
 ran (forward, backward, ...). When a pass reaches the last unit of its recorded order, the scheduler
 looks up the next pass's kind in the plan and starts gathering the first unit of that pass's recorded
-order (after the root) that is sharded now, within the prefetch budget: that gather overlaps the last
-unit's compute and whatever the schedule does between the passes (P2P waits, the loss). The unit is
-carried across the pass end (not released) and used by the next pass; one carried but unused (a
-schedule that departed from the plan) is released at the end of that next pass, and
+order (after the root) that is sharded now, whatever its size (it is the next unit): that gather
+overlaps the last unit's compute and whatever the schedule does between the passes (P2P waits, the
+loss). The unit is carried across the pass end (not released) and used by the next pass; one carried
+but unused (a schedule that departed from the plan) is released at the end of that next pass, and
 ``end_planned_step`` releases anything still carried before the optimizer step (the gathered values
 must never outlive the step). A unit gathered now is never carried: it is released and gathered again
-as usual, so each unit is gathered exactly as often as without the prefetch (the communication stays
-2M x Ψ_s elements per step, the cost model's). Decisions depend on the recorded orders and the plan
-only, the same on every rank of the stage's group, so the gathers keep their order across ranks. The
+as usual, so each unit is gathered exactly as often as without the prefetch (the communication stays 2M
+x Ψ_s elements per step, the cost model's). Decisions depend on the recorded orders and the plan only,
+the same on every rank of the stage's group, so the gathers keep their order across ranks. The
 first step (no plan yet) and passes outside a planned step never prefetch across passes.
 
-With ``verify=True`` the order is checked without a host synchronization on the hot path: while an
-order is being recorded (the first pass of each kind) every gather is preceded by a tiny all-gather
-of the unit's index, and every pass ends with an all-gather of a signature of the units it gathered
-(one host synchronization per pass). When ranks disagree every rank raises GatherOrderError naming
-what each rank did, instead of mixing shards. A rank that departs from a recorded order is caught at
-the end of the pass, unless its mismatched gathers (of different sizes) already failed.
+With ``verify=True`` the order is checked: while an order is being recorded (the first pass of each
+kind) every gather is preceded by a tiny all-gather of the unit's index (a host synchronization per
+gather, in that first step only), so ranks that differ from the start raise GatherOrderError before
+mixing shards. Afterwards a training pass (a forward with gradients enabled, a backward) only folds a
+signature of the units it gathered into ``fingerprint``, which the optimizer step checks in its one
+collective (See [Note: stage-3 step check] in step_check.py): a rank that departs from a recorded
+order is caught there, on every rank, before anything is applied, unless a mismatched collective (of
+another size or kind: with one communicator, a gather may meet another rank's reduction) failed first.
+A forward without gradients (evaluation, ``generate``) ends with an all-gather of its signature, as
+before (one host synchronization per such pass: no step follows it).
 """
 
 from __future__ import annotations
@@ -61,6 +69,8 @@ logger = get_logger(__name__)
 
 _END_FORWARD = -1
 _END_BACKWARD = -2
+_HISTORY = 256
+"""Training passes per step whose gathers are kept for a GatherOrderError's message (the fingerprint covers all)."""
 
 
 class GatherOrderError(RuntimeError):
@@ -78,8 +88,10 @@ class Phase(enum.Enum):
 class _Pass:
     """Bookkeeping of one forward or backward pass: the units it used and gathered, in order."""
 
-    def __init__(self, recorded: list[int]):
+    def __init__(self, recorded: list[int], training: bool):
         self.recorded = recorded
+        self.training = training
+        """A forward with gradients enabled, or a backward: checked at the step (See [Note: stage-3 step check])."""
         self.seen: list[int] = []
         self.issued: list[int] = []
         """Units whose gather this pass launched (prefetched ones included): what must match across ranks."""
@@ -110,6 +122,9 @@ class UnitScheduler:
         """The kinds of the passes of the previous planned step; see [Note: prefetch across micro-batches]."""
         self._step_passes: list[Phase] | None = None  # kinds of this planned step's passes so far (None: no step)
         self._carry: set[int] = set()  # units gathered for the next pass: kept across this pass's end
+        self.fingerprint = 0
+        """Signatures of the training passes since the last step check, folded (See [Note: stage-3 step check])."""
+        self._history: list[list[int]] = []  # those passes' [marker, *issued units], for the error message
         self.cross_prefetches = 0
         """Units gathered ahead for the next pass so far (a count, for tests and benchmarks)."""
         self.events: list[tuple[str, str]] | None = None
@@ -179,7 +194,7 @@ class UnitScheduler:
                 self.abort_pass()
             if unit is self.root and self.phase is Phase.IDLE:
                 self.phase = Phase.FORWARD
-                self._pass = _Pass(self.orders[Phase.FORWARD])
+                self._pass = _Pass(self.orders[Phase.FORWARD], torch.is_grad_enabled())
                 self._carry = set()  # units carried into this pass are its own now
             self._enter(unit)
         return hook
@@ -269,7 +284,7 @@ class UnitScheduler:
             self._end_pass(Phase.FORWARD, _END_FORWARD)
         self.phase = Phase.BACKWARD
         self._graph_task = torch._C._current_graph_task_id()
-        self._pass = _Pass(self.orders[Phase.BACKWARD])
+        self._pass = _Pass(self.orders[Phase.BACKWARD], True)
         self._carry = set()  # units carried into this pass are its own now
         self._backward_seen = set()
         self._finished = set()
@@ -277,12 +292,7 @@ class UnitScheduler:
 
     def _end_backward(self) -> None:
         self._finish_earlier_units()
-        issued = self._pass.issued if self._pass is not None else []
-        self._end_pass(Phase.BACKWARD, None)
-        # Check the pass end only after this backward's gradient reductions finished (the reducer's
-        # end-of-backward callback, queued after this one, runs first): a rank that skipped a unit
-        # launches its last reduce-scatters there, and another rank may be waiting on them.
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._verify_pass(_END_BACKWARD, issued))
+        self._end_pass(Phase.BACKWARD, _END_BACKWARD)  # a training pass: checked at the step
 
     def _end_pass(self, phase: Phase, marker: int | None) -> None:
         current, self._pass = self._pass, None
@@ -299,7 +309,11 @@ class UnitScheduler:
             if current.recorded:
                 logger.debug("stage 3: %s order changed; recording the new one", phase.value)
             self.orders[phase] = current.seen
-        if marker is not None:
+        if marker is None:
+            return
+        if current is not None and current.training:  # See [Note: stage-3 step check] in step_check.py
+            self._fold(marker, issued)
+        else:
             self._verify_pass(marker, issued)
 
     # ---- gathering ------------------------------------------------------------------------------
@@ -318,20 +332,21 @@ class UnitScheduler:
             return
         budget = self.prefetch_numel - sum(u.numel for u in self.units
                                            if u.state is not UnitState.SHARDED and u.index not in current.seen)
-        for index in current.recorded[position + 1:]:
+        for ahead, index in enumerate(current.recorded[position + 1:]):
             nxt = self.units[index]
             if nxt.state is not UnitState.SHARDED:
                 continue
-            if nxt.numel > budget:
+            if ahead > 0 and nxt.numel > budget:  # the next unit always goes: See [Note: stage-3 gather order]
                 break
             budget -= nxt.numel
             self._issue(nxt)
         if position == len(current.recorded) - 1:
-            self._prefetch_next_pass(budget)
+            self._prefetch_next_pass()
 
-    def _prefetch_next_pass(self, budget: int) -> None:
-        """At the last unit of a pass: start gathering the next pass's first sharded unit and carry it
-        across the pass end. See [Note: prefetch across micro-batches]."""
+    def _prefetch_next_pass(self) -> None:
+        """At the last unit of a pass: start gathering the next pass's first sharded unit (whatever its
+        size: it is the next unit) and carry it across the pass end. See [Note: prefetch across
+        micro-batches]."""
         if self._step_passes is None or self.keep_gathered:
             return
         following = len(self._step_passes) + 1  # the pass after this one, in the plan
@@ -341,10 +356,9 @@ class UnitScheduler:
             unit = self.units[index]
             if unit is self.root or unit.state is not UnitState.SHARDED:
                 continue
-            if unit.numel <= budget:
-                self._issue(unit)
-                self._carry.add(index)
-                self.cross_prefetches += 1
+            self._issue(unit)  # the next unit, whatever its size (as within a pass)
+            self._carry.add(index)
+            self.cross_prefetches += 1
             return
 
     def _issue(self, unit: GatherUnit) -> None:
@@ -356,6 +370,37 @@ class UnitScheduler:
             self._pass.issued.append(unit.index)
         self._log("gather", unit)
         unit.start_gather()
+
+    def _fold(self, marker: int, issued: list[int]) -> None:
+        """Add a training pass to the fingerprint checked at the step (host only: no collective)."""
+        if self.verify_comm is None or self.verify_comm.world_size == 1:
+            return
+        self.fingerprint = hash((self.fingerprint, marker, tuple(issued))) & (2**62 - 1)  # ints hash alike everywhere
+        if len(self._history) < _HISTORY:
+            self._history.append([marker, *issued])
+
+    def end_step_check(self, agreed: bool) -> None:
+        """After the step check (every rank calls it with the same ``agreed``): start a new fingerprint,
+        or raise GatherOrderError on every rank, naming the first training pass where ranks differ
+        (one more collective, on the error path only)."""
+        history, self._history, self.fingerprint = self._history, [], 0
+        if agreed:
+            return
+        histories = [json.loads(payload) for payload in self.verify_comm.all_gather_bytes(json.dumps(history).encode())]
+        first = next((i for i in range(max(map(len, histories))) if len({json.dumps(h[i:i + 1]) for h in histories}) > 1),
+                     None)
+        if first is None:
+            what = f"passes beyond the first {_HISTORY} of the step, whose details were not kept"
+        else:
+            kinds = {_END_FORWARD: "forward", _END_BACKWARD: "backward"}
+            what = f"training pass {first + 1} since the last step: " + ", ".join(
+                f"rank {r}: " + (f"{kinds[h[first][0]]} gathering {[self._describe(i) for i in h[first][1:]]}"
+                                 if first < len(h) else "no such pass") for r, h in enumerate(histories))
+        raise GatherOrderError(
+            f"hfzero stage 3: ranks gathered different units ({what}); found at the optimizer step, before "
+            "anything was applied. Every rank must run the same stage-3 units (decoder blocks, the root) in the "
+            "same order in each forward and backward; a branch that skips a unit on some ranks only must be "
+            "taken on all ranks, or the module must belong to a unit every rank runs (prepare(units=...)).")
 
     def _verify(self, code: int) -> None:
         """All ranks must be at the same gather (or pass end); see [Note: stage-3 gather order]."""
