@@ -42,14 +42,18 @@ from hfzero.logging import get_logger
 
 logger = get_logger(__name__)
 
+_M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+MAX_MMAP_THRESHOLD = 1 << 25
+"""glibc's largest mmap threshold on 64-bit systems (HEAP_MAX_SIZE / 2), the ceiling of its dynamic one."""
+_NO_TOP_TRIM = 2**31 - 1
 _applied: int | None = None
 _malloc_trim: Any = None  # libc's malloc_trim once looked up; False where there is none
 
 
 def configure_host_allocator(threshold: int) -> bool:
-    """Fix glibc's mmap threshold at ``threshold`` bytes (see [Note: host allocator]); True if set now
-    or earlier in this process."""
+    """Fix glibc's mmap threshold at ``threshold`` bytes and turn its automatic trim of the heap's top
+    off (see [Note: host allocator]); True if set now or earlier in this process."""
     global _applied
     if threshold <= 0 or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
@@ -65,10 +69,24 @@ def configure_host_allocator(threshold: int) -> bool:
     if mallopt(_M_MMAP_THRESHOLD, int(threshold)) != 1:
         logger.warning("mallopt(M_MMAP_THRESHOLD, %d) failed; host allocator left as it is", threshold)
         return False
+    if "MALLOC_TRIM_THRESHOLD_" not in os.environ and mallopt(_M_TRIM_THRESHOLD, _NO_TOP_TRIM) != 1:
+        logger.warning("mallopt(M_TRIM_THRESHOLD) failed; glibc trims the heap's top itself")
     _applied = threshold
-    logger.info("host allocator: glibc mmap threshold fixed at %d bytes (ZeroConfig.host_mmap_threshold; "
-                "see [Note: host allocator])", threshold)
+    logger.info("host allocator: glibc mmap threshold fixed at %d bytes, no automatic trim of the heap's top "
+                "(ZeroConfig.host_mmap_threshold; see [Note: host allocator])", threshold)
     return True
+
+
+def resident_bytes() -> int | None:
+    """The process's resident memory (RSS) now, from /proc/self/statm; None where there is no /proc."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def trim_host_heap() -> bool:
@@ -85,3 +103,33 @@ def trim_host_heap() -> bool:
             logger.debug("malloc_trim is not available (not glibc); host heap left as it is")
             _malloc_trim = False
     return bool(_malloc_trim) and _malloc_trim(0) == 1
+
+
+class HeapTrimmer:
+    """Decides, after each optimizer step of a CPU engine, whether to trim the host heap (see
+    [Note: host allocator]): when the resident memory after the step exceeds the settled level (the
+    resident memory after the first step, and after the first step following each trim) by more than
+    ``slack`` of it; ``slack`` 0 trims after every step. Holds nothing but two integers; the check reads
+    /proc/self/statm once per step."""
+
+    def __init__(self, slack: float):
+        self.slack = slack
+        self.settled: int | None = None
+        self.trims = 0
+        """How many times the heap was trimmed (tests and benchmarks read it)."""
+
+    def after_step(self) -> bool:
+        """Trim if the heap grew past the bound; True if it trimmed."""
+        if self.slack > 0:
+            rss = resident_bytes()
+            if rss is None:
+                return False
+            if self.settled is None:
+                self.settled = rss
+                return False
+            if rss <= self.settled * (1 + self.slack):
+                return False
+            logger.debug("host heap: resident %d bytes after the step, settled at %d: trimming", rss, self.settled)
+            self.settled = None  # the next step, refilling the heap it reuses, settles it again
+        self.trims += 1
+        return trim_host_heap()
