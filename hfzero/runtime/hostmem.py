@@ -1,35 +1,39 @@
-"""How the host allocator is configured for CPU ranks: a fixed glibc mmap threshold, and the heap's
-free pages handed back to the system after every optimizer step.
+"""How the host allocator is configured for CPU ranks: glibc's mmap threshold fixed at its ceiling with
+no automatic trim of the heap's top, and the heap's free pages handed back to the system after an
+optimizer step only when the resident memory grew.
 
 [Note: host allocator]
-A CPU rank's tensors come from glibc malloc. glibc raises its mmap threshold to the size of every
-mmapped block freed (up to 32 MiB), after which allocations below that size come from the heap,
-which fragments and never shrinks. A training step frees many blocks of a few MiB (activations,
-optimizer temporaries, staging), so the threshold climbs in the first steps and the process's peak
-RSS then grows step after step (measured: GPT-2 5.3M parameters, world 2, stage 3, peak +12 to +23%
-from step 2 to step 12 with glibc's default; flat with a fixed threshold). Pooling hfzero's own
-buffers (stage-3 gather buffers, stage-2 staging) removes the largest churn but not torch's own
-(activations, optimizer temporaries).
+A CPU rank's tensors come from glibc malloc. By default glibc raises its mmap threshold to the size of
+every mmapped block freed (up to 32 MiB, its ceiling on 64-bit systems) and its trim threshold to twice
+that: blocks below the threshold come from the heap, whose top is handed back to the system whenever
+more than the trim threshold lies free there. Both matter to a training step, which allocates and frees
+the same few hundred MB of activations, gradients and temporaries every step:
+- every block that is mapped (at or above the threshold), and every page of the heap's top that glibc
+  handed back, is faulted in and zero-filled again at its next use: that is the step-time cost. A
+  fixed 1 MiB threshold with ``malloc_trim(0)`` after every step (hfzero before issue 21) mapped every
+  activation block of 1 MiB or more each step: x1.5 the step time of the same engine with glibc's
+  defaults (GPT-2 5.3M, batch 8 x 128 per rank, world 2, stage 1: 1074 against 704 ms, 10x the page
+  faults). glibc's own top trim still refaults part of the heap on some steps (a world-1 stage-1 step
+  of tests/test_host_policy.py: 2,000 to 10,000 faults per step, plain torch as well).
+- blocks kept in the heap fragment it: the resident memory then grows step after step by free space
+  the heap cannot reuse (GPT-2 5.3M, world 2, stage 3 with glibc's defaults and fresh gather storage:
+  peak +12 to +27% from step 2 to 12; stage 3 with 4 micro-batches per step: ~10 MB per step).
 
-So on a CPU engine ``prepare`` sets ``M_MMAP_THRESHOLD`` to ``ZeroConfig.host_mmap_threshold``
-(default 1 MiB) through ``mallopt``, which also turns the dynamic raise off: blocks of 1 MiB and more
-are mapped and unmapped with their tensor (RSS follows live memory), smaller ones use the heap.
-Measured at 5.3M parameters: 131072 and 1 MiB are both flat, 1 MiB the faster; 8 MiB still grows
-(+3 to +6%). It is process-wide, done once per process, logged, and skipped when the user decided
-already (``MALLOC_MMAP_THRESHOLD_`` in the environment), when ``host_mmap_threshold`` is 0, on CUDA
-engines (the caching allocator has its own pools) and where ``mallopt`` is missing (not glibc).
+So on a CPU engine ``prepare`` fixes the mmap threshold at ``ZeroConfig.host_mmap_threshold`` (default
+32 MiB: where glibc's dynamic one ends up, reached from the first step) and turns the automatic top
+trim off (``mallopt``; process-wide, done once per process, logged; skipped when the user decided
+already, ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` in the environment, when the threshold
+is 0, on CUDA engines, whose caching allocator has its own pools, and where ``mallopt`` is missing,
+not glibc). A steady step then reuses the heap's pages and faults none (the same world-1 step: 0).
+Growth is handled after the optimizer step, when the step's transient memory is free: ``HeapTrimmer``
+reads the resident memory (/proc/self/statm) and calls ``malloc_trim(0)``, which returns every free
+page of every arena, only when it exceeds the settled level (after the first step, and after the first
+step following each trim) by more than ``host_trim_slack`` (2%). A trim costs the next step a refault
+of the heap's free pages, so it must be rare: a steady run settles and never trims again, a fragmenting
+one trims once the growth reaches the slack, which bounds the peak's growth. hfzero's own large
+buffers are pooled (stage-3 gather buffers, stage-2 staging) and allocate nothing per step.
 
-The threshold is not enough with several backward passes per step. Blocks below it (activations of a
-few hundred KiB, interleaved with small long-lived C++ objects) still fragment the heap: the bytes in
-use stay flat (mallinfo2: +0.1 MB per step) while the heap grows by the free space it cannot reuse
-(measured: GPT-2 5.3M, world 2, stage 3, 4 micro-batches per step: +10 MB of peak RSS per step, +13%
-after 8 steps). So after every optimizer step a CPU engine calls ``malloc_trim(0)``, which returns
-every free page of every arena to the system (not only the heap's top), and the next step starts from
-the memory in use (same run: +2% after 8 steps, flat after the first ones). It costs a walk over the
-heap once per step (``host_trim``): 2.7 ms per call there, step time x1.015 against the trim off, peak
-growth over 10 steps 1.02 against 1.12-1.17 (benchmarks/host_trim.py). A lower threshold (128 KiB) is
-flat too but maps and zero-fills every activation block each time (8 steps: 10.6 s against 6.0 s,
-one run each on a shared machine).
+FIGURES
 """
 
 from __future__ import annotations
