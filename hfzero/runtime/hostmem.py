@@ -111,14 +111,17 @@ def trim_host_heap() -> bool:
 
 class HeapTrimmer:
     """Decides, after each optimizer step of a CPU engine, whether to trim the host heap (see
-    [Note: host allocator]): when the resident memory after the step exceeds the settled level (the
-    resident memory after the first step, and after the first step following each trim) by more than
-    ``slack`` of it; ``slack`` 0 trims after every step. Holds nothing but two integers; the check reads
+    [Note: host allocator]): when the resident memory after the step exceeds the settled level by more
+    than ``slack`` of it; ``slack`` 0 trims after every step. The settled level is the resident memory
+    after the first step, raised (never lowered) to the resident memory after the step that follows each
+    trim: a trim hands back pages the next steps fault in again, and a working set that really grew
+    (a longer sequence, say) must not be trimmed every step. Holds a few integers; the check reads
     /proc/self/statm once per step."""
 
     def __init__(self, slack: float):
         self.slack = slack
         self.settled: int | None = None
+        self._resettle = False
         self.trims = 0
         """How many times the heap was trimmed (tests and benchmarks read it)."""
 
@@ -128,12 +131,13 @@ class HeapTrimmer:
             rss = resident_bytes()
             if rss is None:
                 return False
-            if self.settled is None:
-                self.settled = rss
+            if self.settled is None or self._resettle:
+                self.settled = rss if self.settled is None else max(self.settled, rss)
+                self._resettle = False
                 return False
             if rss <= self.settled * (1 + self.slack):
                 return False
             logger.debug("host heap: resident %d bytes after the step, settled at %d: trimming", rss, self.settled)
-            self.settled = None  # the next step, refilling the heap it reuses, settles it again
+            self._resettle = True
         self.trims += 1
         return trim_host_heap()
