@@ -2,7 +2,9 @@
 `DS_BUILD_OPS=0 pip install deepspeed`) and hfzero stages 0-3 on the same model.
 
 All variants live in the same 2-rank gloo process group and are stepped in interleaved rounds, so
-machine noise hits them alike; the figures are ratios to DDP taken in one run. Usage:
+machine noise hits them alike; the figures are ratios to DDP taken in one run. hfzero's CPU host-allocator
+policy is process-wide, so here it applies to every variant: compare step time and peak memory against
+DDP, each engine in processes of its own, with benchmarks/host_policy.py. Usage:
 
     python benchmarks/zero_vs_ddp.py [--world 2] [--steps 12] [--hidden 256] [--layers 4] [--json OUT]
 """

@@ -97,16 +97,24 @@ class ZeroConfig:
     their optimizer states untouched by the step (otherwise weight decay and momentum still move them).
     Adam's per-slice step counter still advances for them."""
 
-    host_mmap_threshold: int = 1 << 20
+    host_mmap_threshold: int = 1 << 25
     """CPU engines: bytes from which glibc malloc maps blocks of their own (``mallopt(M_MMAP_THRESHOLD)``,
-    set once per process by ``prepare``), which keeps the per-rank peak flat over a long run; 0 leaves
-    glibc's dynamic threshold alone, as does ``MALLOC_MMAP_THRESHOLD_`` in the environment. See
-    [Note: host allocator] in runtime/hostmem.py."""
+    set once per process by ``prepare``, with glibc's automatic trim of the heap's top turned off: the
+    trim below decides). The default, 32 MiB, is glibc's largest, where its dynamic threshold ends up
+    anyway; a low one maps and zero-fills every larger activation block each step (1 MiB: step time
+    x1.5). 0 leaves glibc's dynamic policy alone, as does ``MALLOC_MMAP_THRESHOLD_`` in the environment.
+    See [Note: host allocator] in runtime/hostmem.py."""
 
     host_trim: bool = True
-    """CPU engines: after every optimizer step hand the heap's free pages back to the system (glibc
-    ``malloc_trim(0)``), so the heap's fragmentation does not raise the peak step after step (with
-    several backward passes per step it did, by ~2% per step). See [Note: host allocator]."""
+    """CPU engines: after an optimizer step, hand the heap's free pages back to the system (glibc
+    ``malloc_trim(0)``) when the resident memory grew past its settled level by more than
+    ``host_trim_slack``, so the heap's fragmentation does not raise the peak step after step. See
+    [Note: host allocator]."""
+
+    host_trim_slack: float = 0.02
+    """CPU engines with ``host_trim``: the fraction of the settled resident memory by which the resident
+    memory after a step may exceed it before the heap is trimmed; 0 trims after every step (each trim
+    makes the next step fault its heap pages in again)."""
 
     offload_optimizer: bool = False
     """ZeRO-Offload: keep the shard's fp32 master weights, optimizer states and (stages 2-3) fp32
@@ -161,8 +169,12 @@ class ZeroConfig:
             _check(_is_int(value) and value > 0, name, value, "must be a positive integer")
         _check(_is_int(self.param_persistence_threshold) and self.param_persistence_threshold >= 0,
                "param_persistence_threshold", self.param_persistence_threshold, "must be an integer >= 0")
-        _check(isinstance(self.host_mmap_threshold, int) and 0 <= self.host_mmap_threshold <= 2**31 - 1,
-               "host_mmap_threshold", self.host_mmap_threshold, "must be an integer in [0, 2**31 - 1] (0 = glibc default)")
+        _check(_is_int(self.host_mmap_threshold) and 0 <= self.host_mmap_threshold <= 1 << 25,
+               "host_mmap_threshold", self.host_mmap_threshold,
+               "must be an integer in [0, 33554432] (glibc's largest; 0 = glibc's dynamic threshold)")
+        _check(isinstance(self.host_trim_slack, (int, float)) and not isinstance(self.host_trim_slack, bool)
+               and 0 <= self.host_trim_slack <= 1, "host_trim_slack", self.host_trim_slack,
+               "must be a number in [0, 1] (0 = trim after every step)")
         _check(self.accumulation in ("auto", "sharded", "local"), "accumulation", self.accumulation,
                'must be "auto", "sharded" or "local"')
         _check(self.reduce_scatter_impl in ("auto", "native", "all_reduce"), "reduce_scatter_impl",

@@ -130,7 +130,7 @@ def _assert_same(offloaded: dict, plain: dict, atol: float, what: str) -> None:
 
 @pytest.mark.parametrize("case", PARITY, ids=_id)
 def test_offload_matches_the_ordinary_path(outputs, case):
-    """fp32, host step on fused CPU AdamW (the ordinary CPU path steps the for-loop one): within 1e-6."""
+    """fp32, host step on fused CPU AdamW on both paths (a CPU engine steps on the host too): within 1e-6."""
     for rank, (off, plain) in enumerate(zip(_runs(outputs, case), _runs(outputs, case.plain()))):
         assert off["offloaded"] and not plain["offloaded"]
         # every bucket went through the host, every synchronizing backward (two per step when "sharded")
@@ -155,8 +155,8 @@ def test_several_backward_passes_accumulate_on_the_host(outputs):
 
 @pytest.mark.parametrize("case", EXACT, ids=_id)
 def test_offload_with_foreach_is_exact(outputs, case):
-    """fused=False keeps the host step on foreach, bitwise equal to the for-loop: the offload path
-    (copies, host accumulation, uploads) adds no rounding of its own in fp32."""
+    """fused=False keeps the host step on foreach on both paths: the offload path (copies, host
+    accumulation, uploads) adds no rounding of its own in fp32."""
     for rank, (off, plain) in enumerate(zip(_runs(outputs, case), _runs(outputs, case.plain()))):
         assert off["fused"] == [False, False]
         _assert_same(off, plain, 0.0, f"rank {rank}")

@@ -56,11 +56,6 @@ FORCE_ENV = "HFZERO_FORCE_HOST_OFFLOAD"
 
 _told_nothing_to_offload = False
 
-_FUSED_CPU = {"Adam", "AdamW", "SGD", "Adagrad"}
-"""torch.optim classes with a fused CPU kernel (checked with torch 2.13: fused AdamW on CPU matches
-the for-loop implementation to 1 ulp and runs ~4x faster); other classes step with foreach."""
-
-
 def offload_active(offload_optimizer: bool, device: torch.device, rank: int) -> bool:
     """Whether the engine places its optimizer side in host memory: ``offload_optimizer`` on a device
     that is not the host. On a CPU device it says once (rank 0) that there is nothing to offload."""
@@ -181,20 +176,6 @@ class HostOffload:
         """Block until every copy issued so far is done: the host may write masters and staging again."""
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
-
-    # ---- the host optimizer ---------------------------------------------------------------------
-    def optimizer_overrides(self, cls: type[torch.optim.Optimizer], defaults: dict) -> dict:
-        """Implementation options for the inner optimizer stepping on the host: fused where torch has a
-        CPU kernel for the class (unless the user asked for fused=False), else foreach; never capturable."""
-        overrides: dict = {}
-        if "capturable" in defaults:
-            overrides["capturable"] = False
-        if (cls.__module__.startswith("torch.optim") and cls.__name__ in _FUSED_CPU
-                and defaults.get("fused") is not False):
-            overrides.update(fused=True, foreach=False)
-        elif "foreach" in defaults:
-            overrides["foreach"] = True
-        return overrides
 
     def pin_states(self, optimizer: torch.optim.Optimizer) -> None:
         """Move the optimizer's state tensors into pinned memory (CUDA devices). Called after every step: states

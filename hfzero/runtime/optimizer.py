@@ -3,9 +3,10 @@
 The user's optimizer is rebuilt (same class, same hyper-parameters and param groups) over this
 rank's fp32 master slices: it holds the optimizer states for the shard only (OPTIM_STATE). This
 object's ``param_groups`` list the model's parameters and are live: their hyper-parameters (a
-scheduler's learning rate, say) are copied to the inner optimizer before every step. With the
-optimizer offloaded, the inner optimizer steps on the host with torch's fused CPU kernel where the
-class has one (else foreach), its states pinned when the device is CUDA (runtime/offload.py).
+scheduler's learning rate, say) are copied to the inner optimizer before every step. Where the inner
+optimizer steps on the host (a CPU engine, or the optimizer offloaded) it uses torch's fused CPU kernel
+where the class has one, else foreach (runtime/host_step.py), its states pinned when the device is
+CUDA (runtime/offload.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 from hfzero.config import ConfigError
 from hfzero.logging import get_logger
 from hfzero.runtime.engine import ZeroEngine
-from hfzero.runtime.hostmem import trim_host_heap
+from hfzero.runtime.host_step import host_step_overrides
+from hfzero.runtime.hostmem import HeapTrimmer
 from hfzero.runtime.legacy_state import upgrade_v1
 
 logger = get_logger(__name__)
@@ -70,9 +72,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups = base.param_groups
         self._source = base
         inner_groups = []
-        self._overrides = engine.offload.optimizer_overrides(type(base), base.defaults) if engine.offload else {}
-        """Implementation options of the host optimizer (offload): they win over the user's group values,
-        which are synced into the inner groups before every step (a loaded state dict's too)."""
+        on_host = engine.offload is not None or engine.device.type == "cpu"
+        self._overrides = host_step_overrides(type(base), base.defaults) if on_host else {}
+        """Implementation options of an optimizer stepping on the host (CPU engine or offload): they win over
+        the user's group values, which are synced into the inner groups before every step (a loaded state
+        dict's too)."""
         for index, group in enumerate(base.param_groups):
             views = [engine.master_views[b.index] for b in engine.layout.group_buckets(index)]
             kept = {k: v for k, v in group.items() if k != "params"}
@@ -81,6 +85,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         engine.optimizer = self.inner
         self.skipped_steps = 0
         self.last_step_skipped = False
+        cpu_trim = engine.device.type == "cpu" and engine.config.host_trim
+        self.heap = HeapTrimmer(engine.config.host_trim_slack) if cpu_trim else None
+        """CPU engines: the per-step heap trim's decision (see [Note: host allocator])."""
 
     # ---- training -------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -123,8 +130,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             engine.publish_params()
         engine.scaler.update(engine.overflow)
         engine.finish_step()
-        if engine.device.type == "cpu" and engine.config.host_trim:
-            trim_host_heap()  # the step's transient memory is free now: see [Note: host allocator]
+        if self.heap is not None:
+            self.heap.after_step()  # the step's transient memory is free now: see [Note: host allocator]
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -38,8 +38,9 @@ class OffloadCase:
     """Small enough that clipping scales every step's gradients."""
 
     def plain(self) -> "OffloadCase":
-        """The same run without offload (and with the default optimizer implementation)."""
-        return dataclasses.replace(self, offload=False, fused=None)
+        """The same run without offload, with the same optimizer implementation (a CPU engine steps on the
+        host too: fused by default, foreach with ``fused=False``; see runtime/host_step.py)."""
+        return dataclasses.replace(self, offload=False)
 
 
 def train_case(rank: int, world_size: int, case: OffloadCase, device: str = "cpu") -> dict[str, Any]:

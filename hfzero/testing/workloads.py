@@ -67,8 +67,10 @@ def train_reference64(spec: TrainSpec) -> ParityReference:
 
 def reference_run(model: nn.Module, spec: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train ``model`` single-process on the full batches of ``spec`` (its steps, global_batch, seq_len,
-    lr, max_grad_norm): per-step losses and final parameters."""
-    optimizer = torch.optim.AdamW(param_groups(model), lr=spec.lr)
+    lr, max_grad_norm): per-step losses and final parameters. AdamW steps with the fused CPU kernel, the
+    implementation a CPU engine's shards step with (runtime/host_step.py), so the two agree bit for bit in
+    the update itself; the for-loop one differs from it in the last bits."""
+    optimizer = torch.optim.AdamW(param_groups(model), lr=spec.lr, fused=True)
     scheduler = _schedule(optimizer)
     losses = []
     for batch in token_batches(spec.steps, spec.global_batch, spec.seq_len):
