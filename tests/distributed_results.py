@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 
 from hfzero.testing import run_distributed
-from hfzero.testing.workloads import TrainSpec, train_many, train_reference, train_reference64
+from hfzero.testing.workloads import TrainSpec, train_many, train_reference
 
 MODELS = ("gpt2", "llama")
 STAGES = (0, 1, 2, 3)
@@ -47,12 +47,6 @@ def results(world: int) -> dict[TrainSpec, list[dict]]:
     specs = cases(world)
     per_rank = run_distributed(train_many, world, specs, timeout=900)
     return {spec: [rank_results[i] for rank_results in per_rank] for i, spec in enumerate(specs)}
-
-
-@functools.lru_cache(maxsize=None)
-def reference64(model: str):
-    """The float64 reference of the fp32 cases and its rounding bounds (hfzero.testing.parity)."""
-    return train_reference64(TrainSpec(model=model))
 
 
 @functools.lru_cache(maxsize=None)

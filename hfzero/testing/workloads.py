@@ -17,7 +17,6 @@ from torch import nn
 
 import hfzero
 from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
-from hfzero.testing.parity import ParityReference, float64_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,14 +54,6 @@ def _schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSc
 def train_reference(spec: TrainSpec) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process, full-batch fp32 training: per-step losses and final parameters."""
     return reference_run(tiny_causal_lm(spec.model), spec)
-
-
-def train_reference64(spec: TrainSpec) -> ParityReference:
-    """``train_reference`` in float64, with the rounding bounds any fp32 run of it stays within (parity tests
-    compare against this: see [Note: Adam rounding bound] in hfzero/testing/parity.py)."""
-    return float64_reference(tiny_causal_lm(spec.model), lambda model: torch.optim.AdamW(param_groups(model), lr=spec.lr),
-                             list(token_batches(spec.steps, spec.global_batch, spec.seq_len)), spec.max_grad_norm,
-                             _schedule)
 
 
 def reference_run(model: nn.Module, spec: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
