@@ -5,11 +5,12 @@ rank's fp32 master slices: it holds the optimizer states for the shard only (OPT
 object's ``param_groups`` list the model's parameters and are live: their hyper-parameters (a
 scheduler's learning rate, say) are copied to the inner optimizer before every step. With the
 optimizer offloaded, the inner optimizer steps on the host with torch's fused CPU kernel where the
-class has one (else foreach), its states pinned when the device is CUDA (runtime/offload.py).
+class has one (else foreach), on the rank's share of the node's cores (runtime/offload.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -113,10 +114,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             for ours, inner in zip(self.param_groups, self.inner.param_groups):
                 inner.update({k: v for k, v in ours.items() if k != "params"}, **self._overrides)
-            with engine.keep_unused_unchanged():
+            host_step = engine.offload.host_step() if engine.offload is not None else contextlib.nullcontext()
+            with engine.keep_unused_unchanged(), host_step:
                 self.inner.step()
-            if engine.offload is not None:
-                engine.offload.pin_states(self.inner)
             engine.publish_params()
         engine.scaler.update(engine.overflow)
         engine.finish_step()
