@@ -142,3 +142,33 @@ def test_a_failed_fold_is_raised_by_drain():
     offload.push(layout.buckets[0], torch.ones(layout.buckets[0].chunk))
     with pytest.raises(RuntimeError, match="copy failed"):
         offload.drain()
+
+
+# ---- P_a+cpu checkpoints: copies beside compute, the next one prefetched -------------------------
+def _checkpointed_grads(monkeypatch, cpu: bool, steps: int = 2):
+    from hfzero.runtime.activations.checkpoint import FORCE_ENV, CheckpointPolicy, enable_checkpointing
+    from hfzero.testing.models import tiny_causal_lm
+
+    monkeypatch.setenv(FORCE_ENV, "1")
+    torch.manual_seed(0)
+    model = tiny_causal_lm("gpt2", hidden=32, layers=3, vocab=64).train()
+    checkpoint = enable_checkpointing(model, CheckpointPolicy(cpu=cpu))
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    buffers = []
+    for _ in range(steps):
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        buffers.append([b.data_ptr() for b in checkpoint._host_buffers])
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, checkpoint, buffers
+
+
+def test_cpu_checkpoints_prefetch_the_next_layer_and_reuse_host_buffers(monkeypatch):
+    reference, _, _ = _checkpointed_grads(monkeypatch, cpu=False)
+    grads, checkpoint, buffers = _checkpointed_grads(monkeypatch, cpu=True)
+    for name, grad in reference.items():
+        assert torch.equal(grads[name], grad), name  # the host round trip changes no bit
+    # 3 layers: unpacking layer k's input prefetches layer k-1's; layer 0 has none before it
+    assert checkpoint.prefetches == 2 * 2
+    assert len(buffers[0]) == 3 and buffers[0] == buffers[1]  # one host buffer per checkpoint, reused
+    assert checkpoint.stored.live == 0 and checkpoint.pinned_bytes() == 0  # a CPU device pins nothing

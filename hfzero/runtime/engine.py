@@ -450,6 +450,11 @@ class ZeroEngine:
         }
         return {role: size for role, size in roles.items() if size}
 
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes the engine holds: the offload's staging and, with fp32 parameters, its
+        master weights, at their exact sizes (0 when not offloaded or off CUDA; see runtime/offload.py)."""
+        return self.offload.pinned_bytes() if self.offload is not None else 0
+
     def _optim_state_bytes(self) -> int:
         """Bytes of the inner optimizer's state tensors (0 before it exists)."""
         if self.optimizer is None:
