@@ -33,7 +33,9 @@ host never waits for them:
   its block out again before the copy has read it. Host buffers are pinned at their exact size (see
   [Note: exact-size pinned memory]) and reused every step, like MD's buffers: numbering restarts when no
   checkpoint is held, so buffer k is free again; a copy into it is queued on the same side stream as every
-  earlier copy out of it, so the next step's write never overtakes the last step's read.
+  earlier copy out of it, so the next step's write never overtakes the last step's read. A buffer too
+  small for a new checkpoint is replaced, after a host wait for the side stream (its pages are unmapped
+  when freed, and the last step's copy out of them may still be running): only when shapes grow.
 - unpack (backward's recompute of layer k): the checkpoint's device copy was usually issued already (the
   prefetch below); otherwise it is issued now: a device tensor allocated on the compute stream, filled on
   the side stream after the compute stream's queued work, an event recorded. The compute stream waits on
@@ -231,7 +233,8 @@ class HfzeroCheckpoint:
             self._host_buffers.append(torch.empty(0, dtype=data.dtype))
         buffer = self._host_buffers[index]
         if buffer.numel() < data.numel() or buffer.dtype != data.dtype:
-            if pin and buffer.numel():
+            if pin and buffer.numel():  # a copy of the last step may still read it: wait before it is freed
+                self._copies.synchronize()
                 self._pinned_bytes -= pinned_nbytes(buffer.numel(), buffer.dtype)
             buffer = self._host_buffers[index] = pinned_empty(data.numel(), data.dtype, pin=pin)
             if pin:
