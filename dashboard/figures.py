@@ -334,18 +334,24 @@ def fragmentation_figure(timeline: pd.DataFrame, steps: pd.DataFrame, *, factor:
 # --------------------------------------------------------------------------------------------------
 
 
+_COMM_SECONDS_TITLE = {
+    "cuda_event": "device seconds per step, launch to wait (CUDA events; overlapped time included)",
+    "launch": "launch seconds per step (NCCL: transfers overlap, see a CUDA trace)",
+}
+
+
 def comm_figure(comm: pd.DataFrame, theory_elements: float | None, *, rank: int, stage: int,
                 timing: str | None = None) -> go.Figure:
     """Per step of ``rank``: elements (stacked by collective kind) against the paper's volume for the
     run's accumulation (2Ψ for stages 0-2, 3Ψ for stage 3 at one reduction per step), and seconds per
-    collective kind (wall time, or launch time when ``timing`` is "launch": NCCL waits do not block)."""
+    collective kind: host wall time, device time between CUDA events when ``timing`` is "cuda_event", or
+    launch time in profiles older than issue 19 whose ``timing`` is "launch"."""
     mine = comm[comm["rank"] == rank] if not comm.empty else comm
     if mine.empty:
         return _empty(f"Rank {rank} recorded no collective in its step records.")
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
                         subplot_titles=["elements per step (the paper's logical volume)",
-                                        "launch seconds per step (NCCL: transfers overlap, see a CUDA trace)"
-                                        if timing == "launch" else "wall seconds per step"])
+                                        _COMM_SECONDS_TITLE.get(timing, "wall seconds per step")])
     kinds = sorted(mine["kind"].unique())
     for index, kind in enumerate(kinds):
         rows = mine[mine["kind"] == kind]

@@ -11,7 +11,6 @@ on gloo) does not change the logical count; ``CommStats.impl_calls`` records wha
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch.profiler import record_function
 from hfzero import gloo_exit
 from hfzero.devices import collective_device
 from hfzero.logging import get_logger
+from hfzero.timing import DeviceTimer, Mark
 
 logger = get_logger(__name__)
 
@@ -48,18 +48,21 @@ class CommStats:
     elements: int = 0
     bytes: int = 0
     seconds: float = 0.0
-    """Host wall time from launch until the caller's wait returned (overlapped time included). On
-    backends whose wait blocks the host (gloo) that covers the transfer; on NCCL a wait only orders the
-    streams, so it is launch time (see ``Communicator.timing``)."""
+    """Time from launch until the caller's wait returned (overlapped time included): host wall time on
+    backends whose wait blocks the host (gloo); on CUDA (NCCL) device time between CUDA events recorded
+    on the current stream at the launch and after the wait, added when they are read (see
+    ``Communicator.timing`` and [Note: device timing] in hfzero/timing.py)."""
     impl_calls: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class Handle:
     """An in-flight collective: ``wait()`` blocks until it is done, then runs its completion step once."""
 
-    def __init__(self, work: Any, stats: CommStats, started: float, then: Callable[[], None] | None = None):
+    def __init__(self, work: Any, stats: CommStats, timer: DeviceTimer, started: Mark,
+                 then: Callable[[], None] | None = None):
         self._work = work
         self._stats = stats
+        self._timer = timer
         self._started = started
         self._then = then
         self._done = False
@@ -71,8 +74,19 @@ class Handle:
             self._work.wait()
         if self._then is not None:
             self._then()
-        self._stats.seconds += time.perf_counter() - self._started
+        _add_seconds(self._timer, self._stats, self._started)
         self._done = True
+
+
+def _add_seconds(timer: DeviceTimer, stats: CommStats, started: Mark) -> None:
+    """Add the time since ``started`` to ``stats.seconds`` (on CUDA when the events are read)."""
+    if started is None:  # nothing was timed: a group of one rank, or a stream under graph capture
+        return
+
+    def add(seconds: float) -> None:
+        stats.seconds += seconds
+
+    timer.interval(started, timer.mark(), add)
 
 
 class Communicator:
@@ -99,13 +113,25 @@ class Communicator:
             _default_device(group) if self.distributed else torch.device("cpu"))
         """Where scratch tensors for metadata collectives live (NCCL needs them on the GPU)."""
         self._stats: dict[str, CommStats] = {}
+        on_stream = self.device.type == "cuda" and self.backend.split(":")[0] != "gloo"  # gloo waits block
+        self.timer = DeviceTimer(self.device if on_stream else "cpu")
+        """Marks around each collective: wall clock, or CUDA events for a device backend (see ``timing``)."""
 
     @property
     def timing(self) -> str:
-        """What ``CommStats.seconds`` measures here: "wall" (gloo: waits block until the transfer is
-        done) or "launch" (NCCL and other device backends: no host synchronization is added to time the
-        transfer; use a CUDA trace, where every collective runs under an ``hfzero::`` label)."""
-        return "wall" if self.backend.split(":")[0] in ("gloo", "none") else "launch"
+        """What ``CommStats.seconds`` measures here: "wall" (host wall time; gloo waits block until the
+        transfer is done) or "cuda_event" (NCCL: device time between CUDA events recorded on the current
+        stream at launch and after the wait; no host synchronization is added, the figures are complete
+        once ``settle_timings(wait=True)`` ran, which the profiler does at each recorded step's end)."""
+        return "cuda_event" if self.timer.kind == "cuda_event" else "wall"
+
+    def _mark(self) -> Mark:
+        return self.timer.mark() if self.world_size > 1 else None  # a group of one moves and counts nothing
+
+    def settle_timings(self, *, wait: bool = False) -> None:
+        """Add to the statistics the collective times whose CUDA events have happened (nothing to do for
+        wall times); ``wait`` first blocks on the last one: only where the caller's step waits anyway."""
+        self.timer.settle(wait=wait)
 
     def on_group(self, group: dist.ProcessGroup, *, share_stats: bool = True) -> "Communicator":
         """A communicator over another group (or the same group with a ledger of its own:
@@ -115,10 +141,13 @@ class Communicator:
         other = Communicator(group, impl, device=self.device)
         if share_stats:
             other._stats = self._stats
+            other.timer = self.timer  # one place settles the timings of shared statistics
         return other
 
     def stats(self) -> dict[str, CommStats]:
-        """Cumulative figures per collective kind (a copy: callers may keep it to take deltas)."""
+        """Cumulative figures per collective kind (a copy: callers may keep it to take deltas). On CUDA the
+        ``seconds`` of collectives whose events have not happened yet are added at a later call."""
+        self.timer.settle()
         return {k: dataclasses.replace(v, impl_calls=dict(v.impl_calls)) for k, v in self._stats.items()}
 
     def _account(self, kind: str, impl: str, elements: int, element_size: int) -> CommStats:
@@ -135,12 +164,12 @@ class Communicator:
                    async_op: bool = False) -> Handle:
         """Reduce ``tensor`` in place across the group."""
         stats = self._account("all_reduce", "all_reduce", 2 * tensor.numel(), tensor.element_size())
-        started = time.perf_counter()
+        started = self._mark()
         work = None
         if self.world_size > 1:
             with record_function("hfzero::all_reduce"):
                 work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
-        handle = Handle(work, stats, started)
+        handle = Handle(work, stats, self.timer, started)
         if not async_op:
             handle.wait()
         return handle
@@ -157,11 +186,11 @@ class Communicator:
                              f"{output.numel()} x {self.world_size}")
         impl = "all_reduce" if self.reduce_scatter_via_all_reduce else "reduce_scatter"
         stats = self._account("reduce_scatter", impl, input.numel(), input.element_size())
-        started = time.perf_counter()
+        started = self._mark()
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
-            return Handle(None, stats, started)
+            return Handle(None, stats, self.timer, started)
         chunk = input.view(self.world_size, -1)[self.rank]
         with record_function("hfzero::reduce_scatter"):
             if self.reduce_scatter_via_all_reduce:
@@ -170,7 +199,7 @@ class Communicator:
             else:
                 work = _reduce_scatter(output, input, group=self.group, async_op=async_op)
                 then = None
-        handle = Handle(work if async_op else None, stats, started, then)
+        handle = Handle(work if async_op else None, stats, self.timer, started, then)
         if not async_op:
             handle.wait()
         return handle
@@ -184,14 +213,14 @@ class Communicator:
             raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                              f"{input.numel()} x {self.world_size}")
         stats = self._account("all_gather", "all_gather", output.numel(), output.element_size())
-        started = time.perf_counter()
+        started = self._mark()
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
-            return Handle(None, stats, started)
+            return Handle(None, stats, self.timer, started)
         with record_function("hfzero::all_gather"):
             work = _all_gather(output, input, group=self.group, async_op=async_op)
-        handle = Handle(work if async_op else None, stats, started)
+        handle = Handle(work if async_op else None, stats, self.timer, started)
         if not async_op:
             handle.wait()
         return handle
@@ -199,12 +228,12 @@ class Communicator:
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         """Broadcast ``tensor`` from group rank ``src_rank`` (in place)."""
         stats = self._account("broadcast", "broadcast", tensor.numel(), tensor.element_size())
-        started = time.perf_counter()
+        started = self._mark()
         if self.world_size > 1:
             with record_function("hfzero::broadcast"):
                 src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
                 dist.broadcast(tensor, src=src, group=self.group)
-        stats.seconds += time.perf_counter() - started
+        _add_seconds(self.timer, stats, started)
 
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
         """Every rank's ``payload`` (any lengths), in rank order; for small metadata such as config checks."""

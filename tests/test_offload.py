@@ -14,7 +14,7 @@ import torch
 
 import hfzero
 from hfzero.profiler import ZeroProfiler
-from hfzero.profiler.reader import load_run
+from hfzero.profiler.reader import load_run, summarize
 from hfzero.runtime.offload import FORCE_ENV
 from hfzero.testing import run_distributed
 from hfzero.testing.models import tiny_causal_lm, token_batches
@@ -181,8 +181,11 @@ def test_cpu_device_says_once_that_there_is_nothing_to_offload(outputs):
 def test_profile_counts_host_resident_states_and_meets_the_estimate(outputs):
     run = load_run(outputs["run_dir"])
     header = run.header
-    assert header["placement"] == {"offloaded": True, "pinned": False,
+    assert header["placement"] == {"offloaded": True, "pinned": False, "pinned_roles": [],
                                    "host_roles": ["master_shard", "optim_state", "grad_shard", "grad_bucket"]}
+    # a CPU device pins nothing; the field is there in every record and the summary reads it
+    assert all(r["pinned_bytes"] == 0 for log in run.ranks.values() for r in log.records)
+    assert {rank["pinned_bytes"] for rank in summarize(run)["ranks"]} == {0}
     prediction = header["prediction"]
     model, n = header["model"], header["world_size"]
     padding = (model["num_params_padded"] - model["num_params"]) / n

@@ -39,6 +39,9 @@ class FakeComm:
     def stats(self) -> dict[str, FakeCommStats]:
         return {k: dataclasses.replace(v) for k, v in self._stats.items()}
 
+    def settle_timings(self, *, wait: bool = False) -> None:
+        """Wall times are complete at once: nothing to read later (see hfzero/timing.py)."""
+
     def run(self, kind: str, elements: int, element_size: int = 2) -> None:
         s = self._stats.setdefault(kind, FakeCommStats())
         s.calls += 1

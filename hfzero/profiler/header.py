@@ -113,13 +113,16 @@ def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: i
 
 def offload_placement(engine: Any) -> dict[str, Any]:
     """Where the engine's states live: ``offloaded`` (master weights, optimizer states and the shard's
-    fp32 gradients in host memory), ``pinned`` (page-locked, with a CUDA device) and ``host_roles``
-    (the roles placed on the host, whose bytes the records' ``host_roles`` give)."""
+    fp32 gradients in host memory), ``pinned`` (page-locked buffers exist: a CUDA device), ``pinned_roles``
+    (the host roles whose buffers are page-locked: those DMA copies touch) and ``host_roles`` (the roles
+    placed on the host, whose bytes the records' ``host_roles`` give)."""
     offload = getattr(engine, "offload", None)
     if offload is None:
-        return {"offloaded": False, "pinned": False, "host_roles": []}
+        return {"offloaded": False, "pinned": False, "pinned_roles": [], "host_roles": []}
     roles = ["master_shard", "optim_state", "grad_shard" if engine.stage >= 2 else "grad_fp32", "grad_bucket"]
-    return {"offloaded": True, "pinned": bool(offload.pinned), "host_roles": roles}
+    buffers = {"master_shard": "master", "grad_bucket": "staging"}
+    pinned = [r for r, b in buffers.items() if offload.pinned and offload.pin_plan[b]]
+    return {"offloaded": True, "pinned": bool(offload.pinned), "pinned_roles": pinned, "host_roles": roles}
 
 
 def build_header(*, run_id: str, engine: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -298,7 +298,7 @@ def _record_problem(record: Record) -> str | None:
     for kind, stats in (record.get("comm") or {}).items():
         if not isinstance(stats, dict) or not all(_is_number(stats.get(f, 0)) for f in COMM_FIELDS):
             return f"comm.{kind} is {_short(stats)}, not an object of numbers {list(COMM_FIELDS)}"
-    for key in ("model_state_bytes", "host_model_state_bytes", "seconds"):
+    for key in ("model_state_bytes", "host_model_state_bytes", "pinned_bytes", "seconds"):
         if record.get(key) is not None and not _is_number(record[key]):
             return f"{key} is {_short(record[key])}, not a number"
     for key in ("phase", "edge", "event"):
@@ -354,7 +354,8 @@ def summarize(run: Run) -> dict[str, Any]:
     ``num_params``, ``prediction`` (or None), ``warnings`` and ``ranks``: one entry per rank file with
     ``model_state_bytes`` (peak over all records of the sum of the model-state roles),
     ``host_model_state_bytes`` (the same for the part offloaded to host memory; None in profiles that
-    predate it), ``predicted_model_state_bytes`` and ``ratio`` (measured / predicted, None without a prediction),
+    predate it), ``pinned_bytes`` (peak page-locked host bytes; None in profiles that predate it),
+    ``predicted_model_state_bytes`` and ``ratio`` (measured / predicted, None without a prediction),
     ``roles_peak`` (per role maximum), ``allocator_peak`` (maximum of each numeric allocator field),
     ``comm_per_step`` (mean per step record, per collective kind), ``comm_elements_per_step`` (all
     kinds), ``steps`` (step records), ``step_seconds`` (median), ``truncated`` and ``stopped``.
@@ -387,6 +388,7 @@ def summarize(run: Run) -> dict[str, Any]:
 def _summarize_rank(log: RankLog, predicted: float | None) -> dict[str, Any]:
     measured = _max_or_none(r.get("model_state_bytes") for r in log.records)
     host = _max_or_none(r.get("host_model_state_bytes") for r in log.records)
+    pinned = _max_or_none(r.get("pinned_bytes") for r in log.records)
     steps = log.of_kind("step")
     roles_peak: dict[str, int] = {}
     allocator_peak: dict[str, float] = {}
@@ -406,6 +408,7 @@ def _summarize_rank(log: RankLog, predicted: float | None) -> dict[str, Any]:
         "steps": len(steps),
         "model_state_bytes": measured,
         "host_model_state_bytes": host,
+        "pinned_bytes": pinned,
         "predicted_model_state_bytes": predicted,
         "ratio": ratio,
         "roles_peak": roles_peak,

@@ -31,10 +31,16 @@ line of about 1 KB. A step records six boundaries and one step record. ``every_n
 only every n-th step (the others cost one ``comm.stats()`` copy). ``cuda_snapshot=True`` adds one
 ``torch.cuda.memory_snapshot()`` per recorded step (milliseconds to tens of milliseconds).
 
-On CUDA no synchronization is added (it would change the overlap being measured): times are host
-wall times at the hooks, so a phase's ``seconds`` covers launching its kernels, and the time they
-still run is billed to whichever later phase waits for them. Step times are exact over a step in
-steady state. Memory figures are exact at every boundary: the caching allocator is host-ordered.
+On CUDA the phase records' ``t`` and ``seconds`` are host wall times at the hooks (a phase's
+``seconds`` covers launching its kernels; the time they still run is billed to whichever later phase
+waits for them), while the step record's ``phase_seconds`` and every ``comm`` ``seconds`` are device
+times between CUDA events recorded at the same hooks and around each collective (hfzero/timing.py,
+[Note: device timing]). Nothing waits for those events until the recorded step's end, where the
+profiler waits once for the step's last collective and its own last event: one host synchronization
+per recorded step, none per collective or phase (steps that are not recorded add none). Collectives
+whose events had not happened by a phase record are counted in a later record's ``comm`` seconds; the
+step record's are complete. Step times are exact over a step in steady state. Memory figures are exact
+at every boundary: the caching allocator is host-ordered.
 
 Under pipeline parallelism (a ``hfzero.pipeline`` Pipeline, or the optimizer of one) each rank
 records its own stage(s): the hooks sit on each stage module (phase records carry the global
@@ -66,6 +72,7 @@ from hfzero.profiler.header import activation_prediction, build_header
 from hfzero.profiler.writer import RankWriter, remove_stale_rank_files, write_header
 from hfzero.roles import MODEL_STATE_ROLES
 from hfzero.runtime.activations.accounting import ActivationAccounting
+from hfzero.timing import DeviceTimer
 
 logger = get_logger(__name__)
 
@@ -140,6 +147,7 @@ class ZeroProfiler:
         self.cuda_snapshot = cuda_snapshot
         self.device = _model_device(model)
         self.probe = AllocatorProbe(self.device)
+        self._timer = DeviceTimer(self.device)  # phase intervals: wall, or CUDA events (See [Note: device timing])
         self.step = 0
         """Index of the step in progress (steps end at the optimizer's step post-hook)."""
         self.overhead_seconds = 0.0
@@ -327,7 +335,11 @@ class ZeroProfiler:
         if not self._active or self._step_depth:
             return
         if self._recording():
+            # CUDA: the step's collective and phase times are read here, the one place they are waited
+            # for (a host wait per recorded step, none per collective); See [Note: device timing]
+            self.engine.comm.settle_timings(wait=True)
             end = self._phase_edge("step", "end")
+            self._timer.settle(wait=True)
             self._emit(self._step_record(end))
         else:
             self._comm_last = self.engine.comm.stats()
@@ -343,31 +355,38 @@ class ZeroProfiler:
         self._backward_of: dict[int | None, int] = {}
         self._backward_open: tuple[int | None, int] | None = None
         self._phase_t: dict[tuple[str, int | None], float] = {}
+        self._phase_mark: dict[tuple[str, int | None], Any] = {}
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._roles_max: dict[str, int] = {}
         self._model_state_max = 0
         self._host_roles_max: dict[str, int] = {}
         self._host_model_state_max = 0
+        self._pinned_max = 0
         self._allocator_max: dict[str, float] = {}
         self._peak: dict[str, Any] | None = None
 
     def _phase_edge(self, phase: str, edge: str, key: int | None = None, **extra: Any) -> dict[str, Any]:
         """Record one phase boundary (of pipeline stage ``key``) and fold it into the step's peaks; returns
         the record."""
+        mark = self._timer.mark()
         record = self._record("phase", phase=phase, edge=edge, **extra)
         if edge == "begin":
             self._phase_t[phase, key] = record["t"]
+            self._phase_mark[phase, key] = mark
         else:
             began = self._phase_t.pop((phase, key), None)
-            seconds = None if began is None else round(record["t"] - began, _ROUND)
-            record["seconds"] = seconds
-            self._phase_seconds[phase] += seconds or 0.0
+            record["seconds"] = None if began is None else round(record["t"] - began, _ROUND)
+            if (phase, key) in self._phase_mark:  # the step's phase_seconds: See [Note: device timing]
+                totals = self._phase_seconds
+                self._timer.interval(self._phase_mark.pop((phase, key)), mark,
+                                     lambda seconds: totals.__setitem__(phase, totals[phase] + seconds))
         for role, nbytes in record["roles"].items():
             self._roles_max[role] = max(self._roles_max.get(role, 0), nbytes)
         self._model_state_max = max(self._model_state_max, record["model_state_bytes"])
         for role, nbytes in record["host_roles"].items():
             self._host_roles_max[role] = max(self._host_roles_max.get(role, 0), nbytes)
         self._host_model_state_max = max(self._host_model_state_max, record["host_model_state_bytes"])
+        self._pinned_max = max(self._pinned_max, record["pinned_bytes"])
         # See [Note: peak decomposition]
         split = decompose(record["roles"], record["allocator"], _MODEL_STATE_KEYS, record["host_roles"])
         if split is not None and (self._peak is None or split["total"] > self._peak["total"]):
@@ -400,6 +419,7 @@ class ZeroProfiler:
             "model_state_bytes": self._model_state_max,
             "host_roles": dict(self._host_roles_max),
             "host_model_state_bytes": self._host_model_state_max,
+            "pinned_bytes": self._pinned_max,
             "allocator": allocator,
             "allocator_max": dict(self._allocator_max),
             "peak": self._peak_record(allocator),
@@ -425,6 +445,9 @@ class ZeroProfiler:
         host_roles = {getattr(role, "value", role): int(nbytes) for role, nbytes in host_held.items()}
         if self._checkpoint is not None and self._checkpoint.policy.cpu and "act_checkpoint" in roles:
             host_roles["act_checkpoint"] = roles["act_checkpoint"]  # P_a+cpu: the checkpoints live on the host
+        pinned = getattr(self.engine, "pinned_bytes", lambda: 0)()
+        if self._checkpoint is not None:
+            pinned += self._checkpoint.pinned_bytes()
         comm = self.engine.comm.stats()
         record = {
             "kind": kind, "step": self.step, "phase": phase, "t": round(now - self._t0, _ROUND), **self._coords,
@@ -433,6 +456,7 @@ class ZeroProfiler:
             "model_state_bytes": sum(b for r, b in roles.items() if r in _MODEL_STATE_KEYS),
             "host_roles": host_roles,
             "host_model_state_bytes": sum(b for r, b in host_roles.items() if r in _MODEL_STATE_KEYS),
+            "pinned_bytes": int(pinned),
             "allocator": self.probe.sample(),
             "comm": _comm_delta(comm, self._comm_last),
         }

@@ -77,12 +77,13 @@ class ZeroEngine:
         self.offload: HostOffload | None = None
         """The host side of the shard when the optimizer is offloaded (see runtime/offload.py), else None."""
         if offload:
-            self.offload = HostOffload(self.layout, device, self.policy.param_dtype, accumulate=self.stage >= 2)
+            self.offload = HostOffload(self.layout, device, self.policy.param_dtype, accumulate=self.stage >= 2,
+                                       master_dtype=self.policy.master_dtype)
         self.master_flat: torch.Tensor | None = None
         self.master_grad_flat: torch.Tensor | None = None
         if self.policy.separate_master:
             if self.offload is not None:
-                self.master_flat = self.offload.empty(self.layout.shard_numel, self.policy.master_dtype)
+                self.master_flat = self.offload.empty_master(self.layout.shard_numel, self.policy.master_dtype)
             else:
                 self.master_flat = torch.empty(self.layout.shard_numel, dtype=self.policy.master_dtype,
                                                device=self.policy.master_device)
@@ -107,7 +108,9 @@ class ZeroEngine:
                     self.bucket_numel, self.num_params_padded, config.dtype, self.accumulation)
         if self.offload is not None:
             logger.info("optimizer offloaded: master weights, optimizer states and fp32 gradients of the shard in "
-                        "%s host memory", "pinned" if self.offload.pinned else "(unpinned)")
+                        "host memory; %d bytes pinned (%s); host step on %d thread(s)", self.offload.pinned_bytes(),
+                        ", ".join(k for k, v in self.offload.pin_plan.items() if v and self.offload.pinned) or "none",
+                        self.offload.step_threads)
 
     # ---- construction steps (overridden by the stage-3 engine) ----------------------------------
     def _backward_positions(self) -> dict[nn.Parameter, int]:
@@ -451,6 +454,11 @@ class ZeroEngine:
             MemoryRole.GRAD_BUCKET: self.offload.staging_bytes(),
         }
         return {role: size for role, size in roles.items() if size}
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes the engine holds: the offload's staging and, with fp32 parameters, its
+        master weights, at their exact sizes (0 when not offloaded or off CUDA; see runtime/offload.py)."""
+        return self.offload.pinned_bytes() if self.offload is not None else 0
 
     def _optim_state_bytes(self) -> int:
         """Bytes of the inner optimizer's state tensors (0 before it exists)."""

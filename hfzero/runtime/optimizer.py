@@ -5,12 +5,13 @@ rank's fp32 master slices: it holds the optimizer states for the shard only (OPT
 object's ``param_groups`` list the model's parameters and are live: their hyper-parameters (a
 scheduler's learning rate, say) are copied to the inner optimizer before every step. Where the inner
 optimizer steps on the host (a CPU engine, or the optimizer offloaded) it uses torch's fused CPU kernel
-where the class has one, else foreach (runtime/host_step.py), its states pinned when the device is
-CUDA (runtime/offload.py).
+where the class has one, else foreach (runtime/host_step.py); with the optimizer offloaded it runs on
+the rank's share of the node's cores (runtime/offload.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -123,10 +124,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             for ours, inner in zip(self.param_groups, self.inner.param_groups):
                 inner.update({k: v for k, v in ours.items() if k != "params"}, **self._overrides)
-            with engine.keep_unused_unchanged():
+            host_step = engine.offload.host_step() if engine.offload is not None else contextlib.nullcontext()
+            with engine.keep_unused_unchanged(), host_step:
                 self.inner.step()
-            if engine.offload is not None:
-                engine.offload.pin_states(self.inner)
             engine.publish_params()
         engine.scaler.update(engine.overflow)
         engine.finish_step()

@@ -16,6 +16,7 @@ import torch
 
 import hfzero
 from hfzero.runtime.offload import FORCE_ENV
+from hfzero.runtime.streams import pinned_nbytes
 from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
 from hfzero.testing.workloads import param_groups
 
@@ -85,10 +86,24 @@ def train_case(rank: int, world_size: int, case: OffloadCase, device: str = "cpu
             "master": bool(engine.master_flat is not None and engine.master_flat.is_pinned()),
             "grad": bool(offload is not None and offload.grad.is_pinned()),
             "staging": bool(offload is not None and offload.staging.is_pinned()),
-            "states": bool(inner_states) and all(v.is_pinned() for v in inner_states),
+            "states": any(v.is_pinned() for v in inner_states),
         },
+        "pin_plan": dict(offload.pin_plan) if offload is not None else {},
+        "pinned_bytes": offload.pinned_bytes() if offload is not None else 0,
+        "expected_pinned_bytes": _expected_pinned_bytes(engine),
+        "step_threads": offload.step_threads if offload is not None else None,
         "copy_stream": offload is not None and offload.copy_stream is not None,
     }
+
+
+def _expected_pinned_bytes(engine: hfzero.ZeroEngine) -> int:
+    """What the offload should page-lock: staging, plus the master when parameters are fp32, each at its
+    exact size rounded to the page (see [Note: exact-size pinned memory]); 0 off CUDA."""
+    offload = engine.offload
+    if offload is None or not offload.pinned:
+        return 0
+    sizes = [offload.staging] + ([engine.master_flat] if engine.policy.param_dtype == torch.float32 else [])
+    return sum(pinned_nbytes(t.numel(), t.dtype) for t in sizes)
 
 
 def _count_early_pushes(engine: hfzero.ZeroEngine) -> list[int]:

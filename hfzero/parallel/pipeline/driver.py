@@ -138,7 +138,7 @@ class Pipeline:
         self._reduced_stages = 0
         self._pass_observers: collections.OrderedDict[int, Callable[[str, int, int, str], None]] = \
             collections.OrderedDict()
-        self.clock = StageClock()
+        self.clock = StageClock(self.engine.device)
         """Times this rank's stage actions and counts its P2P bytes in each training step; ``clock.last``
         is the last step's summary (the profiler's ``pipeline`` figures; see [Note: measuring the bubble])."""
         self._losses_computed = 0

@@ -14,8 +14,8 @@ runs when backward recomputes the layer. What pack stores is decided by the poli
 - ``partition`` (P_a): this rank's 1/tp slice of the flattened input (padded to a multiple of tp),
   all-gathered over the tensor-parallel group in unpack. The input of a TP layer is replicated over
   the TP group, so the gathered tensor equals the original bit for bit and gradients are exact;
-- ``cpu`` (P_a+cpu): the stored tensor moves to host memory (pinned, asynchronous copy) and back in
-  unpack. On a CPU-only host it is already there: logged once;
+- ``cpu`` (P_a+cpu): the stored tensor moves to host memory and back in unpack, on a side stream (see
+  [Note: checkpoint copies]). On a CPU-only host it is already there: logged once;
 - ``contiguous`` (MD): the stored tensor is copied into a buffer allocated once per checkpointed
   layer call and reused every step, so long-lived checkpoints never interleave with short-lived
   tensors in the allocator. The k-th checkpoint of a forward uses buffer k; numbering restarts when
@@ -23,12 +23,36 @@ runs when backward recomputes the layer. What pack stores is decided by the poli
 
 Every rank of a TP group checkpoints the same layers in the same order, so the unpack all-gathers
 match. Reentrant checkpointing is refused (the engine's gradient hooks would fire twice).
+
+[Note: checkpoint copies]
+With ``cpu`` the copies run on a side stream (runtime/streams.py), never on the compute stream, and the
+host never waits for them:
+- pack: the side stream waits for the compute stream (which produced the checkpoint), then copies it
+  into host buffer k (the k-th checkpoint of the forward) without blocking. The device tensor is marked
+  used on the side stream (``record_stream``): when autograd drops it, the caching allocator does not hand
+  its block out again before the copy has read it. Host buffers are pinned at their exact size (see
+  [Note: exact-size pinned memory]) and reused every step, like MD's buffers: numbering restarts when no
+  checkpoint is held, so buffer k is free again; a copy into it is queued on the same side stream as every
+  earlier copy out of it, so the next step's write never overtakes the last step's read. A buffer too
+  small for a new checkpoint is replaced, after a host wait for the side stream (its pages are unmapped
+  when freed, and the last step's copy out of them may still be running): only when shapes grow.
+- unpack (backward's recompute of layer k): the checkpoint's device copy was usually issued already (the
+  prefetch below); otherwise it is issued now: a device tensor allocated on the compute stream, filled on
+  the side stream after the compute stream's queued work, an event recorded. The compute stream waits on
+  that event (a device-side wait) before recompute reads it. Then the previous checkpoint of the forward
+  (the next one backward recomputes) is prefetched the same way, so its copy overlaps layer k's recompute
+  and backward: at most one checkpoint beyond the one in use is on the device ahead of time. A prefetched
+  tensor is marked used on the side stream too, so dropping it unused (an aborted backward) is safe.
+On a CPU device ``SideStream`` is synchronous and events are None; the same path runs when forced with
+``FORCE_ENV`` (testing), with ordinary host buffers standing for pinned ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -40,8 +64,13 @@ from hfzero.config import ConfigError
 from hfzero.logging import get_logger
 from hfzero.roles import MemoryRole
 from hfzero.runtime.activations.accounting import LiveBytes
+from hfzero.runtime.streams import Event, SideStream, pinned_empty, pinned_nbytes
 
 logger = get_logger(__name__)
+
+FORCE_ENV = "HFZERO_FORCE_CPU_CHECKPOINTING"
+"""Testing only: "1" moves checkpoints through the host path even on a CPU device (plain host buffers,
+synchronous copies, the same ordering and prefetch code)."""
 
 _ATTR = "hfzero_checkpoint"
 
@@ -64,12 +93,18 @@ class CheckpointPolicy:
 class _Stored:
     """The stored form of one checkpoint; alive as long as autograd holds it."""
 
-    __slots__ = ("data", "shape", "dtype", "device", "numel", "partitioned", "__weakref__")
+    __slots__ = ("data", "shape", "dtype", "device", "numel", "partitioned", "host_order", "fetched", "fetched_done",
+                 "__weakref__")
 
     def __init__(self, data: torch.Tensor, source: torch.Tensor, partitioned: bool) -> None:
         self.data = data
         self.shape, self.dtype, self.device, self.numel = source.shape, source.dtype, source.device, source.numel()
         self.partitioned = partitioned
+        self.host_order: int | None = None
+        """With ``cpu``: the checkpoint's place among the forward's host checkpoints (None: on the device)."""
+        self.fetched: torch.Tensor | None = None
+        """A device copy issued ahead of unpack (prefetch), and the event after which it is complete."""
+        self.fetched_done: Event | None = None
 
 
 class HfzeroCheckpoint:
@@ -92,6 +127,12 @@ class HfzeroCheckpoint:
         self._buffers: list[torch.Tensor] = []
         self._index = 0
         self._said_cpu = False
+        self._copies: SideStream | None = None  # See [Note: checkpoint copies]
+        self._host_buffers: list[torch.Tensor] = []
+        self._hosted: list[weakref.ref[_Stored]] = []  # this forward's host checkpoints, in pack order
+        self._pinned_bytes = 0
+        self.prefetches = 0
+        """Device copies issued ahead of their unpack since construction (tests check the path ran)."""
 
     def with_inner(self, inner: Callable[..., Any]) -> "HfzeroCheckpoint":
         """The same policy, measurement and buffers around another checkpoint function."""
@@ -102,12 +143,17 @@ class HfzeroCheckpoint:
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.stored.live == 0:
             self._index = 0
+            self._hosted.clear()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             return self.inner(function, *args, **kwargs)
 
     def memory_by_role(self) -> dict[MemoryRole, int]:
         """Bytes of checkpoints held right now (ACT_CHECKPOINT)."""
         return {MemoryRole.ACT_CHECKPOINT: self.stored.live} if self.stored.live else {}
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes of the checkpoint buffers (``cpu`` on CUDA; reused every step)."""
+        return self._pinned_bytes
 
     # ---- pack / unpack --------------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> _Stored | torch.Tensor:
@@ -121,16 +167,27 @@ class HfzeroCheckpoint:
         data = self._slice(tensor) if partitioned else tensor
         if self.policy.contiguous:
             data = self._into_buffer(data)
-        if self.policy.cpu:
+        hosted = self.policy.cpu and self._hosts(data)
+        if hosted:
             data = self._to_host(data)
         stored = _Stored(data, tensor, partitioned)
+        if hosted:
+            stored.host_order = len(self._hosted)
+            self._hosted.append(weakref.ref(stored))
         self.stored.hold(data, stored)
         return stored
 
     def _unpack(self, stored: _Stored | torch.Tensor) -> torch.Tensor:
         if not isinstance(stored, _Stored):
             return stored
-        data = stored.data.to(stored.device, non_blocking=True) if self.policy.cpu else stored.data
+        data = stored.data
+        if stored.host_order is not None:  # See [Note: checkpoint copies]
+            if stored.fetched is None:
+                self._fetch(stored)
+            data, done = stored.fetched, stored.fetched_done
+            stored.fetched = stored.fetched_done = None
+            self._copies.compute_waits(done)
+            self._prefetch_before(stored.host_order)
         if stored.partitioned:
             full = torch.empty(data.numel() * self.tp_comm.world_size, dtype=data.dtype, device=data.device)
             self.tp_comm.all_gather(full, data)
@@ -156,15 +213,59 @@ class HfzeroCheckpoint:
             buffer = self._buffers[index] = torch.empty(data.numel(), dtype=data.dtype, device=data.device)
         return buffer[: data.numel()].view(data.shape).copy_(data)
 
+    def _hosts(self, data: torch.Tensor) -> bool:
+        """Whether ``data`` goes to host memory (said once when it is there already)."""
+        if data.device.type != "cpu" or os.environ.get(FORCE_ENV) == "1":
+            return True
+        if not self._said_cpu:
+            logger.warning("cpu_checkpointing: the checkpoints are already in host memory (CPU device); "
+                           "there is nothing to offload")
+            self._said_cpu = True
+        return False
+
     def _to_host(self, data: torch.Tensor) -> torch.Tensor:
-        if data.device.type == "cpu":
-            if not self._said_cpu:
-                logger.warning("cpu_checkpointing: the checkpoints are already in host memory (CPU device); "
-                               "there is nothing to offload")
-                self._said_cpu = True
-            return data
-        host = torch.empty(data.shape, dtype=data.dtype, device="cpu", pin_memory=True)
-        return host.copy_(data, non_blocking=True)
+        """Copy ``data`` into its reused host buffer on the side stream. See [Note: checkpoint copies]."""
+        if self._copies is None:
+            self._copies = SideStream(data.device)
+        index = len(self._hosted)
+        pin = data.device.type == "cuda"
+        if index == len(self._host_buffers):
+            self._host_buffers.append(torch.empty(0, dtype=data.dtype))
+        buffer = self._host_buffers[index]
+        if buffer.numel() < data.numel() or buffer.dtype != data.dtype:
+            if pin and buffer.numel():  # a copy of the last step may still read it: wait before it is freed
+                self._copies.synchronize()
+                self._pinned_bytes -= pinned_nbytes(buffer.numel(), buffer.dtype)
+            buffer = self._host_buffers[index] = pinned_empty(data.numel(), data.dtype, pin=pin)
+            if pin:
+                self._pinned_bytes += pinned_nbytes(data.numel(), data.dtype)
+        host = buffer[: data.numel()].view(data.shape)
+        self._copies.after_compute()
+        with self._copies.run():
+            host.copy_(data, non_blocking=True)
+        self._copies.keep_alive(data)
+        return host
+
+    def _fetch(self, stored: _Stored) -> None:
+        """Issue the device copy of a host checkpoint on the side stream; ``stored.fetched`` holds it."""
+        target = torch.empty(stored.data.shape, dtype=stored.data.dtype, device=stored.device)  # compute stream
+        self._copies.after_compute()
+        with self._copies.run():
+            target.copy_(stored.data, non_blocking=True)
+        stored.fetched, stored.fetched_done = target, self._copies.record()
+        self._copies.keep_alive(target)
+
+    def _prefetch_before(self, order: int) -> None:
+        """Prefetch the closest host checkpoint packed before ``order`` that is alive and not yet fetched:
+        the one backward recomputes next."""
+        for ref in reversed(self._hosted[:order]):
+            earlier = ref()
+            if earlier is None:
+                continue
+            if earlier.fetched is None:
+                self._fetch(earlier)
+                self.prefetches += 1
+            return
 
 
 def _refuse_reentrant(function: Callable[..., Any]) -> None:
