@@ -58,9 +58,8 @@ logger = get_logger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-MAX_MMAP_THRESHOLD = 1 << 25
-"""glibc's largest mmap threshold on 64-bit systems (HEAP_MAX_SIZE / 2), the ceiling of its dynamic one."""
-_NO_TOP_TRIM = 2**31 - 1
+_NO_TOP_TRIM = 2**31 - 1  # mallopt's int: above any heap top a rank frees
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _applied: int | None = None
 _malloc_trim: Any = None  # libc's malloc_trim once looked up; False where there is none
 
@@ -101,12 +100,10 @@ def resident_bytes() -> int | None:
         return None
 
 
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
 
 def trim_host_heap() -> bool:
     """Hand the heap's free pages back to the system (glibc ``malloc_trim(0)``), as a CPU engine does
-    after every optimizer step (see [Note: host allocator]). True if memory was released; False when
+    after an optimizer step when its ``HeapTrimmer`` says so (see [Note: host allocator]). True if memory was released; False when
     there was none to release or ``malloc_trim`` is missing (not glibc)."""
     global _malloc_trim
     if _malloc_trim is None:
