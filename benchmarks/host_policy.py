@@ -56,8 +56,10 @@ def _overrides(spec: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in filter(None, spec.split(",")):
         key, value = item.split("=", 1)
-        out[key] = (int(value) if value.lstrip("-").isdigit() else
-                    {"True": True, "False": False}.get(value, value))
+        if value in ("True", "False"):
+            out[key] = value == "True"
+        else:
+            out[key] = int(value) if value.lstrip("-").isdigit() else float(value)
     return out
 
 
