@@ -97,24 +97,25 @@ class ZeroConfig:
     their optimizer states untouched by the step (otherwise weight decay and momentum still move them).
     Adam's per-slice step counter still advances for them."""
 
-    host_mmap_threshold: int = 1 << 25
+    host_mmap_threshold: int = 1 << 20
     """CPU engines: bytes from which glibc malloc maps blocks of their own (``mallopt(M_MMAP_THRESHOLD)``,
-    set once per process by ``prepare``, with glibc's automatic trim of the heap's top turned off: the
-    trim below decides). The default, 32 MiB, is glibc's largest, where its dynamic threshold ends up
-    anyway; a low one maps and zero-fills every larger activation block each step (1 MiB: step time
-    x1.5). 0 leaves glibc's dynamic policy alone, as does ``MALLOC_MMAP_THRESHOLD_`` in the environment.
-    See [Note: host allocator] in runtime/hostmem.py."""
+    set once per process by ``prepare``), which keeps the per-rank peak low and flat over a long run but
+    maps and zero-fills every larger activation block each step (1 MiB: step time x1.5 against glibc's
+    defaults on GPT-2 5.3M, batch 8 x 128). 33554432 (32 MiB, glibc's largest) with ``host_trim_slack``
+    0.02 faults no more pages than DDP but fails the flat-peak bound (see the Note). 0 leaves glibc's
+    dynamic threshold alone, as does ``MALLOC_MMAP_THRESHOLD_`` in the environment. See
+    [Note: host allocator] in runtime/hostmem.py."""
 
     host_trim: bool = True
-    """CPU engines: after an optimizer step, hand the heap's free pages back to the system (glibc
-    ``malloc_trim(0)``) when the resident memory grew past its settled level by more than
-    ``host_trim_slack``, so the heap's fragmentation does not raise the peak step after step. See
-    [Note: host allocator]."""
+    """CPU engines: after an optimizer step hand the heap's free pages back to the system (glibc
+    ``malloc_trim(0)``), after every step or, with ``host_trim_slack`` above 0, only when the resident
+    memory grew past its settled level by more than that (glibc's own trim of the heap's top is then
+    turned off). See [Note: host allocator]."""
 
-    host_trim_slack: float = 0.02
-    """CPU engines with ``host_trim``: the fraction of the settled resident memory by which the resident
-    memory after a step may exceed it before the heap is trimmed; 0 trims after every step (each trim
-    makes the next step fault its heap pages in again)."""
+    host_trim_slack: float = 0.0
+    """CPU engines with ``host_trim``: 0 (the default) trims after every step; above 0, the fraction of the
+    settled resident memory by which the resident memory after a step may exceed it before the heap is
+    trimmed (each trim makes the next step fault its heap pages in again)."""
 
     offload_optimizer: bool = False
     """ZeRO-Offload: keep the shard's fp32 master weights, optimizer states and (stages 2-3) fp32

@@ -1,39 +1,52 @@
-"""How the host allocator is configured for CPU ranks: glibc's mmap threshold fixed at its ceiling with
-no automatic trim of the heap's top, and the heap's free pages handed back to the system after an
-optimizer step only when the resident memory grew.
+"""How the host allocator is configured for CPU ranks: a fixed glibc mmap threshold, and the heap's
+free pages handed back to the system after the optimizer step (every step, or when the resident memory
+grew past a slack).
 
 [Note: host allocator]
 A CPU rank's tensors come from glibc malloc. By default glibc raises its mmap threshold to the size of
 every mmapped block freed (up to 32 MiB, its ceiling on 64-bit systems) and its trim threshold to twice
 that: blocks below the threshold come from the heap, whose top is handed back to the system whenever
-more than the trim threshold lies free there. Both matter to a training step, which allocates and frees
-the same few hundred MB of activations, gradients and temporaries every step:
-- every block that is mapped (at or above the threshold), and every page of the heap's top that glibc
-  handed back, is faulted in and zero-filled again at its next use: that is the step-time cost. A
-  fixed 1 MiB threshold with ``malloc_trim(0)`` after every step (hfzero before issue 21) mapped every
-  activation block of 1 MiB or more each step: x1.5 the step time of the same engine with glibc's
-  defaults (GPT-2 5.3M, batch 8 x 128 per rank, world 2, stage 1: 1074 against 704 ms, 10x the page
-  faults). glibc's own top trim still refaults part of the heap on some steps (a world-1 stage-1 step
-  of tests/test_host_policy.py: 2,000 to 10,000 faults per step, plain torch as well).
-- blocks kept in the heap fragment it: the resident memory then grows step after step by free space
-  the heap cannot reuse (GPT-2 5.3M, world 2, stage 3 with glibc's defaults and fresh gather storage:
-  peak +12 to +27% from step 2 to 12; stage 3 with 4 micro-batches per step: ~10 MB per step).
+more than the trim threshold lies free there. A training step allocates and frees the same few hundred
+MB every step, and the two ways to serve it trade time against memory:
+- every block that is mapped, and every heap page handed back, is faulted in and zero-filled again at
+  its next use: that is the step-time cost, counted in page faults below;
+- blocks kept in the heap fragment it, and the resident memory then grows step after step by space the
+  heap does not reuse (glibc's defaults at issue 14: stage 3, peak +12 to +27% from step 2 to 12).
 
-So on a CPU engine ``prepare`` fixes the mmap threshold at ``ZeroConfig.host_mmap_threshold`` (default
-32 MiB: where glibc's dynamic one ends up, reached from the first step) and turns the automatic top
-trim off (``mallopt``; process-wide, done once per process, logged; skipped when the user decided
-already, ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` in the environment, when the threshold
-is 0, on CUDA engines, whose caching allocator has its own pools, and where ``mallopt`` is missing,
-not glibc). A steady step then reuses the heap's pages and faults none (the same world-1 step: 0).
-Growth is handled after the optimizer step, when the step's transient memory is free: ``HeapTrimmer``
-reads the resident memory (/proc/self/statm) and calls ``malloc_trim(0)``, which returns every free
-page of every arena, only when it exceeds the settled level (after the first step, and after the first
-step following each trim) by more than ``host_trim_slack`` (2%). A trim costs the next step a refault
-of the heap's free pages, so it must be rare: a steady run settles and never trims again, a fragmenting
-one trims once the growth reaches the slack, which bounds the peak's growth. hfzero's own large
-buffers are pooled (stage-3 gather buffers, stage-2 staging) and allocate nothing per step.
+The default (``host_mmap_threshold`` 1 MiB, ``host_trim`` after every step, ``host_trim_slack`` 0) maps
+every block of 1 MiB or more and returns the heap's free pages after each step: the lowest and flattest
+peak measured, at the price of mapping every large activation block each step (the issue-21 bars: step
+x1.69 / 1.38 / 1.46 of DDP at stages 1 / 2 / 3, stage 1 1074 ms against 704 with glibc's defaults).
+``prepare`` sets it through ``mallopt`` (process-wide, once per process, logged; skipped with
+``MALLOC_MMAP_THRESHOLD_`` in the environment, a threshold of 0, on CUDA engines, whose caching
+allocator has its own pools, and where ``mallopt`` is missing, not glibc).
 
-FIGURES
+The fast policy (``host_mmap_threshold=33554432, host_trim_slack=0.02``) fixes the threshold at glibc's
+ceiling, where its dynamic one ends up anyway, turns glibc's own top trim off, and lets ``HeapTrimmer``
+call ``malloc_trim(0)`` only when the resident memory after a step exceeds the settled level by more
+than the slack. Its steady step faults no more pages than plain torch (tests/test_host_policy.py: 0
+per step against 9,600 with glibc's defaults and 14,600 with the default policy, world 1) and its peak
+at the bars shape is DDP's, but it is NOT the default: with several backward passes per step (stage 3,
+4 micro-batches) the heap fragments and its peak grows 8-9% over 12 steps and stands above DDP's, and
+tests/test_memory_flat.py's stage-2 run grew 5.3% (bound 5%). Trimming does not cure that growth (each
+trim also refaults the heap), pooling hfzero's own per-micro-batch buffers is the likely cure (undone).
+
+Measured with benchmarks/host_policy.py (each variant in its own processes, GPT-2 5.3M, world 2, one
+round each on a machine at load 18-30 on 2 cores, so wall times are noise: CPU seconds and page faults
+per step of the busier rank, per-rank peak RSS, growth = peak after the last step / after step 2):
+
+  bars: batch 8 x 128, 8 steps     cpu s  faults  peak MB  growth   accum: 2 x 64, 4 micro, stage 3, 12 steps
+  DDP                               1.60-1.68  33-35k  853-882  1.05-1.07   DDP                1.06  9.7k  630  1.027
+  stage 1 default (1 MiB, trim)     1.86-1.94  148k    715      1.002       default            1.52  108k  569  1.031
+  stage 1 glibc defaults            1.64       38k     889      1.055       32 MiB, no trim    1.21  14k   941  1.459
+  stage 1 32 MiB, no trim           1.65       33k     883      1.025       32 MiB + 2% trim   1.29  31k   695  1.084
+  stage 1 32 MiB + 2% trim          1.67       62k     857      1.012       8 MiB + 2% trim    1.36  55k   638  1.088
+  stage 1 8 MiB + 2% trim           1.74       64k     840      1.041
+(the 2%-trim rows ran an earlier trimmer that re-settled lower after each trim; the settled level is
+now only raised after a trim. With it, at load 8-11: stage 1 bars 1.55 s, 63k faults, 3 trims, peak 852
+MB, growth 1.026; accum 1.16 s, 16k faults, 4 trims, peak 697 MB, growth 1.068: the early trims still
+refault the heap, and the accumulation peak stays ~10% above DDP's.) The default policy, same code
+(fused AdamW included) in tests/test_memory_flat.py's runs: peak growth from step 2 to the last 1.013 at most.
 """
 
 from __future__ import annotations
@@ -48,16 +61,16 @@ logger = get_logger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-MAX_MMAP_THRESHOLD = 1 << 25
-"""glibc's largest mmap threshold on 64-bit systems (HEAP_MAX_SIZE / 2), the ceiling of its dynamic one."""
-_NO_TOP_TRIM = 2**31 - 1
+_NO_TOP_TRIM = 2**31 - 1  # mallopt's int: above any heap top a rank frees
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _applied: int | None = None
 _malloc_trim: Any = None  # libc's malloc_trim once looked up; False where there is none
 
 
-def configure_host_allocator(threshold: int) -> bool:
-    """Fix glibc's mmap threshold at ``threshold`` bytes and turn its automatic trim of the heap's top
-    off (see [Note: host allocator]); True if set now or earlier in this process."""
+def configure_host_allocator(threshold: int, top_trim: bool = True) -> bool:
+    """Fix glibc's mmap threshold at ``threshold`` bytes, and with ``top_trim`` False turn glibc's
+    automatic trim of the heap's top off (see [Note: host allocator]); True if set now or earlier in
+    this process."""
     global _applied
     if threshold <= 0 or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
@@ -73,11 +86,11 @@ def configure_host_allocator(threshold: int) -> bool:
     if mallopt(_M_MMAP_THRESHOLD, int(threshold)) != 1:
         logger.warning("mallopt(M_MMAP_THRESHOLD, %d) failed; host allocator left as it is", threshold)
         return False
-    if "MALLOC_TRIM_THRESHOLD_" not in os.environ and mallopt(_M_TRIM_THRESHOLD, _NO_TOP_TRIM) != 1:
+    if not top_trim and "MALLOC_TRIM_THRESHOLD_" not in os.environ and mallopt(_M_TRIM_THRESHOLD, _NO_TOP_TRIM) != 1:
         logger.warning("mallopt(M_TRIM_THRESHOLD) failed; glibc trims the heap's top itself")
     _applied = threshold
-    logger.info("host allocator: glibc mmap threshold fixed at %d bytes, no automatic trim of the heap's top "
-                "(ZeroConfig.host_mmap_threshold; see [Note: host allocator])", threshold)
+    logger.info("host allocator: glibc mmap threshold fixed at %d bytes%s (ZeroConfig.host_mmap_threshold; "
+                "see [Note: host allocator])", threshold, "" if top_trim else ", no automatic trim of the heap's top")
     return True
 
 
@@ -90,12 +103,10 @@ def resident_bytes() -> int | None:
         return None
 
 
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
 
 def trim_host_heap() -> bool:
     """Hand the heap's free pages back to the system (glibc ``malloc_trim(0)``), as a CPU engine does
-    after every optimizer step (see [Note: host allocator]). True if memory was released; False when
+    after an optimizer step when its ``HeapTrimmer`` says so (see [Note: host allocator]). True if memory was released; False when
     there was none to release or ``malloc_trim`` is missing (not glibc)."""
     global _malloc_trim
     if _malloc_trim is None:

@@ -93,7 +93,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         frozen = [p for p in model.parameters() if not p.requires_grad]
         materialize_meta_params([p for group in groups for p in group] + frozen, device)
     if device.type == "cpu":
-        configure_host_allocator(config.host_mmap_threshold)  # See [Note: host allocator]
+        # glibc's own trim of the heap's top stays unless the growth-triggered trim replaces it.
+        by_growth = config.host_trim and config.host_trim_slack > 0
+        configure_host_allocator(config.host_mmap_threshold, top_trim=not by_growth)  # See [Note: host allocator]
     comm = Communicator(process_group, config.reduce_scatter_impl, device=device)
     _check_ranks_agree(comm, config, model, optimizer, groups)
     if config.stage == 3:
