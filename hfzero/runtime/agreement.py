@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hfzero.comm import Communicator, Handle
+from hfzero.runtime.compile import eager_hook
 
 
 class StepMismatchError(RuntimeError):
@@ -34,7 +35,7 @@ class StepAgreement:
         self.forwards = 0
         """Forward passes of the prepared model run with gradients enabled on this rank."""
         self._pending: tuple[torch.Tensor, Handle, int] | None = None
-        self._hook = model.register_forward_pre_hook(self._count)
+        self._hook = model.register_forward_pre_hook(eager_hook(self._count))  # See [Note: compiled regions]
 
     def _count(self, module: nn.Module, args: object) -> None:
         if torch.is_grad_enabled():
