@@ -29,6 +29,7 @@ _EXPORTS = {
     "max_params": "hfzero.estimate",
     "choose_stage": "hfzero.estimate",
     "full_state_dict": "hfzero.runtime.stage3.state_dict",
+    "compile_regions": "hfzero.runtime.compile",
     "GatherOrderError": "hfzero.runtime.stage3.scheduler",
     "init_sharded": "hfzero.runtime.stage3.init",
     "from_pretrained_sharded": "hfzero.runtime.stage3.init",
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from hfzero.parallel.pipeline import PipelineConfig, pipeline
     from hfzero.profiler import ZeroProfiler
     from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
+    from hfzero.runtime.compile import compile_regions
     from hfzero.runtime.engine import ZeroEngine
     from hfzero.runtime.optimizer import ZeroOptimizer
     from hfzero.runtime.prepare import get_engine, prepare

@@ -72,6 +72,7 @@ from hfzero.profiler.header import activation_prediction, build_header
 from hfzero.profiler.writer import RankWriter, remove_stale_rank_files, write_header
 from hfzero.roles import MODEL_STATE_ROLES
 from hfzero.runtime.activations.accounting import ActivationAccounting
+from hfzero.runtime.compile import eager_hook
 from hfzero.timing import DeviceTimer
 
 logger = get_logger(__name__)
@@ -83,7 +84,8 @@ _Hook = TypeVar("_Hook", bound=Callable[..., None])
 
 def _costed(hook: _Hook) -> _Hook:
     """Add the wall and CPU time spent in ``hook`` to the profiler's ``overhead_seconds`` and
-    ``overhead_cpu_seconds``."""
+    ``overhead_cpu_seconds``; the hook runs eagerly, never inside a compiled graph (See [Note: compiled
+    regions] in runtime/compile.py)."""
     @functools.wraps(hook)
     def timed(self: "ZeroProfiler", *args: Any) -> None:
         wall, cpu = time.perf_counter(), time.thread_time()
@@ -92,7 +94,7 @@ def _costed(hook: _Hook) -> _Hook:
         finally:
             self.overhead_seconds += time.perf_counter() - wall
             self.overhead_cpu_seconds += time.thread_time() - cpu
-    return timed  # type: ignore[return-value]
+    return eager_hook(timed)  # type: ignore[return-value]
 
 
 _SNAPSHOT_FIELDS = ("total_free", "largest_free_block", "reserved_unallocated", "fragmentation")

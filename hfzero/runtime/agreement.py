@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hfzero.comm import Communicator, Handle
+from hfzero.runtime.compile import eager_hook
 
 
 class StepMismatchError(RuntimeError):
@@ -39,7 +40,7 @@ class StepAgreement:
         self._pending: tuple[Handle, int] | None = None
         self._counts = torch.zeros(2, dtype=torch.int64, device=comm.device)
         """[count, -count], all-reduced (MAX) in place; allocated once (scratch, 16 bytes)."""
-        self._hook = model.register_forward_pre_hook(self._count)
+        self._hook = model.register_forward_pre_hook(eager_hook(self._count))  # See [Note: compiled regions]
 
     def _count(self, module: nn.Module, args: object) -> None:
         if torch.is_grad_enabled():

@@ -29,6 +29,7 @@ from hfzero.config import ZeroConfig
 from hfzero.logging import get_logger
 from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
 from hfzero.runtime.agreement import StepAgreement
+from hfzero.runtime.compile import eager_hook
 from hfzero.runtime.layout import FlatLayout
 from hfzero.runtime.offload import HostOffload, offload_active
 from hfzero.runtime.precision import LossScaler, PrecisionPolicy
@@ -98,7 +99,8 @@ class ZeroEngine:
                                        sink=self.offload)
         self.reducer.before_first_grad = self._before_backward
         self.reducer.always_find_unused = config.find_unused_parameters
-        self._forward_hook = model.register_forward_hook(lambda m, a, out: self.reducer.record_graph_roots(out))
+        # an eager hook: a graph boundary under torch.compile (See [Note: compiled regions] in runtime/compile.py)
+        self._forward_hook = model.register_forward_hook(eager_hook(lambda m, a, out: self.reducer.record_graph_roots(out)))
         self.agreement: StepAgreement | None = None
         if self.stage < 3 and self.world_size > 1:  # See [Note: step agreement] in agreement.py
             self.agreement = StepAgreement(model, comm.on_group(comm.group, share_stats=False))

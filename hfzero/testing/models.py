@@ -26,6 +26,9 @@ def tiny_causal_lm(kind: str = "gpt2", *, seed: int = 0, hidden: int = 32, layer
     else:
         raise ValueError(f"unknown tiny model kind {kind!r}; use 'gpt2' or 'llama'")
     model.config.use_cache = False
+    # GPT2LMHeadModel's class name maps to no loss type: transformers then warns (a graph break under
+    # torch.compile) on every forward before falling back to this same loss
+    model.loss_type = "ForCausalLM"
     return model.float()
 
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from hfzero.roles import MemoryRole
+from hfzero.runtime.compile import eager_hook
 from hfzero.runtime.tensors import local_tensor
 
 
@@ -98,11 +99,12 @@ class ActivationAccounting:
     # ---- lifecycle ------------------------------------------------------------------------------
     def attach(self) -> "ActivationAccounting":
         for entry in self._entries:
-            self._handles.append(entry.register_forward_pre_hook(self._enter, prepend=True))
-            self._handles.append(entry.register_forward_hook(self._exit, always_call=True))
+            # eager hooks: graph boundaries under torch.compile (See [Note: compiled regions] in runtime/compile.py)
+            self._handles.append(entry.register_forward_pre_hook(eager_hook(self._enter), prepend=True))
+            self._handles.append(entry.register_forward_hook(eager_hook(self._exit), always_call=True))
         for name, layer in self._layers.items():
-            self._handles.append(layer.register_forward_pre_hook(self._layer_begin(name)))
-            self._handles.append(layer.register_forward_hook(self._layer_end(name)))
+            self._handles.append(layer.register_forward_pre_hook(eager_hook(self._layer_begin(name))))
+            self._handles.append(layer.register_forward_hook(eager_hook(self._layer_end(name))))
         return self
 
     def detach(self) -> None:

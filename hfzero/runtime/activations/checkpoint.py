@@ -64,6 +64,7 @@ from hfzero.config import ConfigError
 from hfzero.logging import get_logger
 from hfzero.roles import MemoryRole
 from hfzero.runtime.activations.accounting import LiveBytes
+from hfzero.runtime.compile import checkpointed_body
 from hfzero.runtime.streams import Event, SideStream, pinned_empty, pinned_nbytes
 
 logger = get_logger(__name__)
@@ -140,12 +141,13 @@ class HfzeroCheckpoint:
         self.inner = inner
         return self
 
+    @torch.compiler.disable(recursive=False)  # See [Note: compiled regions] in runtime/compile.py
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.stored.live == 0:
             self._index = 0
             self._hosted.clear()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            return self.inner(function, *args, **kwargs)
+            return self.inner(checkpointed_body(function), *args, **kwargs)
 
     def memory_by_role(self) -> dict[MemoryRole, int]:
         """Bytes of checkpoints held right now (ACT_CHECKPOINT)."""

@@ -61,6 +61,7 @@ from torch import nn
 
 from hfzero.comm import Communicator
 from hfzero.logging import get_logger
+from hfzero.runtime.compile import eager_hook
 from hfzero.runtime.tensors import iter_tensors
 from hfzero.runtime.reducer import FAILED_PASS_MESSAGE
 from hfzero.runtime.stage3.unit import GatherUnit, UnitState
@@ -136,8 +137,9 @@ class UnitScheduler:
             self._handles.append(unit.module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(self._hook_post_forward(unit)))
             for module in _entry_modules(unit, units):
-                self._handles.append(module.register_forward_pre_hook(self._hook_pre_submodule(unit), with_kwargs=True))
-                self._handles.append(module.register_forward_hook(self._hook_post_submodule(unit)))
+                probe = next(p for p in module.parameters() if any(p is q for q in unit.params))
+                self._handles.append(module.register_forward_pre_hook(self._hook_pre_submodule(unit, probe),
+                                                                      with_kwargs=True))
 
     # ---- public ---------------------------------------------------------------------------------
     def trace(self, enabled: bool) -> None:
@@ -197,31 +199,45 @@ class UnitScheduler:
                 self._pass = _Pass(self.orders[Phase.FORWARD], torch.is_grad_enabled())
                 self._carry = set()  # units carried into this pass are its own now
             self._enter(unit)
-        return hook
+        return eager_hook(hook)  # See [Note: compiled regions] in runtime/compile.py
 
     def _hook_post_forward(self, unit: GatherUnit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             self._leave(unit, output)
             if unit is self.root and self.phase is Phase.FORWARD:
                 self._end_pass(Phase.FORWARD, _END_FORWARD)
-        return hook
+        return eager_hook(hook)
 
-    def _hook_pre_submodule(self, unit: GatherUnit) -> Callable[..., None]:
+    def _hook_pre_submodule(self, unit: GatherUnit, probe: nn.Parameter) -> Callable[..., None]:
         """A submodule of ``unit`` called on its own (``get_encoder()(...)``, ``lm_head(h)``): gather the
-        unit around it, as the unit's own forward would; nothing to do inside the unit's forward."""
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+        unit around it, as the unit's own forward would; nothing to do inside the unit's forward.
+
+        The hook stays traceable so that it breaks no graph inside a compiled block: under torch.compile
+        it reads only ``probe`` (one of the submodule's parameters of ``unit``, a graph input whose size
+        dynamo guards anyway): gathered, the unit is held by the forward running it and nothing is
+        traced; empty, the eager path below gathers it (a graph break, on this rare path only). See
+        [Note: compiled regions] in runtime/compile.py."""
+        def enter(module: nn.Module) -> None:
             if unit.index in self._in_use:
-                return None
+                return
             self._enter(unit)
             self._entered.append(module)
-            return None
-        return hook
+            handles = []  # a one-shot post-forward hook: none sits inside a unit's forward otherwise
 
-    def _hook_post_submodule(self, unit: GatherUnit) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self._entered and self._entered[-1] is module:
-                self._entered.pop()
-                self._leave(unit, output)
+            def leave(module: nn.Module, args: Any, output: Any) -> None:
+                handles.pop().remove()
+                if self._entered and self._entered[-1] is module:
+                    self._entered.pop()
+                    self._leave(unit, output)
+            handles.append(module.register_forward_hook(eager_hook(leave), always_call=True))
+
+        eager_enter = eager_hook(enter)
+
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if not torch.compiler.is_compiling():
+                enter(module)
+            elif probe.numel() == 0:
+                eager_enter(module)
         return hook
 
     def _enter(self, unit: GatherUnit) -> None:

@@ -1,0 +1,111 @@
+"""torch.compile with hfzero: the engine's hooks are graph boundaries, and regional compilation of the blocks.
+
+[Note: compiled regions]
+Nothing of hfzero runs inside a compiled graph. Every hook hfzero registers on a module that a user may
+compile (the root's forward hooks at stages 0-2, the stage-3 gather / release hooks of every unit, the
+profiler's and the activation accounting's phase hooks) is wrapped with ``eager_hook``
+(``torch.compiler.disable``): dynamo does not trace it, and what it calls (collectives and their timing,
+logging, Python bookkeeping, host synchronizations) runs eagerly. Where such a hook sits on a module
+inside a compiled region, dynamo ends the graph before it and starts a new one after it: the graph
+breaks are exactly at the unit boundaries (the start and end of the root's forward, and of each
+stage-3 unit's forward), never inside a decoder block. Hooks that run in backward (post-accumulate-grad
+hooks of the reducer, tensor hooks on a unit's outputs) run in the autograd engine, outside compiled
+code, unless compiled autograd is enabled (not supported: hfzero's gradient hooks must see each
+parameter's gradient as it is accumulated).
+
+Stage 3 keeps each parameter a view of its unit's full buffer while the unit is gathered and a
+0-element tensor otherwise (see [Note: stage-3 release] in stage3/unit.py). A compiled block reads its
+parameters as graph inputs, after its unit's pre-forward hook (outside the graph) gathered them, so
+the guards see the same shapes every step and nothing recompiles; tensors the compiled forward saved
+for backward share the unit's storage exactly as eager autograd's saved views do.
+
+Regional compilation (``compile_regions``) compiles each block's ``forward`` in place, not
+``Module.__call__``: the hooks stay outside the compiled function altogether, so a block's graph has
+no break at all, the model keeps its module names (state dicts, unit names, checkpoints unchanged),
+and the N identical blocks share one compiled graph (compiled once, reused by every block).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from hfzero.config import ConfigError
+from hfzero.logging import get_logger
+
+logger = get_logger(__name__)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+_COMPILED_ATTR = "_hfzero_compiled_forward"
+_BODY_ATTR = "_hfzero_compiled_body"
+
+
+def eager_hook(fn: _F) -> _F:
+    """``fn`` (a hook of hfzero's) never traced by dynamo: under torch.compile it runs eagerly between two
+    graphs, and so does everything it calls. See [Note: compiled regions]."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+def region_names(model: nn.Module) -> list[str]:
+    """The modules ``compile_regions`` compiles: the children of the model's block stacks (the decoder
+    blocks, the stage-3 units by default; see [Note: stage-3 units])."""
+    from hfzero.runtime.stage3.units import default_unit_names  # stage3 imports this module
+
+    return default_unit_names(model)
+
+
+def compile_regions(model: nn.Module, names: list[str] | None = None, **compile_kwargs: Any) -> nn.Module:
+    """Compile the ``forward`` of each repeated block of ``model`` in place; return ``model``.
+
+    ``names``: the modules to compile (default: ``region_names(model)``, the decoder blocks).
+    ``compile_kwargs`` go to ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ``options``...).
+    Call it before or after ``hfzero.prepare``: the module tree and parameter names do not change, and
+    hfzero's hooks stay outside the compiled functions (see [Note: compiled regions]). The model keeps
+    its class; no memory is allocated here (compilation happens at the first forward of each block).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hfzero.compile_regions: model must be a torch.nn.Module, got {type(model).__name__}")
+    names = region_names(model) if names is None else list(names)
+    if not names:
+        raise ConfigError("hfzero.compile_regions: the model has no stack of repeated blocks (no nn.ModuleList of "
+                          "layers); compile the whole model instead (torch.compile(model)) or pass names=[...]")
+    modules = dict(model.named_modules())
+    unknown = [n for n in names if n not in modules]
+    if unknown:
+        raise ConfigError(f"hfzero.compile_regions: {unknown} are not submodules of the model; pass names from "
+                          "model.named_modules(), e.g. 'model.layers.0'")
+    for name in names:
+        module = modules[name]
+        if getattr(module, _COMPILED_ATTR, None) is not None:
+            continue  # already compiled: keep its compiled function (no second wrapper)
+        compiled = torch.compile(module.forward, **compile_kwargs)
+        module.forward = compiled
+        setattr(module, _COMPILED_ATTR, compiled)
+        body = getattr(type(module).forward, "__wrapped__", None)
+        if body is not None:  # a checkpointing layer's wrapper: the body it checkpoints, compiled for checkpointed_body
+            setattr(module, _BODY_ATTR, torch.compile(body, **compile_kwargs))
+    logger.info("compiled %d block(s) in place (%s ... %s) with %s", len(names), names[0], names[-1],
+                compile_kwargs or "torch.compile's defaults")
+    return model
+
+
+def checkpointed_body(function: Callable[..., Any]) -> Callable[..., Any]:
+    """What a checkpoint function should run for ``function``: the compiled body of a block that
+    ``compile_regions`` compiled, else ``function`` itself.
+
+    transformers' checkpointing layers checkpoint inside ``forward``: their wrapper calls the checkpoint
+    function with ``partial(body, layer, **kwargs)``, ``body`` being the class's own forward. hfzero's
+    checkpoint function runs eagerly (its saved-tensor hooks cannot be traced), so under regional
+    compilation the block's graph is the compiled body, run (and recomputed in backward) inside it.
+    """
+    if isinstance(function, functools.partial) and function.args:
+        layer = function.args[0]
+        body = getattr(layer, _BODY_ATTR, None)
+        if body is not None and function.func is getattr(type(layer).forward, "__wrapped__", None):
+            return functools.partial(body, *function.args, **function.keywords)
+    return function
