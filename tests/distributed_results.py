@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 
 from hfzero.testing import run_distributed
-from hfzero.testing.workloads import TrainSpec, train_many, train_reference
+from hfzero.testing.workloads import TrainSpec, train_many, train_reference, train_reference64
 
 MODELS = ("gpt2", "llama")
 STAGES = (0, 1, 2, 3)
@@ -47,6 +47,16 @@ def results(world: int) -> dict[TrainSpec, list[dict]]:
     specs = cases(world)
     per_rank = run_distributed(train_many, world, specs, timeout=900)
     return {spec: [rank_results[i] for rank_results in per_rank] for i, spec in enumerate(specs)}
+
+
+FINEST_SPLIT = 16
+"""World 4 x accumulation 4: every fp32 case's micro-batches are unions of 16 one-row chunks of a batch."""
+
+
+@functools.lru_cache(maxsize=None)
+def reference64(model: str):
+    """The float64 run of the fp32 cases with the rounding bounds of any of them (hfzero.testing.parity)."""
+    return train_reference64(TrainSpec(model=model), splits=FINEST_SPLIT)
 
 
 @functools.lru_cache(maxsize=None)

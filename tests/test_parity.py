@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed_results import BF16_CASES, FP16_CASES, FP32_CASES, case_id, reference, results
+from distributed_results import BF16_CASES, FP16_CASES, FP32_CASES, case_id, reference, reference64, results
 
 _id = case_id
 
@@ -15,13 +15,13 @@ _id = case_id
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("spec", FP32_CASES, ids=_id)
 def test_fp32_matches_reference(world, spec):
-    ref_losses, ref_params = reference(spec.model)
+    """Against the float64 run, each loss and parameter element within the bound derived from the fp32
+    rounding of its gradients, micro-batch split included (hfzero.testing.parity): a fixed atol=1e-5
+    against an fp32 run held for one CPU's reduction order and not another's."""
+    ref = reference64(spec.model)
     for rank, out in enumerate(results(world)[spec]):
-        torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(ref_losses), atol=1e-5, rtol=0,
-                                   msg=lambda m: f"rank {rank} losses: {m}")
-        for name, ref in ref_params.items():
-            torch.testing.assert_close(out["params"][name], ref, atol=1e-5, rtol=0,
-                                       msg=lambda m: f"rank {rank} parameter {name}: {m}")
+        ref.check_losses(out["losses"], f"rank {rank} loss")
+        ref.check_params(out["params"], f"rank {rank} ")
 
 
 @pytest.mark.parametrize("spec", BF16_CASES, ids=_id)

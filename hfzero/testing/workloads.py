@@ -17,6 +17,7 @@ from torch import nn
 
 import hfzero
 from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
+from hfzero.testing.parity import ParityReference, float64_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,16 @@ def _schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSc
 def train_reference(spec: TrainSpec) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process, full-batch fp32 training: per-step losses and final parameters."""
     return reference_run(tiny_causal_lm(spec.model), spec)
+
+
+def train_reference64(spec: TrainSpec, splits: int = 1) -> ParityReference:
+    """``train_reference`` in float64, with the rounding bounds any fp32 run of it stays within when it splits
+    each global batch in up to ``splits`` micro-batches (ranks x accumulation); see [Note: Adam rounding
+    bound] in hfzero/testing/parity.py."""
+    return float64_reference(tiny_causal_lm(spec.model),
+                             lambda model: torch.optim.AdamW(param_groups(model), lr=spec.lr),
+                             list(token_batches(spec.steps, spec.global_batch, spec.seq_len)), spec.max_grad_norm,
+                             _schedule, splits=splits)
 
 
 def reference_run(model: nn.Module, spec: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
