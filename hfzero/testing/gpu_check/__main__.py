@@ -10,9 +10,12 @@ import logging
 import sys
 from pathlib import Path
 
+from hfzero.logging import get_logger
 from hfzero.testing.gpu_check.common import SECTIONS, Options
 from hfzero.testing.gpu_check.report import environment, write_json, write_markdown
 from hfzero.testing.gpu_check.runner import run_all
+
+logger = get_logger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out / "gpu_check.json", options, results, env)
     write_markdown(out / "gpu_check.md", options, results, env)
     failed = [r.name for r in results if r.status == "fail"]
-    print(f"gpu_check: {len(results) - len(failed)} of {len(results)} section(s) passed or skipped; "
-          f"failed: {failed or 'none'}; report: {out / 'gpu_check.md'}")
+    logger.info("gpu_check: %d of %d section(s) passed or skipped; failed: %s; report: %s",
+                len(results) - len(failed), len(results), failed or "none", out / "gpu_check.md")
     return 1 if failed else 0
 
 
