@@ -97,23 +97,22 @@ class ZeroConfig:
     their optimizer states untouched by the step (otherwise weight decay and momentum still move them).
     Adam's per-slice step counter still advances for them."""
 
-    host_mmap_threshold: int = 1 << 20
+    host_mmap_threshold: int = 0
     """CPU engines: bytes from which glibc malloc maps blocks of their own (``mallopt(M_MMAP_THRESHOLD)``,
-    set once per process by ``prepare``), which keeps the per-rank peak low and flat over a long run but
-    maps and zero-fills every larger activation block each step (1 MiB: step time x1.5 against glibc's
-    defaults on GPT-2 5.3M, batch 8 x 128). 33554432 (32 MiB, glibc's largest) with ``host_trim_slack``
-    0.02 faults no more pages than DDP but fails the flat-peak bound (see the Note). 0 leaves glibc's
-    dynamic threshold alone, as does ``MALLOC_MMAP_THRESHOLD_`` in the environment. See
+    set once per process by ``prepare``); 0 (the default) leaves glibc's dynamic threshold alone, as
+    DDP runs: hfzero pools what it allocates itself, so the peak is DDP's and the step pays nothing.
+    1048576 (1 MiB) with ``host_trim`` gives the lowest peak (0.8x DDP's on GPT-2 5.3M, batch 8 x 128)
+    at ~1.5x the step time: every larger activation block is mapped and zero-filled each step. See
     [Note: host allocator] in runtime/hostmem.py."""
 
-    host_trim: bool = True
+    host_trim: bool = False
     """CPU engines: after an optimizer step hand the heap's free pages back to the system (glibc
     ``malloc_trim(0)``), after every step or, with ``host_trim_slack`` above 0, only when the resident
     memory grew past its settled level by more than that (glibc's own trim of the heap's top is then
-    turned off). See [Note: host allocator]."""
+    turned off). Off by default: trimmed pages fault in again at the next step. See [Note: host allocator]."""
 
     host_trim_slack: float = 0.0
-    """CPU engines with ``host_trim``: 0 (the default) trims after every step; above 0, the fraction of the
+    """CPU engines with ``host_trim``: 0 trims after every step; above 0, the fraction of the
     settled resident memory by which the resident memory after a step may exceed it before the heap is
     trimmed (each trim makes the next step fault its heap pages in again)."""
 

@@ -1,6 +1,6 @@
-"""How the host allocator is configured for CPU ranks: a fixed glibc mmap threshold, and the heap's
-free pages handed back to the system after the optimizer step (every step, or when the resident memory
-grew past a slack).
+"""How the host allocator is configured for CPU ranks, when a user asks for it: a fixed glibc mmap
+threshold, and the heap's free pages handed back to the system after the optimizer step (every step,
+or when the resident memory grew past a slack). By default glibc is left alone.
 
 [Note: host allocator]
 A CPU rank's tensors come from glibc malloc. By default glibc raises its mmap threshold to the size of
@@ -13,40 +13,39 @@ MB every step, and the two ways to serve it trade time against memory:
 - blocks kept in the heap fragment it, and the resident memory then grows step after step by space the
   heap does not reuse (glibc's defaults at issue 14: stage 3, peak +12 to +27% from step 2 to 12).
 
-The default (``host_mmap_threshold`` 1 MiB, ``host_trim`` after every step, ``host_trim_slack`` 0) maps
-every block of 1 MiB or more and returns the heap's free pages after each step: the lowest and flattest
-peak measured, at the price of mapping every large activation block each step (the issue-21 bars: step
-x1.69 / 1.38 / 1.46 of DDP at stages 1 / 2 / 3, stage 1 1074 ms against 704 with glibc's defaults).
-``prepare`` sets it through ``mallopt`` (process-wide, once per process, logged; skipped with
-``MALLOC_MMAP_THRESHOLD_`` in the environment, a threshold of 0, on CUDA engines, whose caching
-allocator has its own pools, and where ``mallopt`` is missing, not glibc).
+Issue 21 measured what the old default (``host_mmap_threshold`` 1 MiB, ``host_trim`` after every step)
+cost: step x1.69 / 1.38 / 1.46 of DDP at stages 1 / 2 / 3 on the bars shape (GPT-2 5.3M, batch 8 x 128,
+world 2), 148k page faults per step against DDP's 33k, for a peak 0.8x DDP's. The growth it was
+chosen against (issue 14) came largely from hfzero's own allocations: the reducer freed and
+reallocated gradient staging buffers of 1-8 MiB several times per backward pass at stage 3 (171
+fresh buffers in 240 takes, 69 MB per step with 4 micro-batches), blocks that land between activation
+blocks in the heap. They are now pooled ([Note: staging pool] in reducer.py: 6 allocations in the
+first pass, none after), like stage 3's gather buffers, so hfzero allocates nothing per step, and
+**the default leaves glibc alone** (``host_mmap_threshold`` 0, ``host_trim`` False): torch's own
+allocations behave exactly as under DDP. Measured with the pool, rank 0 / 1 (tests/test_memory_flat.py
+shapes, batch 2 x 64, world 2, and the bars shape with benchmarks/host_policy.py):
 
-The fast policy (``host_mmap_threshold=33554432, host_trim_slack=0.02``) fixes the threshold at glibc's
-ceiling, where its dynamic one ends up anyway, turns glibc's own top trim off, and lets ``HeapTrimmer``
-call ``malloc_trim(0)`` only when the resident memory after a step exceeds the settled level by more
-than the slack. Its steady step faults no more pages than plain torch (tests/test_host_policy.py: 0
-per step against 9,600 with glibc's defaults and 14,600 with the default policy, world 1) and its peak
-at the bars shape is DDP's, but it is NOT the default: with several backward passes per step (stage 3,
-4 micro-batches) the heap fragments and its peak grows 8-9% over 12 steps and stands above DDP's, and
-tests/test_memory_flat.py's stage-2 run grew 5.3% (bound 5%). Trimming does not cure that growth (each
-trim also refaults the heap), pooling hfzero's own per-micro-batch buffers is the likely cure (undone).
+  glibc defaults, hfzero pooled           peak MB    growth (last / step 2)    faults/step
+  stage 3, 4 micro-batches, 16 steps      588 / 599  1.019 / 1.031             16k
+  stage 3, 4 micro-batches, DDP           601 / 597  1.031 / 1.035             0.2-4k
+  stage 2, 1 micro-batch, 12 steps        571 / 570  1.042 / 1.038             5k
+  stage 2, 1 micro-batch, DDP             576 / 587  1.029 / 1.014             0
+  bars: stage 1 / 2 / 3, 10 steps         831 / 852 / 845 (worse rank)          33-38k
+  bars: DDP                               839                                   33k
 
-Measured with benchmarks/host_policy.py (each variant in its own processes, GPT-2 5.3M, world 2, one
-round each on a machine at load 18-30 on 2 cores, so wall times are noise: CPU seconds and page faults
-per step of the busier rank, per-rank peak RSS, growth = peak after the last step / after step 2):
+The peak is DDP's (within the run-to-run spread of a few percent: both runs are torch's allocations
+under the same allocator) and creeps a few MB over the first steps as glibc's dynamic mmap threshold
+settles, as DDP's does; tests/test_memory_flat.py measures growth from step 3. The lowest peak is
+still available where memory, not time, is short: ``host_mmap_threshold=1048576, host_trim=True``
+maps every block of 1 MiB or more and trims after every step (bars: peak 0.8x DDP's, step ~1.5x).
+``prepare`` applies a nonzero threshold through ``mallopt`` (process-wide, once per process, logged;
+skipped with ``MALLOC_MMAP_THRESHOLD_`` in the environment, on CUDA engines, whose caching allocator
+has its own pools, and where ``mallopt`` is missing, not glibc).
 
-  bars: batch 8 x 128, 8 steps     cpu s  faults  peak MB  growth   accum: 2 x 64, 4 micro, stage 3, 12 steps
-  DDP                               1.60-1.68  33-35k  853-882  1.05-1.07   DDP                1.06  9.7k  630  1.027
-  stage 1 default (1 MiB, trim)     1.86-1.94  148k    715      1.002       default            1.52  108k  569  1.031
-  stage 1 glibc defaults            1.64       38k     889      1.055       32 MiB, no trim    1.21  14k   941  1.459
-  stage 1 32 MiB, no trim           1.65       33k     883      1.025       32 MiB + 2% trim   1.29  31k   695  1.084
-  stage 1 32 MiB + 2% trim          1.67       62k     857      1.012       8 MiB + 2% trim    1.36  55k   638  1.088
-  stage 1 8 MiB + 2% trim           1.74       64k     840      1.041
-(the 2%-trim rows ran an earlier trimmer that re-settled lower after each trim; the settled level is
-now only raised after a trim. With it, at load 8-11: stage 1 bars 1.55 s, 63k faults, 3 trims, peak 852
-MB, growth 1.026; accum 1.16 s, 16k faults, 4 trims, peak 697 MB, growth 1.068: the early trims still
-refault the heap, and the accumulation peak stays ~10% above DDP's.) The default policy, same code
-(fused AdamW included) in tests/test_memory_flat.py's runs: peak growth from step 2 to the last 1.013 at most.
+Also measured and not chosen: 32 MiB fixed threshold with a trim when the resident memory grew past
+2% (``host_mmap_threshold=33554432, host_trim_slack=0.02``): as few faults as DDP, but before the
+staging pool its peak grew 8-9% over 12 steps with 4 micro-batches; glibc defaults with a trim after
+every step: 84k faults per step on the bars shape (the trimmed pages fault in again), peak 0.9x DDP's.
 """
 
 from __future__ import annotations

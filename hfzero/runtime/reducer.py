@@ -5,8 +5,8 @@ Memory held, by stage (see [Note: bucket sharding] in layout.py):
   (GRAD_FULL, a model state). Buckets are views of it and are reduced in place.
 - stages 2-3: ``grad_shard``, this rank's slice of every bucket (GRAD_SHARD, a model state), plus
   staging buffers for buckets being filled or reduced within one backward pass (GRAD_BUCKET,
-  transient: at most ``max_inflight`` buffers are pooled between passes; at stage 3 a bucket's late
-  gradients, rare, keep a buffer until the step), plus, only under the
+  transient; pooled between passes up to the most a pass had open, see [Note: staging pool]; at
+  stage 3 a bucket's late gradients, rare, keep a buffer until the step), plus, only under the
   "local" accumulation policy while reduction is deferred, a full local accumulator (GRAD_ACCUM, a
   model state: it is held across micro-batches) that the synchronizing backward reduces and frees.
 - with offload (``sink``, runtime/offload.py), stages 2-3 hold no ``grad_shard``: each reduced slice is
@@ -20,6 +20,19 @@ backward passes without ``zero_grad`` exact:
   it, every rank but rank 0 zeroes its buffer, and the next all-reduce gives exactly S + sum(new).
 - stage 1 reduce-scatters in place and zeroes the slices it does not own, so only the owner keeps S.
 - stages 2-3 reduce fresh staging buffers and add the owned slice into the shard.
+
+[Note: staging pool]
+Staging buffers are reused, never allocated per bucket per pass: a buffer given back after its
+bucket's reduction joins a pool, and the next bucket takes one of its exact size (else the smallest
+larger one). The pool keeps buffers while pooled + open + late elements stay within the high-water
+mark of open + late elements seen so far (at least ``max_inflight + 1`` of the largest bucket), so the
+GRAD_BUCKET footprint between passes never exceeds what a pass already needed at once, and a steady
+state allocates nothing. At stages 0-2 at most ``max_inflight + 1`` buckets are open; at stage 3
+buckets launch at unit boundaries, so a unit's buckets are open together (plus those in flight), and
+a pool capped at ``max_inflight + 1`` buffers freed and reallocated several per pass: issue 21 counted
+171 fresh buffers in 240 takes (69 MB per step of GPT-2 5.3M, world 2, 4 micro-batches), blocks of
+1-8 MiB that fragment the host heap (see [Note: host allocator] in hostmem.py). Pooled buffers are
+counted in GRAD_BUCKET at every sample (``staging_bytes``).
 
 [Note: accumulation policy]
 ``policy`` decides what ``no_sync()`` does. "local": backward passes inside it add into the full
@@ -146,6 +159,11 @@ class GradientReducer:
         self._roots_complete = True
         self.peak_staging_bytes = 0
         """Largest GRAD_BUCKET footprint seen (pool + open staging + late buffers) since construction."""
+        self._live_high = (max_inflight + 1) * max((b.padded for b in layout.buckets), default=0)
+        """Most staging elements open at once (open + late) so far, at least ``max_inflight + 1`` of the
+        largest bucket: the pool keeps buffers up to it. See [Note: staging pool]."""
+        self.allocations = 0
+        """Staging buffers allocated since construction (steady state: constant; tests read it)."""
         self.before_first_grad: Callable[[], None] | None = None
         self.on_step_begin: Callable[[], None] | None = None
         """Called at the first backward after the gradients were zeroed, before any reduction."""
@@ -159,7 +177,20 @@ class GradientReducer:
     def no_sync(self) -> Iterator[None]:
         """Under the "local" policy, accumulate gradients locally, without communication, for backward
         passes inside the block; under "sharded", backward passes still reduce (no full gradient is
-        held). See [Note: accumulation policy]."""
+        held). See [Note: staging pool]
+Staging buffers are reused, never allocated per bucket per pass: a buffer given back after its
+bucket's reduction joins a pool, and the next bucket takes one of its exact size (else the smallest
+larger one). The pool keeps buffers while pooled + open + late elements stay within the high-water
+mark of open + late elements seen so far (at least ``max_inflight + 1`` of the largest bucket), so the
+GRAD_BUCKET footprint between passes never exceeds what a pass already needed at once, and a steady
+state allocates nothing. At stages 0-2 at most ``max_inflight + 1`` buckets are open; at stage 3
+buckets launch at unit boundaries, so a unit's buckets are open together (plus those in flight), and
+a pool capped at ``max_inflight + 1`` buffers freed and reallocated several per pass: issue 21 counted
+171 fresh buffers in 240 takes (69 MB per step of GPT-2 5.3M, world 2, 4 micro-batches), blocks of
+1-8 MiB that fragment the host heap (see [Note: host allocator] in hostmem.py). Pooled buffers are
+counted in GRAD_BUCKET at every sample (``staging_bytes``).
+
+[Note: accumulation policy]."""
         if self.policy != "local":
             if not self._told_sharded:
                 logger.info("accumulation='sharded': no_sync() does not defer reduction; every micro-batch is "
@@ -303,22 +334,26 @@ class GradientReducer:
 
     # ---- buffers --------------------------------------------------------------------------------
     def _take_buffer(self, numel: int) -> torch.Tensor:
-        """A zeroed staging buffer of ``numel`` elements, from the pool when one fits."""
+        """A zeroed staging buffer of ``numel`` elements, from the pool when one fits (the same size
+        first, else the smallest larger one). See [Note: staging pool]."""
         fitting = [i for i, t in enumerate(self._pool) if t.numel() >= numel]
         if fitting:
-            flat = self._pool.pop(min(fitting, key=lambda i: self._pool[i].numel()))
+            flat = self._pool.pop(min(fitting, key=lambda i: (self._pool[i].numel() != numel, self._pool[i].numel())))
             if self.sink is not None:  # See [Note: offload copies]
                 self.sink.order_after(self._reuse_after.pop(id(flat), None))
-        else:  # none fits: give pooled ones back first, so open + pooled stay within max_inflight + 1
-            live = len(self._staging) + len(self._late) + 1
-            del self._pool[max(0, self.max_inflight + 1 - live):]
+        else:  # none fits: free pooled ones (smallest first) that the high-water mark cannot also hold
+            self._pool.sort(key=torch.Tensor.numel, reverse=True)
+            live = self._live_numel() + numel
+            while self._pool and live + sum(t.numel() for t in self._pool) > self._live_high:
+                self._pool.pop()
             flat = torch.empty(numel, dtype=self.dtype, device=self.device)
-            # only a fresh allocation raises the footprint (a pooled buffer was already counted)
-            self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes() + numel * self._element)
+            self.allocations += 1
+        self._live_high = max(self._live_high, self._live_numel() + flat.numel())
+        self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes() + flat.numel() * self._element)
         return flat[:numel].zero_()
 
     def _give_back(self, buffer: torch.Tensor, copied: torch.cuda.Event | None = None) -> None:
-        """Return a staging buffer to the pool, keeping at most ``max_inflight`` pooled (the largest);
+        """Return a staging buffer to the pool, within the high-water mark (see [Note: staging pool]);
         ``copied``: the offload copy still reading it, which its next user must wait for."""
         base = buffer._base if buffer._base is not None else buffer
         self._pool.append(base)
@@ -340,17 +375,23 @@ class GradientReducer:
         return staging
 
     def _trim_pool(self) -> None:
-        """Keep at most ``max_inflight + 1`` staging buffers, open and pooled together (the largest pooled).
-
-        A buffer goes back to the pool as soon as its bucket is reduced, and the pool only keeps what
-        ``max_inflight`` reductions in flight plus the bucket being filled can reuse.
-        """
-        live = len(self._staging) + len(self._late)
+        """Keep pooled buffers while pooled + open + late elements stay within the high-water mark of open
+        + late elements (the largest pooled first). See [Note: staging pool]."""
         self._pool.sort(key=torch.Tensor.numel, reverse=True)
-        del self._pool[max(0, self.max_inflight + 1 - live):]
+        room = self._live_high - self._live_numel()
+        kept = 0
+        for index, buffer in enumerate(self._pool):
+            if kept + buffer.numel() > room:
+                del self._pool[index:]
+                break
+            kept += buffer.numel()
         if self._reuse_after:
             pooled = {id(t) for t in self._pool}
             self._reuse_after = {k: v for k, v in self._reuse_after.items() if k in pooled}
+
+    def _live_numel(self) -> int:
+        """Elements of the open staging and late buffers (their whole allocations)."""
+        return sum((t._base if t._base is not None else t).numel() for t in (*self._staging.values(), *self._late.values()))
 
     # ---- reduction ------------------------------------------------------------------------------
     def _launch_ready(self) -> None:
