@@ -15,8 +15,8 @@ A variant is ``ddp`` or ``zeroS`` (hfzero stage S, default config), optionally f
 motivated the trim).
 
     python benchmarks/host_policy.py [--shape bars] [--rounds 3] [--steps 12] [VARIANT ...]
-    python benchmarks/host_policy.py --shape accum ddp zero3 zero3:host_mmap_threshold=0,host_trim=False \
-        zero3:host_mmap_threshold=33554432,host_trim_slack=0.02
+    python benchmarks/host_policy.py --shape accum ddp zero3 zero3:host_mmap_threshold=1048576,host_trim=True \
+        zero3:host_mmap_threshold=33554432,host_trim=True,host_trim_slack=0.02
 """
 
 from __future__ import annotations
