@@ -289,3 +289,142 @@ def decoder_activation_bytes(shape: DecoderShape, seq_len: int, batch_size: int,
     return DecoderActivationEstimate(per_layer=per_layer, layers=layers, checkpoints=device_ckpt,
                                      checkpoints_host=host, head=head, saved=saved, recompute=recompute,
                                      total=saved - host + recompute, inputs=inputs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Encoders and encoder-decoders
+# --------------------------------------------------------------------------------------------------
+
+_ENCODER_DECODER_TYPES = ("bart", "mbart", "t5", "mt5", "pegasus", "marian", "blenderbot")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EncoderShape(DecoderShape):
+    """An encoder (BERT, RoBERTa families) or encoder-decoder (BART, T5 families); see [Note: encoder
+    activation model]. The ``DecoderShape`` fields describe one encoder layer.
+
+    Attributes:
+        head: "classifier" (pooler + ``num_labels`` logits: ``...ForSequenceClassification``) or "lm"
+            (logits over the vocabulary).
+        num_labels: the classifier's outputs.
+        num_decoder_layers: decoder layers of an encoder-decoder (each adds cross-attention), else 0.
+        token_types: the embeddings add token-type embeddings (BERT), which save their ids.
+    """
+
+    head: str = "classifier"
+    num_labels: int = 2
+    num_decoder_layers: int = 0
+    token_types: bool = False
+
+    @classmethod
+    def from_hf_config(cls, source: Any, *, head: str | None = None) -> "EncoderShape":  # type: ignore[override]
+        """Read an encoder's or encoder-decoder's shape from a Hugging Face config. ``head`` defaults to
+        "classifier" when the config's architectures name a sequence classifier, else "lm".
+
+        Raises:
+            EstimateError: the config lacks the sizes, or is a decoder-only model.
+        """
+        from hfzero.estimate import EstimateError, load_hf_config
+
+        config = load_hf_config(source)
+        if not is_encoder_config(config):
+            raise EstimateError(f"{type(config).__name__} is not an encoder or encoder-decoder config")
+        get = lambda *names, default=None: next(  # noqa: E731
+            (getattr(config, n) for n in names if getattr(config, n, None) is not None), default)
+        hidden = get("hidden_size", "d_model")
+        layers = get("num_hidden_layers", "encoder_layers", "num_layers")
+        heads = get("num_attention_heads", "encoder_attention_heads", "num_heads")
+        if not all(isinstance(v, int) and v > 0 for v in (hidden, layers, heads)):
+            raise EstimateError(f"{type(config).__name__} lacks hidden size, layers or heads")
+        ffn = get("intermediate_size", "encoder_ffn_dim", "d_ff", default=4 * hidden)
+        head_dim = get("d_kv", default=hidden // heads)
+        decoder_layers = get("decoder_layers", "num_decoder_layers", default=0) if config.is_encoder_decoder else 0
+        architectures = " ".join(getattr(config, "architectures", None) or [])
+        if head is None:
+            head = "classifier" if "SequenceClassification" in architectures else "lm"
+        t5 = config.model_type in ("t5", "mt5")
+        dropout = float(get("hidden_dropout_prob", "dropout", "dropout_rate", default=0.0) or 0.0) > 0
+        attn_dropout = float(get("attention_probs_dropout_prob", "attention_dropout", "dropout_rate", default=0.0) or 0.0) > 0
+        activation = str(get("hidden_act", "activation_function", "dense_act_fn", default="gelu"))
+        return cls(hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=heads, head_dim=int(head_dim),
+                   vocab_size=int(config.vocab_size), ffn_size=int(ffn), rms_norm=t5,
+                   gated_mlp=bool(getattr(config, "is_gated_act", False)), activation=activation, softmax_fp32=False,
+                   residual_dropout=dropout, attention_dropout=attn_dropout, embedding_dropout=dropout,
+                   attention=getattr(config, "_attn_implementation", None), head=head,
+                   num_labels=int(getattr(config, "num_labels", 2) or 2), num_decoder_layers=int(decoder_layers),
+                   token_types=(getattr(config, "type_vocab_size", 0) or 0) > 0)
+
+
+def is_encoder_config(config: Any) -> bool:
+    """True for encoder-decoder configs and bidirectional encoders (no causal LM: BERT, RoBERTa, ...)."""
+    if getattr(config, "is_encoder_decoder", False) or config.model_type in _ENCODER_DECODER_TYPES:
+        return True
+    return bool(getattr(config, "type_vocab_size", None)) or config.model_type in (
+        "bert", "roberta", "xlm-roberta", "distilbert", "electra", "deberta", "deberta-v2", "albert", "mpnet")
+
+
+def encoder_head_bytes(shape: EncoderShape, seq_len: int, batch_size: int, *, dtype: str | int = "bf16",
+                       device: str = "cuda") -> float:
+    """Bytes saved outside the layers of an encoder (see [Note: encoder activation model]): the ids (and
+    token-type ids), the embedding LayerNorm's input and statistics and its dropout mask, the last
+    layer's output (saved by the pooler's slice or the LM head), and the head: pooler tanh output, its
+    dropout and the classifier's log-softmax and labels, or the LM head's fp32 log-softmax (4*sb*V)."""
+    e, sb, h = _dtype_bytes(dtype), seq_len * batch_size, shape.hidden_size
+    mask = 1 if device == "cuda" else e
+    ids = 8 * sb * (2 if shape.token_types else 1)
+    embed = e * sb * h + 2 * 4 * sb + (mask * sb * h if shape.embedding_dropout else 0)
+    last = e * sb * h
+    b = batch_size
+    if shape.head == "classifier":
+        drop = (mask + e) * b * h if shape.residual_dropout else 0
+        head = e * b * h + drop + 4 * b * shape.num_labels + 8 * b
+    else:
+        head = e * sb * h + 2 * 4 * sb + e * sb * h + 4 * sb * shape.vocab_size + 8 * sb  # transform, norm, logits
+    return ids + embed + last + head
+
+
+def _cross_attention_bytes(shape: EncoderShape, s: int, b: int, e: int, fused: bool, mask: int, tp: int) -> float:
+    """One decoder layer's cross-attention over an encoder output of the same length: its norm, then Q,
+    K and V (projections of the encoder output), the output projection's input and the probabilities."""
+    return _norm_bytes(shape, s * b, e) + _attention_bytes(shape, s, b, e, fused, mask, tp)
+
+
+def encoder_activation_bytes(shape: EncoderShape, seq_len: int, batch_size: int, *, dtype: str | int = "bf16",
+                             attention: str | None = None, checkpointing: bool = False, tp: int = 1,
+                             cpu: bool = False, device: str = "cuda") -> DecoderActivationEstimate:
+    """ESTIMATE of one micro-batch's activation bytes for an encoder or encoder-decoder (see [Note: encoder
+    activation model]); arguments as ``decoder_activation_bytes`` (no P_a). An encoder-decoder's decoder
+    runs ``seq_len`` target tokens too."""
+    from hfzero.estimate import EstimateError
+
+    if cpu and not checkpointing:
+        raise EstimateError("cpu_checkpointing acts on activation checkpoints: enable checkpointing too")
+    e = _dtype_bytes(dtype)
+    attention = attention or shape.attention or "sdpa"
+    fused = _fused(shape, attention, device)
+    mask = 1 if device == "cuda" else e
+    enc = decoder_layer_bytes(shape, seq_len, batch_size, dtype=e, attention=attention, tp=tp, device=device)
+    dec = (enc + _cross_attention_bytes(shape, seq_len, batch_size, e, fused, mask, tp)
+           + (mask * seq_len * batch_size * shape.hidden_size if shape.residual_dropout else 0))
+    per_layer = max(enc, dec) if shape.num_decoder_layers else enc
+    layers = shape.num_layers * enc + shape.num_decoder_layers * dec
+    # the additive (b, 1, s, s) mask every eager / math-path layer receives
+    shared = 0 if fused else batch_size * seq_len * seq_len * e
+    head = encoder_head_bytes(shape, seq_len, batch_size, dtype=e, device=device)
+    if shape.num_decoder_layers:
+        head += encoder_head_bytes(dataclasses.replace(shape, head="lm", token_types=False), seq_len, batch_size,
+                                   dtype=e, device=device) - (e * seq_len * batch_size * shape.hidden_size)
+    stored, recompute = 0.0, 0.0
+    if checkpointing:
+        stored = (shape.num_layers + shape.num_decoder_layers) * e * seq_len * batch_size * shape.hidden_size + shared
+        layers, recompute = 0.0, per_layer
+    else:
+        layers += shared
+    host = stored if cpu else 0.0
+    saved = layers + stored + head
+    inputs = {"seq_len": seq_len, "batch_size": batch_size, "dtype_bytes": e, "attention": attention,
+              "checkpointing": checkpointing, "tp": tp, "partition": False, "cpu": cpu, "device": device,
+              "model": "encoder-decoder" if shape.num_decoder_layers else "encoder", "shape": dataclasses.asdict(shape)}
+    return DecoderActivationEstimate(per_layer=per_layer, layers=layers, checkpoints=stored - host,
+                                     checkpoints_host=host, head=head, saved=saved, recompute=recompute,
+                                     total=saved - host + recompute, inputs=inputs)
