@@ -74,6 +74,7 @@ def _show_run_notes(loaded: LoadedRun) -> bool:
 def view_memory(loaded: LoadedRun, settings: dict[str, int]) -> None:
     """Per-rank bytes by role beside the paper's formula."""
     st.plotly_chart(figures.memory_by_role_figure(loaded), width="stretch")
+    st.markdown(figures.peak_sentence(loaded))
     assert loaded.summary is not None
     rows = [{"rank": r["rank"], "measured model states (bytes)": r["model_state_bytes"],
              "formula (bytes)": r["predicted_model_state_bytes"], "measured / formula": r["ratio"],
@@ -90,8 +91,8 @@ def view_memory(loaded: LoadedRun, settings: dict[str, int]) -> None:
         st.caption("The rank's whole peak (RSS on a CPU, reserved on CUDA; the step with the largest sampled "
                    "peak) = model states + transient + activations and checkpoints (measured by role) + other / "
                    "allocator overhead (the peak minus every role: untracked live tensors, allocator cache and "
-                   "fragmentation, libraries). Activations measured at their peak beside the estimator's decoder "
-                   "model from the header (see docs/zero-r.md); the estimate leaves out a checkpointed layer's "
+                   "fragmentation, libraries). Activations measured at their peak beside the estimator's activation "
+                   "model (decoder, encoder or encoder-decoder) from the header (see docs/zero-r.md); the estimate leaves out a checkpointed layer's "
                    "recomputation, which the saved-tensor measurement does not see either.")
     assert loaded.run is not None
     peaks = data.peak_frame(loaded.run)

@@ -180,7 +180,7 @@ def test_crashed_run_loads_and_plots_what_is_there(tmp_path: Path) -> None:
     assert any("no rank file for rank(s) [3]" in w for w in loaded.run.warnings)
     assert not loaded.run.ranks[1].stopped and loaded.run.ranks[0].stopped
     fig = figures.memory_by_role_figure(loaded)
-    assert len(trace(fig, "optim_state (model state)").y) == 4 * 3  # ranks 0-2: model states, formula, transient, rest
+    assert len(trace(fig, "optim_state (model state)").y) == 3 * 3  # ranks 0-2: model states, formula, transient
     assert len(data.timeline_frame(loaded.run)) == 3 * 2 * 6
 
 
@@ -227,20 +227,25 @@ def test_memory_by_role_figure_against_the_formula(tmp_path: Path) -> None:
     labels = {t.name for t in fig.data}
     assert {f"{r.value} (model state)" for r in (MemoryRole.PARAM_FULL, MemoryRole.GRAD_SHARD)} <= labels
     assert "grad_bucket" in labels
-    # per rank, left to right: model states (measured), formula, transient, rest of the process peak
-    assert list(fig.data[0].x[1][:4]) == ["model states", "formula", "transient", "other / allocator overhead"]
-    assert list(trace(fig, "optim_state (model state)").y) == [4 * PSI, 0, 0, 0] * 2
-    assert list(trace(fig, "formula: optimizer states KΨ").y) == [0, 6 * PSI, 0, 0] * 2
-    assert list(trace(fig, "formula: parameters pΨ").y) == [0, 2 * PSI, 0, 0] * 2
-    assert list(trace(fig, "formula: gradients gΨ").y) == [0, PSI, 0, 0] * 2
+    # per rank, left to right: model states (measured), formula, transient; the rest of the peak on the right
+    assert list(fig.data[0].x[1][:3]) == ["model states", "formula", "transient"]
+    assert list(trace(fig, "optim_state (model state)").y) == [4 * PSI, 0, 0] * 2
+    assert list(trace(fig, "formula: optimizer states KΨ").y) == [0, 6 * PSI, 0] * 2
+    assert list(trace(fig, "formula: parameters pΨ").y) == [0, 2 * PSI, 0] * 2
+    assert list(trace(fig, "formula: gradients gΨ").y) == [0, PSI, 0] * 2
     bucket = trace(fig, "grad_bucket")
     assert [y for y, (_, kind) in zip(bucket.y, zip(*bucket.x)) if y] and all(
         kind == "transient" for y, (_, kind) in zip(bucket.y, zip(*bucket.x)) if y)  # never on the model-state bar
     ratio = trace(fig, "model states: measured / formula")
-    assert list(ratio.text) == ["measured / formula 1.000"] * 2 and set(ratio.x[1]) == {"formula"}
+    assert list(ratio.text) == ["measured /<br>formula 1.000"] * 2 and set(ratio.x[1]) == {"formula"}
     as_dict = fig.to_dict()["data"]
     grad_shard = next(t for t in as_dict if t["name"] == "grad_shard (model state)")
-    assert list(decode(grad_shard["y"])) == [PSI, 0, 0, 0] * 2
+    assert list(decode(grad_shard["y"])) == [PSI, 0, 0] * 2
+    # the legend: one entry per role, one per prediction, in three titled groups
+    shown = [t for t in fig.data if t.showlegend is not False]
+    assert {t.legendgrouptitle.text for t in shown if t.legendgrouptitle.text} == {
+        "measured, by role", "predicted", "the rank's whole peak"}
+    assert [t.name for t in shown if t.legendgroup == "formula"] == ["formula pΨ + gΨ + KΨ (hatched)"]
 
 
 def test_timeline_and_fragmentation_figures(tmp_path: Path) -> None:
@@ -592,19 +597,24 @@ def test_memory_by_role_accounts_for_the_whole_peak(tmp_path: Path) -> None:
         (path / f"rank-{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     loaded = data.load(path)
     fig = figures.memory_by_role_figure(loaded)
-    kinds = ["model states", "formula", "transient", "activations", "activation estimate", "other / allocator overhead"]
-    assert list(fig.data[0].x[1][:6]) == kinds
-    assert list(trace(fig, "activations").y[:6]) == [0, 0, 0, 3000, 0, 0]
-    assert list(trace(fig, "act_checkpoint").y[:6]) == [0, 0, 0, 1000, 0, 0]
-    assert list(trace(fig, "estimate: layers (no checkpointing)").y[:6]) == [0, 0, 0, 0, 3000, 0]
-    assert list(trace(fig, "activations: measured / estimate").text) == ["measured / estimate 1.000",
-                                                                         "measured / estimate 1.000"]
+    kinds = ["model states", "formula", "transient", "activations", "estimate"]
+    assert list(fig.data[0].x[1][:5]) == kinds
+    assert list(trace(fig, "activations").y[:5]) == [0, 0, 0, 3000, 0]
+    assert list(trace(fig, "act_checkpoint").y[:5]) == [0, 0, 0, 1000, 0]
+    assert list(trace(fig, "estimate: layers (no checkpointing)").y[:5]) == [0, 0, 0, 0, 3000]
+    assert list(trace(fig, "activations: measured / estimate").text) == ["measured /<br>estimate 1.000"] * 2
     rows = figures.whole_peak_rows(loaded)
     last = allocated_at(1, 1, 5)  # rank 1's largest peak: the last step's end (RSS = 3 x allocated)
     row = rows[1]
     assert row["peak (bytes)"] == 3 * last and row["activations + checkpoints"] == 4001
     parts = ("model states", "transient", "activations + checkpoints", "other / allocator overhead")
     assert sum(row[p] for p in parts) == row["peak (bytes)"]
-    overhead = trace(fig, "other / allocator overhead (the peak minus the roles)")
-    assert list(overhead.y[6:]) == [0, 0, 0, 0, 0, row["other / allocator overhead"]]
+    # the right panel: the whole peak = engine roles + the overhead's parts (untracked, runtime, slack)
+    split = data.overhead_split(loaded.run)[1]
+    assert sum(split.values()) == pytest.approx(row["other / allocator overhead"])
+    whole = [trace(fig, name).y[1] for name in ("engine roles (the left panel)", "untracked live memory",
+                                                 "framework runtime", "allocator slack and the rest")]
+    assert sum(whole) == pytest.approx(row["peak (bytes)"])
     assert row["measured / estimate"] == pytest.approx(4001 / 4000)
+    assert figures.peak_sentence(loaded).startswith("Within its prediction (model states 1.000 of the formula, "
+                                                    "activations 1.000 of the estimate")

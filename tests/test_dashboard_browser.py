@@ -195,3 +195,66 @@ if __name__ == "__main__":
     if isinstance(found_tools, str):
         sys.exit(found_tools)
     print(capture(sys.argv[1:-1], Path(sys.argv[-1]), found_tools))
+
+
+CUT_LABELS_JS = """
+const plot = document.querySelector('.js-plotly-plot');
+const svg = plot.querySelector('.main-svg').getBoundingClientRect();
+const inside = r => r.left >= svg.left - 1 && r.right <= svg.right + 1 && r.top >= svg.top - 1 && r.bottom <= svg.bottom + 1;
+const overlap = (a, b) => a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom;
+const legend = plot.querySelector('.legend');
+const legendBox = legend ? legend.getBoundingClientRect() : null;
+const problems = [];
+const ticks = Array.from(plot.querySelectorAll('.xtick text, .ytick text, .xtick2 text, .ytick2 text, .multicategory text'));
+for (const t of ticks) {
+  const r = t.getBoundingClientRect();
+  if (!t.textContent) continue;
+  if (!inside(r)) problems.push('axis label cut by the figure edge: ' + t.textContent);
+  if (legendBox && overlap(r, legendBox)) problems.push('axis label under the legend: ' + t.textContent);
+}
+for (const t of plot.querySelectorAll('.legendtext, .legendtitletext')) {
+  if (!inside(t.getBoundingClientRect())) problems.push('legend text cut: ' + t.textContent);
+}
+return {problems: problems, ticks: ticks.map(t => t.textContent)};
+"""
+"""Every axis tick label of the first plot (category labels, the rank row, bytes) and legend text lies inside
+the figure and off the legend: plotly's text bounding boxes as the browser lays them out."""
+
+
+def first_view_problems(driver: Any) -> tuple[list[str], list[str]]:
+    """(cut or covered labels of the first plot, its tick label texts)."""
+    result = driver.execute_script(CUT_LABELS_JS)
+    return result["problems"], result["ticks"]
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("width", [900, 1500, 2400])
+def test_first_view_of_the_main_job_has_no_cut_label(tmp_path: Path, width: int) -> None:
+    """The first view (Memory by role) of a profile shaped like the main job's (MiniLM encoder classifier,
+    stage 2, 2 ranks; ``tests/data/main_job_profile``): no axis label cut or under the legend at three widths,
+    the one-sentence summary under the chart, and the activation estimate within 10% of the measurement."""
+    tools = browser_tools()
+    if isinstance(tools, str):
+        pytest.skip(tools)
+    import sys as _sys
+
+    _sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from dashboard import data, figures
+
+    run_dir = Path(__file__).parent / "data" / "main_job_profile"
+    loaded = data.load(run_dir)
+    predicted = data.activation_prediction(loaded.run)["saved"]
+    for measured in data.activation_peaks(loaded.run).values():
+        assert sum(measured.values()) == pytest.approx(predicted, rel=0.10)
+    sentence = figures.peak_sentence(loaded)
+    assert sentence.startswith("Within its prediction")
+    with serve([str(run_dir)]) as url, chromium(tools, width=width, height=1200) as driver:
+        driver.get(url)
+        show_view(driver, "Memory by role")
+        assert page_problems(driver) == []
+        problems, ticks = first_view_problems(driver)
+        assert problems == [], problems
+        assert {"model states", "formula", "transient", "activations", "estimate", "rank 0", "rank 1"} <= set(ticks)
+        from selenium.webdriver.common.by import By
+
+        assert sentence.split(";")[0] in driver.find_element(By.TAG_NAME, "body").text
