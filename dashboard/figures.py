@@ -546,3 +546,31 @@ def _empty(message: str) -> go.Figure:
     fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
     fig.update_layout(xaxis={"visible": False}, yaxis={"visible": False}, height=200)
     return fig
+
+
+def plan_figure(result: dict[str, Any], *, top: int = 15) -> go.Figure:
+    """``hfzero plan``'s configurations: estimated tokens/s against per-rank peak, those that fit in color
+    by ZeRO stage, the others gray, the budget as a vertical line, the first ``top`` that fit labelled."""
+    fig = go.Figure()
+    rows = result["configurations"]
+    for stage in est.STAGES:
+        mine = [r for r in rows if r["fits"] and r["config"]["stage"] == stage]
+        if mine:
+            fig.add_scatter(x=[r["peak_bytes"] for r in mine], y=[r["tokens_per_s"] for r in mine], mode="markers",
+                            name=f"stage {stage} ({est.STAGE_NAMES[stage]})", text=[r["label"] for r in mine],
+                            marker={"color": _PALETTE[stage], "size": 9},
+                            hovertemplate="%{text}<br>peak %{x:.3s}B<br>%{y:,.0f} tokens/s<extra></extra>")
+    rejected = [r for r in rows if not r["fits"]]
+    if rejected:
+        fig.add_scatter(x=[r["peak_bytes"] for r in rejected], y=[r["tokens_per_s"] for r in rejected], mode="markers",
+                        name="does not fit", text=[f"{r['label']}<br>{r['reason']}" for r in rejected],
+                        marker={"color": "lightgray", "size": 7},
+                        hovertemplate="%{text}<br>%{y:,.0f} tokens/s<extra></extra>")
+    fig.add_vline(x=result["budget_bytes"], line_dash="dash", line_color="gray",
+                  annotation_text="budget per rank", annotation_position="top right")
+    fig.update_layout(title=f"Plan: configurations by estimated throughput and per-rank peak, "
+                            f"{result['devices']} devices", height=480, xaxis_title="per-rank peak (bytes)",
+                      yaxis_title="tokens / s (estimated)", legend={"title": "fits, by ZeRO stage"})
+    fig.update_xaxes(**_BYTES_AXIS, automargin=True)
+    fig.update_yaxes(automargin=True)
+    return fig

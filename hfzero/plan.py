@@ -375,11 +375,15 @@ def workload_from_config(source: Any, *, seq_len: int, global_batch: int, dtype:
 
 
 def runtime_bytes() -> float:
-    """What this process keeps resident for the framework once torch and transformers are imported (RSS,
-    measured once per process): the ``runtime`` part of a CPU rank's peak."""
+    """What this process keeps resident for the framework once torch (with torch.distributed), transformers
+    and hfzero's engine and profiler are imported (RSS, measured once per process): the ``runtime`` part of a
+    CPU rank's peak. A rank also holds its process group's threads and buffers, which this leaves out."""
     import psutil
-    import torch  # noqa: F401  (the measurement is of the process with them loaded)
+    import torch.distributed  # noqa: F401  (the measurement is of the process with them loaded)
     import transformers  # noqa: F401
+
+    import hfzero.runtime.engine  # noqa: F401
+    import hfzero.profiler  # noqa: F401
 
     return float(psutil.Process().memory_info().rss)
 

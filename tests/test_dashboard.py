@@ -452,7 +452,8 @@ def page_titles(app: Any) -> str:
 EXPECTED_TITLES = {"Memory by role": "Bytes by role", "Timeline": "Memory over steps", "Fragmentation":
                    "Fragmentation over time", "Communication": "Communication per step",
                    "Pipeline stages": "Pipeline stages",
-                   "Compare runs": "Runs side by side", "Estimator": "Per-device model-state memory"}
+                   "Compare runs": "Runs side by side", "Estimator": "Per-device model-state memory",
+                   "Planner": "Plan: configurations"}
 
 
 def test_every_page_runs_on_good_crashed_and_bad_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -488,6 +489,24 @@ def test_estimator_page_with_a_config_and_bad_input(tmp_path: Path, monkeypatch:
     app = run_page([], "Estimator", monkeypatch, est_source="Hugging Face config path",
                    est_config=str(tmp_path / "nowhere.json"))
     assert any("not found" in e.value for e in app.error)
+
+
+def test_planner_page_ranks_and_explains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Planner view: the paper's 7.5B model on 64 x 32 GB (its default), the choice named, the rejected
+    configurations with their reasons; a config path and a bad Ψ."""
+    app = run_page([], "Planner", monkeypatch)
+    assert any(m.value.startswith("**Choice:** stage ") for m in app.markdown)
+    frames = [f.value for f in app.dataframe]
+    assert any("why not" in frame.columns and frame["why not"].str.startswith("needs ").all() for frame in frames)
+    from transformers import BertConfig
+
+    BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+               vocab_size=100).save_pretrained(tmp_path / "bert")
+    app = run_page([], "Planner", monkeypatch, plan_source="Hugging Face config path", plan_model_H=str(tmp_path / "bert"),
+                   plan_seq=64, plan_batch=64)
+    assert any(m.value.startswith("**Choice:**") for m in app.markdown)
+    app = run_page([], "Planner", monkeypatch, plan_model_Ψ="lots")
+    assert any("Ψ must be a number" in e.value for e in app.error)
 
 
 def test_a_run_still_being_written_reloads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,17 +32,18 @@ VIEW_MARKERS: dict[str, str] = {
     "Pipeline stages": "Pipeline stages",
     "Compare runs": "Runs side by side",
     "Estimator": "Per-device model-state memory by data-parallel degree",
+    "Planner": "Plan: configurations by estimated throughput",
 }
 """Each sidebar view and a plot title that shows it has rendered."""
 
 SCREENSHOT_NAMES: dict[str, str] = {
     "Memory by role": "memory_by_role", "Timeline": "timeline", "Fragmentation": "fragmentation",
     "Communication": "communication", "Pipeline stages": "pipeline_stages", "Compare runs": "compare_runs",
-    "Estimator": "estimator",
+    "Estimator": "estimator", "Planner": "planner",
 }
 
 VIEW_HEIGHTS: dict[str, int] = {"Timeline": 1900, "Fragmentation": 1300, "Pipeline stages": 1700, "Compare runs": 1500,
-                                "Estimator": 1900}
+                                "Estimator": 1900, "Planner": 1900}
 """Window heights for the screenshots (Streamlit scrolls inside its own container, so the window sets
 how much of a view a screenshot holds)."""
 
