@@ -205,11 +205,18 @@ def candidates(work: Workload, hw: Hardware, *, max_tp: int | None = None, max_p
                     continue
                 policies = ("sharded", "local") if stage >= 2 and steps > 1 else (est.resolve_accumulation(stage),)
                 for policy in policies:
-                    for pa in ((False, True) if ckpt and tp > 1 else (False,)):
+                    for pa in ((False, True) if ckpt and tp > 1 and not _is_encoder(work.shape) else (False,)):
                         out.append(Candidate(stage=stage, dp=dp, tp=tp, pp=pp, micro_batch=mb, accumulation_steps=steps,
                                              accumulation=policy, offload=offload, checkpointing=ckpt,
                                              partition_activations=pa))
     return out
+
+
+def _is_encoder(shape: Any) -> bool:
+    """Encoders and encoder-decoders: their activation model has no P_a."""
+    from hfzero.estimate_activations import EncoderShape
+
+    return isinstance(shape, EncoderShape)
 
 
 def _model_states(c: Candidate, work: Workload) -> float:
@@ -369,9 +376,13 @@ def workload_from_config(source: Any, *, seq_len: int, global_batch: int, dtype:
     (encoder or decoder) and the stage-3 units."""
     config = est.load_hf_config(source)
     shape_cls = est.EncoderShape if est.is_encoder_config(config) else est.DecoderShape
+    try:
+        units: tuple[int, list[int]] | None = est.stage3_unit_numels(config)
+    except est.EstimateError:  # no default units for this model: stage 3 falls back to the prefetch budget
+        units = None
     return Workload(params=float(est.params_from_config(config)), seq_len=seq_len, global_batch=global_batch,
                     dtype=dtype, optimizer=optimizer, shape=shape_cls.from_hf_config(config),
-                    stage3_units=est.stage3_unit_numels(config), device=device)
+                    stage3_units=units, device=device)
 
 
 def runtime_bytes() -> float:
