@@ -47,9 +47,10 @@ def _worker(rank: int, world: int, config_path: str, candidate: dict[str, Any], 
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    import hfzero
     from hfzero import estimate as est
+    from hfzero.config import ZeroConfig
     from hfzero.profiler import ZeroProfiler
+    from hfzero.runtime.prepare import prepare
 
     import psutil
 
@@ -63,8 +64,8 @@ def _worker(rank: int, world: int, config_path: str, candidate: dict[str, Any], 
         model.config.use_cache = False  # a KV cache in training keeps copies of K and V the activation model omits
     if candidate["checkpointing"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    zero = hfzero.ZeroConfig(stage=candidate["stage"], accumulation=candidate["accumulation"], dtype=dtype)
-    model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), zero)
+    zero = ZeroConfig(stage=candidate["stage"], accumulation=candidate["accumulation"], dtype=dtype)
+    model, optimizer = prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), zero)
     micro, batch = candidate["accumulation_steps"], candidate["micro_batch"]
     generator = torch.Generator().manual_seed(rank)
     times = []
