@@ -183,3 +183,27 @@ def test_encoder_activation_model_matches_the_measurement(family: str) -> None:
     accounting.detach()
     predicted = est.encoder_activation_bytes(shape, 16, 4, dtype="fp32", device="cpu").saved
     assert measured == pytest.approx(predicted, rel=tolerance)
+
+
+def test_header_prediction_follows_the_largest_input_of_an_encoder(tmp_path) -> None:
+    """Dynamic padding: the header's activation_prediction is the encoder model's, for the longest batch
+    seen (the one whose activations peak), not the first."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, num_labels=2)
+    model = transformers.BertForSequenceClassification(config).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = hfzero.prepare(model, optimizer, hfzero.ZeroConfig(stage=0))
+    with ZeroProfiler(model, optimizer, tmp_path / "run"):
+        for seq in (8, 24, 16):
+            ids = torch.randint(0, 100, (2, seq))
+            model(input_ids=ids, labels=torch.zeros(2, dtype=torch.long)).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    run = load_run(tmp_path / "run")
+    predicted = run.header["activation_prediction"]
+    assert (predicted["inputs"]["model"], predicted["inputs"]["seq_len"]) == ("encoder", 24)
+    measured = max(r["roles"].get("activations", 0) for r in run.ranks[0].of_kind("step"))
+    assert measured == pytest.approx(predicted["saved"], rel=0.02)

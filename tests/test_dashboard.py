@@ -637,3 +637,24 @@ def test_memory_by_role_accounts_for_the_whole_peak(tmp_path: Path) -> None:
     assert row["measured / estimate"] == pytest.approx(4001 / 4000)
     assert figures.peak_sentence(loaded).startswith("Within its prediction (model states 1.000 of the formula, "
                                                     "activations 1.000 of the estimate")
+
+
+def test_first_view_of_the_main_job_profile() -> None:
+    """The main job's profile (examples/main_job.sh: MiniLM encoder classifier, ZeRO-2, 2 ranks; kept in
+    tests/data): the encoder estimate within 10% of the measured activations, the sentence under the chart,
+    the overhead decomposed, a legend of three groups (the browser test checks that no label is cut)."""
+    loaded = data.load(Path(__file__).parent / "data" / "main_job_profile")
+    assert loaded.error is None
+    predicted = data.activation_prediction(loaded.run)
+    assert predicted["inputs"]["model"] == "encoder"
+    for rank, measured in data.activation_peaks(loaded.run).items():
+        assert sum(measured.values()) == pytest.approx(predicted["saved"], rel=0.10), rank
+    split, whole = data.overhead_split(loaded.run), data.whole_peak(loaded.run)
+    for rank in whole:
+        assert sum(split[rank].values()) == pytest.approx(whole[rank]["overhead"])
+        assert split[rank]["runtime"] > 100e6  # torch, transformers and the interpreter on a CPU rank
+    sentence = figures.peak_sentence(loaded)
+    assert sentence.startswith("Within its prediction") and "framework runtime" in sentence
+    fig = figures.memory_by_role_figure(loaded)
+    shown = [t for t in fig.data if t.showlegend is not False]
+    assert len(shown) <= 12 and len({t.legendgroup for t in shown}) <= 6
