@@ -130,13 +130,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     result = planner.summary(rows, workload, hardware, headroom=args.headroom)
     if args.verify:
-        top = next((row for row in rows if row.fits), None)
+        # --verify runs one data-parallel ZeRO group here: the best configuration without pp, tp or offload
+        top = next((row for row in rows if row.fits and row.candidate.pp == row.candidate.tp == 1
+                    and not row.candidate.offload), None)
         if top is None:
-            print("hfzero plan: error: --verify: no configuration fits", file=sys.stderr)
+            print("hfzero plan: error: --verify: no data-parallel configuration fits", file=sys.stderr)
             return 2
         from hfzero.plan_verify import verify
 
         result["verify"] = verify(args.config, top, workload, steps=args.verify_steps)
+        result["verify"]["is_choice"] = result["best"] is not None and top.candidate.label() == result["best"]["label"]
     print(json.dumps(result, indent=2) if args.json else render(result, top=args.top))
     return 0
 
@@ -179,7 +182,8 @@ def render(result: dict[str, Any], *, top: int = 10) -> str:
 
 
 def _verify_lines(verify: dict[str, Any]) -> list[str]:
-    lines = [f"verify: {verify['label']}, {verify['steps']} steps here (per-rank peak, worst rank, bytes):",
+    which = "the choice" if verify.get("is_choice", True) else "the best without pp, tp or offload"
+    lines = [f"verify ({which}): {verify['label']}, {verify['steps']} steps here (per-rank peak, worst rank, bytes):",
              f"  {'part':<20}{'predicted':>14}{'measured':>14}{'measured/predicted':>20}"]
     predicted, measured = dict(verify["predicted"]), dict(verify["measured"])
     predicted["engine total"] = predicted["total"] - predicted["runtime"]
