@@ -124,8 +124,9 @@ def memory_by_role_figure(loaded: LoadedRun) -> go.Figure:
     see [Note: peak decomposition]): the engine's roles at that moment, then "other / allocator overhead"
     split by ``data.overhead_split`` into untracked live memory, the framework's runtime and allocator slack.
 
-    The legend has three groups (measured by role; predicted; the whole peak), one entry per role and
-    one for each prediction; x labels are never rotated into the legend (automargin).
+    The legend (``legend_html``, drawn under the chart) has three groups (measured, by role; predicted;
+    whole peak), one entry per role and one for each prediction; the category labels are vertical with a
+    bottom margin sized for them, so none is cut or skipped at any width.
     """
     run, summary = loaded.run, loaded.summary
     assert run is not None and summary is not None, "memory_by_role_figure needs a loaded run"
@@ -137,8 +138,8 @@ def memory_by_role_figure(loaded: LoadedRun) -> go.Figure:
     kinds = ([MODEL_STATES] + ([FORMULA] if parts is not None else []) + [TRANSIENT]
              + ([ACTIVATIONS] if acts or predicted else []) + ([ESTIMATE] if predicted else []))
     x = [[f"rank {r}" for r in ranks for _ in kinds], [k for _ in ranks for k in kinds]]
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.7, 0.3], horizontal_spacing=0.09,
-                        subplot_titles=("the engine's bytes beside their predictions", "the rank's whole peak"))
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.7, 0.3], horizontal_spacing=0.06,
+                        subplot_titles=("engine vs prediction", "whole peak"))
 
     def bar(name: str, values: dict[int, float], kind: str, **style: Any) -> None:
         y = [values.get(r, 0.0) if k == kind else 0.0 for r in ranks for k in kinds]
@@ -149,7 +150,7 @@ def memory_by_role_figure(loaded: LoadedRun) -> go.Figure:
     def ratio_text(kind: str, tops: list[float], texts: list[str], name: str) -> None:
         fig.add_scatter(x=[[f"rank {r}" for r in ranks], [kind] * len(ranks)], y=tops, mode="text", text=texts,
                         textposition="top center", name=name, hoverinfo="skip", showlegend=False, cliponaxis=False,
-                        textfont={"size": 10}, row=1, col=1)
+                        textfont={"size": 11}, row=1, col=1)
 
     measured_group = {"legendgroup": "measured", "legendgrouptitle_text": "measured, by role"}
     keys = [r.value for r in MemoryRole] + sorted({k for p in peaks.values() for k in p} - {r.value for r in MemoryRole})
@@ -175,31 +176,55 @@ def memory_by_role_figure(loaded: LoadedRun) -> go.Figure:
                 marker_color="gainsboro", legendgroup="estimate", showlegend=False)
         measured = {r: sum(acts[r].values()) for r in ranks if r in acts}  # none with activations=False
         ratio_text(ESTIMATE, [max(measured.get(r, 0.0), predicted["saved"]) for r in ranks],
-                   [f"measured /<br>estimate {measured[r] / predicted['saved']:.3f}"
+                   [f"{measured[r] / predicted['saved']:.3f}"
                     if r in measured and predicted["saved"] else "" for r in ranks],
                    "activations: measured / estimate")
     if parts is not None:
         ratios = [summary_ratio(summary, r) for r in ranks]
         tops = [max(sum(v for k, v in peaks[r].items() if k in is_state), sum(parts)) for r in ranks]
-        ratio_text(FORMULA, tops, [f"measured /<br>formula {q:.3f}" if q is not None else "" for q in ratios],
+        ratio_text(FORMULA, tops, [f"{q:.3f}" if q is not None else "" for q in ratios],
                    "model states: measured / formula")
     _whole_peak_bars(fig, run, summary, peaks)
     prediction = run.header.get("prediction") or {}
     formula = prediction.get("formula") or "no prediction in the header"
     fig.update_layout(barmode="stack", height=640, hovermode="closest",
-                      title=f"Bytes by role, stage {run.stage}, N_d={run.world_size}<br>"
-                            f"<sup>model states beside the formula {formula}; activations beside the estimate; "
-                            "right: where the whole peak went</sup>",
-                      legend={"orientation": "v", "x": 1.02, "y": 1.0, "yanchor": "top", "groupclick": "togglegroup",
-                              "tracegroupgap": 10},
-                      margin={"t": 110, "r": 20, "b": 40 + 7 * max(map(len, kinds)) + 30})
+                      title=f"Bytes by role, stage {run.stage}, N_d={run.world_size}<br><sup>formula {formula}</sup>",
+                      showlegend=False,  # the legend is HTML under the chart (legend_html): it wraps at any width
+                      margin={"t": 90, "r": 20, "b": 40 + 7 * max(map(len, kinds)) + 30})
     fig.update_yaxes(**_BYTES_AXIS, automargin=True)
     fig.update_yaxes(title_text="bytes per rank", row=1, col=1)
     # vertical category labels never collide at any width; the bottom margin holds them and the rank row
     # below (plotly's automargin under-measures a rotated multi-category axis, so it is set as well)
     fig.update_xaxes(automargin=True)
-    fig.update_xaxes(tickangle=-90, row=1, col=1)
+    fig.update_xaxes(tickangle=-90, dtick=1, row=1, col=1)  # every category named, however narrow
+    fig.update_yaxes(side="right", row=1, col=2)  # keeps the gap between the panels free for the ratios
     return fig
+
+
+_LEGEND_TITLES = {"measured": "measured, by role", "formula": "predicted", "estimate": "predicted",
+                  "peak": "whole peak"}
+
+
+def legend_html(fig: go.Figure) -> str:
+    """The memory-by-role figure's legend as HTML lines, one per group (measured, by role; predicted; whole
+    peak), each entry a color swatch and its name. Drawn under the chart instead of plotly's legend, so it
+    wraps with the page and never covers or squeezes the axes, whatever the width."""
+    import html
+
+    groups: dict[str, list[str]] = {}
+    for t in fig.data:
+        if t.type != "bar" or t.showlegend is False or t.legendgroup not in _LEGEND_TITLES:
+            continue
+        color = t.marker.color or "gray"
+        fill = (f"repeating-linear-gradient(45deg, {color} 0 2px, white 2px 5px)" if t.marker.pattern.shape
+                else color)
+        swatch = (f'<span style="display:inline-block;width:0.9em;height:0.9em;vertical-align:middle;'
+                  f'border:1px solid #aaa;background:{fill}"></span>')
+        groups.setdefault(_LEGEND_TITLES[t.legendgroup], []).append(
+            f'<span style="white-space:nowrap;margin-right:1em">{swatch} {html.escape(t.name)}</span>')
+    lines = [f"<b>{title}:</b> " + " ".join(items) for title, items in groups.items()]
+    lines.append("The numbers over the formula and estimate bars are measured / predicted.")
+    return "<div style='line-height:1.8'>" + "<br>".join(lines) + "</div>"
 
 
 def summary_ratio(summary: dict[str, Any], rank: int) -> float | None:

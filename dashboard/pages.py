@@ -73,7 +73,9 @@ def _show_run_notes(loaded: LoadedRun) -> bool:
 
 def view_memory(loaded: LoadedRun, settings: dict[str, int]) -> None:
     """Per-rank bytes by role beside the paper's formula."""
-    st.plotly_chart(figures.memory_by_role_figure(loaded), width="stretch")
+    figure = figures.memory_by_role_figure(loaded)
+    st.plotly_chart(figure, width="stretch")
+    st.markdown(figures.legend_html(figure), unsafe_allow_html=True)
     st.markdown(figures.peak_sentence(loaded))
     assert loaded.summary is not None
     rows = [{"rank": r["rank"], "measured model states (bytes)": r["model_state_bytes"],

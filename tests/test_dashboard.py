@@ -237,7 +237,7 @@ def test_memory_by_role_figure_against_the_formula(tmp_path: Path) -> None:
     assert [y for y, (_, kind) in zip(bucket.y, zip(*bucket.x)) if y] and all(
         kind == "transient" for y, (_, kind) in zip(bucket.y, zip(*bucket.x)) if y)  # never on the model-state bar
     ratio = trace(fig, "model states: measured / formula")
-    assert list(ratio.text) == ["measured /<br>formula 1.000"] * 2 and set(ratio.x[1]) == {"formula"}
+    assert list(ratio.text) == ["1.000"] * 2 and set(ratio.x[1]) == {"formula"}
     as_dict = fig.to_dict()["data"]
     grad_shard = next(t for t in as_dict if t["name"] == "grad_shard (model state)")
     assert list(decode(grad_shard["y"])) == [PSI, 0, 0] * 2
@@ -621,7 +621,7 @@ def test_memory_by_role_accounts_for_the_whole_peak(tmp_path: Path) -> None:
     assert list(trace(fig, "activations").y[:5]) == [0, 0, 0, 3000, 0]
     assert list(trace(fig, "act_checkpoint").y[:5]) == [0, 0, 0, 1000, 0]
     assert list(trace(fig, "estimate: layers (no checkpointing)").y[:5]) == [0, 0, 0, 0, 3000]
-    assert list(trace(fig, "activations: measured / estimate").text) == ["measured /<br>estimate 1.000"] * 2
+    assert list(trace(fig, "activations: measured / estimate").text) == ["1.000"] * 2
     rows = figures.whole_peak_rows(loaded)
     last = allocated_at(1, 1, 5)  # rank 1's largest peak: the last step's end (RSS = 3 x allocated)
     row = rows[1]
@@ -658,3 +658,5 @@ def test_first_view_of_the_main_job_profile() -> None:
     fig = figures.memory_by_role_figure(loaded)
     shown = [t for t in fig.data if t.showlegend is not False]
     assert len(shown) <= 12 and len({t.legendgroup for t in shown}) <= 6
+    legend = figures.legend_html(fig)
+    assert legend.count("<b>") == 3 and "measured, by role:" in legend and "framework runtime" in legend
