@@ -309,6 +309,38 @@ def whole_peak(run: Run) -> dict[int, dict[str, float]]:
     return out
 
 
+OVERHEAD_PARTS: tuple[tuple[str, str], ...] = (
+    ("untracked", "untracked live memory"),
+    ("runtime", "framework runtime"),
+    ("slack", "allocator slack and the rest"),
+)
+"""(key, label) of the parts ``overhead_split`` divides "other / allocator overhead" into."""
+
+
+def overhead_split(run: Run) -> dict[int, dict[str, float]]:
+    """Per rank, the part of its whole peak (``whole_peak``) outside the engine's roles, decomposed where
+    the profile allows it:
+
+    - ``untracked``: allocated memory no role accounts for (the peak's ``other``: input batches,
+      optimizer temporaries, communication library buffers allocated through the same allocator);
+    - ``runtime``: on a CPU rank, the framework's own resident memory (interpreter, torch and its
+      libraries), measured once per process: RSS minus the malloc heap at the start record; 0 on CUDA,
+      where the context lives outside the allocator's reserved bytes;
+    - ``slack``: the rest of the peak's ``remainder``: bytes the allocator holds free (cache,
+      fragmentation, freed heap not yet returned), plus whatever else the process grew by.
+    The three add up to ``whole_peak``'s ``overhead``. Ranks without a peak are absent."""
+    out: dict[int, dict[str, float]] = {}
+    for rank, peak in whole_peak(run).items():
+        start = run.ranks[rank].start or {}
+        allocator = start.get("allocator") or {}
+        rss, reserved = _number(allocator.get("rss")), _number(allocator.get("reserved"))
+        cuda = allocator.get("device") not in (None, "cpu") or allocator.get("peak_reserved") is not None
+        runtime = 0.0 if cuda or np.isnan(rss) or np.isnan(reserved) else max(0.0, rss - reserved)
+        runtime = min(runtime, peak["remainder"])
+        out[rank] = {"untracked": peak["other"], "runtime": runtime, "slack": peak["remainder"] - runtime}
+    return out
+
+
 def activation_peaks(run: Run) -> dict[int, dict[str, float]]:
     """Per rank, the measured activation roles' peaks over the step records (``activations`` and
     ``act_checkpoint``: both peak at a forward's end), for comparison with the header's estimate."""

@@ -15,8 +15,8 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from dashboard.data import (LoadedRun, activation_peaks, activation_prediction, comm_theory_elements, peak_roles,
-                            prediction_inputs, whole_peak)
+from dashboard.data import (OVERHEAD_PARTS, LoadedRun, activation_peaks, activation_prediction, comm_theory_elements,
+                            overhead_split, peak_roles, prediction_inputs, whole_peak)
 from hfzero import estimate as est
 from hfzero.logging import get_logger
 from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
@@ -77,9 +77,9 @@ def formula_parts(run: Any) -> est.ModelStateBytes | None:
         return None
 
 
-MODEL_STATES, FORMULA, TRANSIENT, ACTIVATIONS, ESTIMATE, REST = (
-    "model states", "formula", "transient", "activations", "activation estimate", "other / allocator overhead")
-"""The bars of each rank in the memory-by-role figure, left to right."""
+MODEL_STATES, FORMULA, TRANSIENT, ACTIVATIONS, ESTIMATE = (
+    "model states", "formula", "transient", "activations", "estimate")
+"""The bars of each rank in the memory-by-role figure's left panel, left to right."""
 
 _ACTIVATION_ROLES = (MemoryRole.ACTIVATIONS.value, MemoryRole.ACT_CHECKPOINT.value)
 _ESTIMATE_PARTS = (("layers", "layers (no checkpointing)"), ("checkpoints", "checkpoints on the device"),
@@ -110,20 +110,23 @@ def _overhead(run: Any, summary: dict[str, Any], peaks: dict[int, dict[str, floa
 
 
 def memory_by_role_figure(loaded: LoadedRun) -> go.Figure:
-    """Per rank, bars on one bytes axis that together account for the rank's peak:
+    """Two panels, each on its own bytes axis, so model states stay readable beside a large overhead.
 
+    Left, per rank, the engine's bytes beside their predictions:
     - "model states": the measured model-state roles at the record where they peak, stacked (what the
-      paper's formula counts);
-    - "formula": the paper's parameters / gradients / K for the run, stacked, right beside it
-      (the measured/formula ratio is written over the pair);
-    - "transient": what else the engine held at that moment (gradient buckets, gathered stage-3
-      units, fp32 gradients, communication buffers), never mixed into the model-state bar;
-    - "activations": the measured activation roles (saved for backward, checkpoints) at their peak,
-      with "activation estimate" (the header's ``activation_prediction``: the estimator's decoder
-      model) beside it and the measured/estimate ratio over the pair;
-    - "other / allocator overhead": the rank's peak (RSS on a CPU, reserved on CUDA) minus every role,
-      from the profiler's peak decomposition (see [Note: peak decomposition]): live tensors no role
-      accounts for, the allocator's cache and fragmentation, libraries.
+      paper's formula counts), with "formula" (the paper's pΨ / gΨ / KΨ, hatched) beside it and the
+      measured/formula ratio over the pair;
+    - "transient": what else the engine held at that moment (gradient buckets, gathered stage-3 units,
+      fp32 gradients, communication buffers), never mixed into the model-state bar;
+    - "activations": the measured activation roles (saved for backward, checkpoints) at their peak, with
+      "estimate" (the header's ``activation_prediction``: the estimator's activation model) beside it.
+    Right, per rank, the whole peak (RSS on a CPU, reserved on CUDA; the profiler's peak decomposition,
+    see [Note: peak decomposition]): the engine's roles at that moment, then "other / allocator overhead"
+    split by ``data.overhead_split`` into untracked live memory, the framework's runtime and allocator slack.
+
+    The legend (``legend_html``, drawn under the chart) has three groups (measured, by role; predicted;
+    whole peak), one entry per role and one for each prediction; the category labels are vertical with a
+    bottom margin sized for them, so none is cut or skipped at any width.
     """
     run, summary = loaded.run, loaded.summary
     assert run is not None and summary is not None, "memory_by_role_figure needs a loaded run"
@@ -132,22 +135,24 @@ def memory_by_role_figure(loaded: LoadedRun) -> go.Figure:
     predicted = activation_prediction(run)
     parts = formula_parts(run)
     ranks = sorted(peaks)
-    by_rank = {entry["rank"]: entry for entry in summary["ranks"]}
     kinds = ([MODEL_STATES] + ([FORMULA] if parts is not None else []) + [TRANSIENT]
-             + ([ACTIVATIONS] if acts or predicted else []) + ([ESTIMATE] if predicted else []) + [REST])
+             + ([ACTIVATIONS] if acts or predicted else []) + ([ESTIMATE] if predicted else []))
     x = [[f"rank {r}" for r in ranks for _ in kinds], [k for _ in ranks for k in kinds]]
-    fig = go.Figure()
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.7, 0.3], horizontal_spacing=0.06,
+                        subplot_titles=("engine vs prediction", "whole peak"))
 
     def bar(name: str, values: dict[int, float], kind: str, **style: Any) -> None:
         y = [values.get(r, 0.0) if k == kind else 0.0 for r in ranks for k in kinds]
         if any(y):
             fig.add_bar(x=x, y=y, name=name, hovertemplate=f"{name}<br>%{{x}}<br>%{{y:,.0f}} bytes (%{{y:.3s}}B)"
-                                                          "<extra></extra>", **style)
+                                                          "<extra></extra>", row=1, col=1, **style)
 
     def ratio_text(kind: str, tops: list[float], texts: list[str], name: str) -> None:
         fig.add_scatter(x=[[f"rank {r}" for r in ranks], [kind] * len(ranks)], y=tops, mode="text", text=texts,
-                        textposition="top center", name=name, hoverinfo="skip")
+                        textposition="top center", name=name, hoverinfo="skip", showlegend=False, cliponaxis=False,
+                        textfont={"size": 11}, row=1, col=1)
 
+    measured_group = {"legendgroup": "measured", "legendgrouptitle_text": "measured, by role"}
     keys = [r.value for r in MemoryRole] + sorted({k for p in peaks.values() for k in p} - {r.value for r in MemoryRole})
     is_state = {r.value for r in MODEL_STATE_ROLES}
     for key in keys:
@@ -156,38 +161,143 @@ def memory_by_role_figure(loaded: LoadedRun) -> go.Figure:
         else:
             values = {r: peaks[r].get(key, 0.0) for r in ranks}
             kind = MODEL_STATES if key in is_state else TRANSIENT
-        bar(role_label(key), values, kind, marker_color=ROLE_COLORS.get(key), legendgroup=kind,
-            legendgrouptitle_text=kind)
+        bar(role_label(key), values, kind, marker_color=ROLE_COLORS.get(key), **measured_group)
     if parts is not None:
+        _legend_entry(fig, "formula pΨ + gΨ + KΨ (hatched)", "formula", "lightgray", "/", "predicted")
         for name, value, pattern in (("parameters pΨ", parts.params, "/"), ("gradients gΨ", parts.grads, "\\"),
                                      ("optimizer states KΨ", parts.optimizer, "x")):
             bar(f"formula: {name}", {r: value for r in ranks}, FORMULA, marker_color="lightgray",
-                marker_pattern_shape=pattern, legendgroup=FORMULA, legendgrouptitle_text=FORMULA)
+                marker_pattern_shape=pattern, legendgroup="formula", showlegend=False)
     if predicted:
+        _legend_entry(fig, "activation estimate (parts on hover)", "estimate", "gainsboro", "",
+                      None if parts is not None else "predicted")
         for key, label in _ESTIMATE_PARTS:
             bar(f"estimate: {label}", {r: float(predicted.get(key) or 0.0) for r in ranks}, ESTIMATE,
-                marker_color="gainsboro", legendgroup=ESTIMATE, legendgrouptitle_text=ESTIMATE)
+                marker_color="gainsboro", legendgroup="estimate", showlegend=False)
         measured = {r: sum(acts[r].values()) for r in ranks if r in acts}  # none with activations=False
         ratio_text(ESTIMATE, [max(measured.get(r, 0.0), predicted["saved"]) for r in ranks],
-                   [f"measured / estimate {measured[r] / predicted['saved']:.3f}"
+                   [f"{measured[r] / predicted['saved']:.3f}"
                     if r in measured and predicted["saved"] else "" for r in ranks],
                    "activations: measured / estimate")
-    bar("other / allocator overhead (the peak minus the roles)", _overhead(run, summary, peaks), REST,
-        marker_color="#e3e3e3", legendgroup=REST, legendgrouptitle_text=REST)
     if parts is not None:
-        ratios = [by_rank.get(r, {}).get("ratio") for r in ranks]
+        ratios = [summary_ratio(summary, r) for r in ranks]
         tops = [max(sum(v for k, v in peaks[r].items() if k in is_state), sum(parts)) for r in ranks]
-        ratio_text(FORMULA, tops, [f"measured / formula {q:.3f}" if q is not None else "" for q in ratios],
+        ratio_text(FORMULA, tops, [f"{q:.3f}" if q is not None else "" for q in ratios],
                    "model states: measured / formula")
+    _whole_peak_bars(fig, run, summary, peaks)
     prediction = run.header.get("prediction") or {}
     formula = prediction.get("formula") or "no prediction in the header"
-    fig.update_layout(barmode="stack", yaxis={**_BYTES_AXIS, "title": "bytes per rank"},
-                      title=f"Bytes by role, stage {run.stage}, N_d={run.world_size}<br>"
-                            f"<sup>model states (at their peak) beside the formula {formula}; transient buffers; "
-                            "activations beside the estimate; the rest of the rank's peak</sup>", hovermode="closest",
-                      legend={"orientation": "h", "yanchor": "top", "y": -0.22, "groupclick": "toggleitem"},
-                      margin={"b": 140})
+    fig.update_layout(barmode="stack", height=640, hovermode="closest",
+                      title=f"Bytes by role, stage {run.stage}, N_d={run.world_size}<br><sup>formula {formula}</sup>",
+                      showlegend=False,  # the legend is HTML under the chart (legend_html): it wraps at any width
+                      margin={"t": 90, "r": 20, "b": 40 + 7 * max(map(len, kinds)) + 30})
+    fig.update_yaxes(**_BYTES_AXIS, automargin=True)
+    fig.update_yaxes(title_text="bytes per rank", row=1, col=1)
+    # vertical category labels never collide at any width; the bottom margin holds them and the rank row
+    # below (plotly's automargin under-measures a rotated multi-category axis, so it is set as well)
+    fig.update_xaxes(automargin=True)
+    fig.update_xaxes(tickangle=-90, dtick=1, row=1, col=1)  # every category named, however narrow
+    fig.update_yaxes(side="right", row=1, col=2)  # keeps the gap between the panels free for the ratios
     return fig
+
+
+_LEGEND_TITLES = {"measured": "measured, by role", "formula": "predicted", "estimate": "predicted",
+                  "peak": "whole peak"}
+
+
+def legend_html(fig: go.Figure) -> str:
+    """The memory-by-role figure's legend as HTML lines, one per group (measured, by role; predicted; whole
+    peak), each entry a color swatch and its name. Drawn under the chart instead of plotly's legend, so it
+    wraps with the page and never covers or squeezes the axes, whatever the width."""
+    import html
+
+    groups: dict[str, list[str]] = {}
+    for t in fig.data:
+        if t.type != "bar" or t.showlegend is False or t.legendgroup not in _LEGEND_TITLES:
+            continue
+        color = t.marker.color or "gray"
+        fill = (f"repeating-linear-gradient(45deg, {color} 0 2px, white 2px 5px)" if t.marker.pattern.shape
+                else color)
+        swatch = (f'<span style="display:inline-block;width:0.9em;height:0.9em;vertical-align:middle;'
+                  f'border:1px solid #aaa;background:{fill}"></span>')
+        groups.setdefault(_LEGEND_TITLES[t.legendgroup], []).append(
+            f'<span style="white-space:nowrap;margin-right:1em">{swatch} {html.escape(t.name)}</span>')
+    lines = [f"<b>{title}:</b> " + " ".join(items) for title, items in groups.items()]
+    lines.append("The numbers over the formula and estimate bars are measured / predicted.")
+    return "<div style='line-height:1.8'>" + "<br>".join(lines) + "</div>"
+
+
+def summary_ratio(summary: dict[str, Any], rank: int) -> float | None:
+    """The rank's measured / formula model-state ratio from the profile summary, or None."""
+    entry = next((e for e in summary["ranks"] if e["rank"] == rank), {})
+    return entry.get("ratio")
+
+
+def _legend_entry(fig: go.Figure, name: str, group: str, color: str, pattern: str, title: str | None = None) -> None:
+    """One legend item standing for a group of traces (a prediction's parts), drawing nothing."""
+    fig.add_bar(x=[None], y=[None], name=name, legendgroup=group, legendgrouptitle_text=title,
+                marker_color=color, marker_pattern_shape=pattern, hoverinfo="skip", row=1, col=1)
+
+
+_PEAK_COLORS = {"engine": "#6c7a89", "untracked": "#c9b27c", "runtime": "#9fb7c9", "slack": "#e3e3e3"}
+
+
+def _whole_peak_bars(fig: go.Figure, run: Any, summary: dict[str, Any], peaks: dict[int, dict[str, float]]) -> None:
+    """The right panel: per rank, the engine's roles at the whole peak, then the rest of the peak split
+    into untracked live memory, framework runtime and allocator slack (older profiles: one "other" bar)."""
+    split, whole = overhead_split(run), whole_peak(run)
+    ranks = sorted(set(peaks) | set(whole))
+    x = [f"rank {r}" for r in ranks]
+    group = {"legendgroup": "peak", "legendgrouptitle_text": "the rank's whole peak"}
+    engine = {r: whole[r]["model_states"] + whole[r]["transient"] + whole[r]["activations"] if r in whole
+              else sum(peaks.get(r, {}).values()) for r in ranks}
+
+    def add(name: str, values: dict[int, float], color: str) -> None:
+        fig.add_bar(x=x, y=[values.get(r, 0.0) for r in ranks], name=name, marker_color=color, row=1, col=2,
+                    hovertemplate=f"{name}<br>%{{x}}<br>%{{y:,.0f}} bytes (%{{y:.3s}}B)<extra></extra>", **group)
+
+    add("engine roles (the left panel)", engine, _PEAK_COLORS["engine"])
+    if split:
+        for key, label in OVERHEAD_PARTS:
+            add(label, {r: split[r][key] for r in split}, _PEAK_COLORS[key])
+    else:
+        add("other / allocator overhead (the peak minus the roles)", _overhead(run, summary, peaks), _PEAK_COLORS["slack"])
+
+
+def peak_sentence(loaded: LoadedRun, tolerance: float = 0.10) -> str:
+    """One sentence under the chart: whether the run is within its prediction (model states against the
+    formula, activations against the estimate, each within ``tolerance``) and where the rest of the worst
+    rank's peak went."""
+    run, summary = loaded.run, loaded.summary
+    assert run is not None and summary is not None
+    checks = []
+    ratios = [e.get("ratio") for e in summary["ranks"] if e.get("ratio") is not None]
+    if ratios:
+        checks.append(("model states", max(ratios, key=lambda q: abs(q - 1)), "formula"))
+    predicted, acts = activation_prediction(run), activation_peaks(run)
+    if predicted and predicted.get("saved") and acts:
+        worst = max((sum(a.values()) / predicted["saved"] for a in acts.values()), key=lambda q: abs(q - 1))
+        checks.append(("activations", worst, "estimate"))
+    if checks:
+        within = all(abs(q - 1) <= tolerance for _, q, _ in checks)
+        verdict = ("Within its prediction" if within else "Not within its prediction") + " (" + ", ".join(
+            f"{name} {q:.3f} of the {what}" for name, q, what in checks) + f"; ±{tolerance:.0%})"
+    else:
+        verdict = "No prediction in this profile"
+    whole, split = whole_peak(run), overhead_split(run)
+    if not whole:
+        return verdict + "; no peak decomposition recorded."
+    rank = max(whole, key=lambda r: whole[r]["total"])
+    peak = whole[rank]
+    engine = peak["model_states"] + peak["transient"] + peak["activations"]
+    rest = ", ".join(f"{_mb(split[rank][key])} {label}" for key, label in OVERHEAD_PARTS) if rank in split else ""
+    return (f"{verdict}; rank {rank}'s peak of {_mb(peak['total'])} is {_mb(engine)} of engine roles (model states "
+            f"{_mb(peak['model_states'])}, transient {_mb(peak['transient'])}, activations {_mb(peak['activations'])}) "
+            f"and {_mb(peak['overhead'])} outside them" + (f": {rest}." if rest else "."))
+
+
+def _mb(value: float) -> str:
+    return f"{value / 1e6:,.0f} MB"
 
 
 def whole_peak_rows(loaded: LoadedRun) -> list[dict[str, Any]]:
@@ -460,4 +570,32 @@ def _empty(message: str) -> go.Figure:
     fig = go.Figure()
     fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
     fig.update_layout(xaxis={"visible": False}, yaxis={"visible": False}, height=200)
+    return fig
+
+
+def plan_figure(result: dict[str, Any], *, top: int = 15) -> go.Figure:
+    """``hfzero plan``'s configurations: estimated tokens/s against per-rank peak, those that fit in color
+    by ZeRO stage, the others gray, the budget as a vertical line, the first ``top`` that fit labelled."""
+    fig = go.Figure()
+    rows = result["configurations"]
+    for stage in est.STAGES:
+        mine = [r for r in rows if r["fits"] and r["config"]["stage"] == stage]
+        if mine:
+            fig.add_scatter(x=[r["peak_bytes"] for r in mine], y=[r["tokens_per_s"] for r in mine], mode="markers",
+                            name=f"stage {stage} ({est.STAGE_NAMES[stage]})", text=[r["label"] for r in mine],
+                            marker={"color": _PALETTE[stage], "size": 9},
+                            hovertemplate="%{text}<br>peak %{x:.3s}B<br>%{y:,.0f} tokens/s<extra></extra>")
+    rejected = [r for r in rows if not r["fits"]]
+    if rejected:
+        fig.add_scatter(x=[r["peak_bytes"] for r in rejected], y=[r["tokens_per_s"] for r in rejected], mode="markers",
+                        name="does not fit", text=[f"{r['label']}<br>{r['reason']}" for r in rejected],
+                        marker={"color": "lightgray", "size": 7},
+                        hovertemplate="%{text}<br>%{y:,.0f} tokens/s<extra></extra>")
+    fig.add_vline(x=result["budget_bytes"], line_dash="dash", line_color="gray",
+                  annotation_text="budget per rank", annotation_position="top right")
+    fig.update_layout(title=f"Plan: configurations by estimated throughput and per-rank peak, "
+                            f"{result['devices']} devices", height=480, xaxis_title="per-rank peak (bytes)",
+                      yaxis_title="tokens / s (estimated)", legend={"title": "fits, by ZeRO stage"})
+    fig.update_xaxes(**_BYTES_AXIS, automargin=True)
+    fig.update_yaxes(automargin=True)
     return fig

@@ -73,7 +73,10 @@ def _show_run_notes(loaded: LoadedRun) -> bool:
 
 def view_memory(loaded: LoadedRun, settings: dict[str, int]) -> None:
     """Per-rank bytes by role beside the paper's formula."""
-    st.plotly_chart(figures.memory_by_role_figure(loaded), width="stretch")
+    figure = figures.memory_by_role_figure(loaded)
+    st.plotly_chart(figure, width="stretch")
+    st.markdown(figures.legend_html(figure), unsafe_allow_html=True)
+    st.markdown(figures.peak_sentence(loaded))
     assert loaded.summary is not None
     rows = [{"rank": r["rank"], "measured model states (bytes)": r["model_state_bytes"],
              "formula (bytes)": r["predicted_model_state_bytes"], "measured / formula": r["ratio"],
@@ -90,8 +93,8 @@ def view_memory(loaded: LoadedRun, settings: dict[str, int]) -> None:
         st.caption("The rank's whole peak (RSS on a CPU, reserved on CUDA; the step with the largest sampled "
                    "peak) = model states + transient + activations and checkpoints (measured by role) + other / "
                    "allocator overhead (the peak minus every role: untracked live tensors, allocator cache and "
-                   "fragmentation, libraries). Activations measured at their peak beside the estimator's decoder "
-                   "model from the header (see docs/zero-r.md); the estimate leaves out a checkpointed layer's "
+                   "fragmentation, libraries). Activations measured at their peak beside the estimator's activation "
+                   "model (decoder, encoder or encoder-decoder) from the header (see docs/zero-r.md); the estimate leaves out a checkpointed layer's "
                    "recomputation, which the saved-tensor measurement does not see either.")
     assert loaded.run is not None
     peaks = data.peak_frame(loaded.run)
@@ -236,6 +239,74 @@ def view_estimator(settings: dict[str, int]) -> None:
     st.write(f"{first} at stage {stage}: " + ", ".join(f"N_d={dp}: {gb:.3g} GB" for dp, gb in need.items()))
 
 
+def view_plan(settings: dict[str, int]) -> None:
+    """``hfzero plan`` interactively: every configuration's per-rank peak and estimated step time, the
+    ones that fit ranked by throughput, the reason each other one does not (see docs/plan.md)."""
+    from hfzero import plan as planner
+
+    left, middle, right = st.columns(3)
+    with left:
+        source = st.radio("Model", ["Ψ (parameters)", "Hugging Face config path"], key="plan_source", horizontal=True)
+        raw = st.text_input("Ψ, e.g. 7.5e9" if source == "Ψ (parameters)" else "config.json or model directory",
+                            "7.5e9" if source == "Ψ (parameters)" else "", key=f"plan_model_{source[0]}")
+        seq_len = st.number_input("sequence length", min_value=1, value=1024, key="plan_seq")
+        batch = st.number_input("global batch (sequences per step)", min_value=1, value=64, key="plan_batch")
+        dtype = st.selectbox("dtype", ["bf16", "fp16", "fp32"], key="plan_dtype")
+    with middle:
+        per_node = st.number_input("devices per node", min_value=1, value=8, key="plan_per_node")
+        nodes = st.number_input("nodes", min_value=1, value=8, key="plan_nodes")
+        memory_gb = st.number_input("memory per device (GB = 1e9 bytes)", min_value=0.1, value=32.0, key="plan_mem")
+        tflops = st.number_input("sustained TFLOP/s per device", min_value=0.001, value=planner.DEFAULT_GPU_TFLOPS,
+                                 key="plan_tflops")
+    with right:
+        links = list(planner.LINK_BYTES_PER_S)
+        intra = st.selectbox("link inside a node", links, index=links.index("nvlink"), key="plan_intra")
+        inter = st.selectbox("link between nodes", links, index=links.index("ib"), key="plan_inter")
+        headroom = st.slider("headroom (fraction kept free)", 0.0, 0.5, est.DEFAULT_HEADROOM, 0.05, key="plan_headroom")
+        top = st.number_input("configurations shown", min_value=1, value=15, key="plan_top")
+    try:
+        hardware = planner.Hardware(devices_per_node=int(per_node), nodes=int(nodes), memory_bytes=memory_gb * 1e9,
+                                    flops=tflops * 1e12, intra_bytes_per_s=planner.LINK_BYTES_PER_S[intra],
+                                    inter_bytes_per_s=planner.LINK_BYTES_PER_S[inter])
+        if not raw.strip():
+            st.info("Enter Ψ or a config path.")
+            return
+        if source == "Ψ (parameters)":
+            params = next(iter(_estimator_models(source, raw).values()))
+            work = planner.Workload(params=params, seq_len=int(seq_len), global_batch=int(batch), dtype=dtype)
+        else:
+            work = planner.workload_from_config(raw.strip(), seq_len=int(seq_len), global_batch=int(batch), dtype=dtype)
+        rows = planner.plan(work, hardware, headroom=headroom)
+    except est.EstimateError as err:
+        st.error(str(err))
+        return
+    result = planner.summary(rows, work, hardware, headroom=headroom)
+    st.plotly_chart(figures.plan_figure(result, top=int(top)), width="stretch")
+    best = result["best"]
+    st.markdown(f"**Choice:** {best['label']}: {best['peak_bytes'] / 1e9:.2f} GB per rank, about "
+                f"{best['step_s']:.3g} s per step ({best['tokens_per_s']:,.0f} tokens/s, estimated)" if best
+                else "**No configuration fits**; the reasons are below.")
+    st.subheader(f"Model states per device at N_d = {hardware.devices} (the paper's formula)")
+    st.dataframe([{"stage": f"{r['stage']} ({r['name']})", "GB": r["model_states_bytes"] / 1e9,
+                   f"fits {memory_gb:g} GB": r["fits"]} for r in result["stages"]], hide_index=True)
+    configurations = result["configurations"]
+    st.subheader("Configurations that fit, fastest first")
+    st.dataframe([_plan_row(r) for r in configurations if r["fits"]][:int(top)], hide_index=True)
+    st.subheader("Configurations that do not fit")
+    st.dataframe([{"configuration": r["label"], "why not": r["reason"]} for r in configurations if not r["fits"]],
+                 hide_index=True)
+    st.caption("Step time = compute (6ΨT + attention FLOPs over the devices, x 4/3 with checkpointing, x (1 + "
+               "bubble) with pp) + data-parallel, tensor-parallel, pipeline and offload traffic over their links, "
+               "nothing overlapped. See [Note: plan cost model] in hfzero/plan.py.")
+
+
+def _plan_row(row: dict[str, object]) -> dict[str, object]:
+    memory = row["memory"]
+    return {"configuration": row["label"], "peak GB": memory["total"] / 1e9, "model states GB": memory["model_states"] / 1e9,
+            "transient GB": memory["transient"] / 1e9, "activations GB": memory["activations"] / 1e9,
+            "step s (est.)": row["step_s"], "tokens/s (est.)": row["tokens_per_s"]}
+
+
 def _estimator_models(source: str, raw: str) -> dict[str, float]:
     raw = raw.strip()
     if not raw:
@@ -269,7 +340,7 @@ RUN_VIEWS: dict[str, Callable[[LoadedRun, dict[str, int]], None]] = {
 }
 """Views of one run."""
 
-VIEWS: tuple[str, ...] = (*RUN_VIEWS, "Compare runs", "Estimator")
+VIEWS: tuple[str, ...] = (*RUN_VIEWS, "Compare runs", "Estimator", "Planner")
 """Every view, in the sidebar's order."""
 
 
@@ -311,6 +382,8 @@ def main() -> None:
             st.error(f"{bad.path.name}: {bad.error}")
         if view == "Estimator":
             view_estimator(settings)
+        elif view == "Planner":
+            view_plan(settings)
         elif not runs:
             st.info("No run directory given. Start with `hfzero dashboard RUN_DIR`, or add one in the sidebar.")
         elif view == "Compare runs":

@@ -666,7 +666,11 @@ from hfzero.estimate_activations import (  # noqa: E402
     FUSED_ATTENTION,
     DecoderActivationEstimate,
     DecoderShape,
+    EncoderShape,
     decoder_activation_bytes,
     decoder_head_bytes,
     decoder_layer_bytes,
+    encoder_activation_bytes,
+    encoder_head_bytes,
+    is_encoder_config,
 )

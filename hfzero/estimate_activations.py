@@ -194,6 +194,8 @@ def _attention_bytes(shape: DecoderShape, s: int, b: int, e: int, fused: bool, m
 
 def _mlp_bytes(shape: DecoderShape, sb: int, e: int, tp: int) -> float:
     tensors = (4 if shape.gated_mlp else 2) + _PYTHON_GELU_EXTRA.get(shape.activation, 0)
+    if shape.activation == "relu" and not shape.gated_mlp:
+        tensors = 1  # relu saves its output, which is also the next projection's input
     return tensors * e * sb * shape.ffn_size / tp
 
 
@@ -287,5 +289,177 @@ def decoder_activation_bytes(shape: DecoderShape, seq_len: int, batch_size: int,
               "checkpointing": checkpointing, "tp": tp, "partition": partition, "cpu": cpu, "device": device,
               "shape": dataclasses.asdict(shape)}
     return DecoderActivationEstimate(per_layer=per_layer, layers=layers, checkpoints=device_ckpt,
+                                     checkpoints_host=host, head=head, saved=saved, recompute=recompute,
+                                     total=saved - host + recompute, inputs=inputs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Encoders and encoder-decoders
+# --------------------------------------------------------------------------------------------------
+
+# [Note: encoder activation model]
+# An encoder layer (BERT, RoBERTa: post-LN; BART: post-LN; T5: pre-RMSNorm) saves the same set as the
+# decoder layer above: the layer's input (saved by Q, K, V), Q, K, V, the output projection's input, two
+# norms' inputs and outputs (post-LN: the second norm's output is the next layer's input, the same count),
+# the MLP's two f-sized tensors (relu: one, it saves its output) and the dropout masks, so
+# ``decoder_layer_bytes`` counts it. Beyond it: dropout between the MLP's activation and its projection
+# (T5, BART's ``activation_dropout``) saves its mask and output; an encoder-decoder's decoder layer adds
+# cross-attention (a norm, Q, K and V of the encoder output, the output projection's input, the
+# probabilities) and one more dropout mask. Outside the layers, per stack: ids (and BERT's token-type ids,
+# int64), the embedding norm's input and fp32 statistics, its dropout mask, the stack's last output; then
+# the head: BERT's pooler (dense on the first token, whose slice keeps the whole last output, tanh, dropout)
+# and the classifier's log-softmax, RoBERTa's classifier (dropout, dense, tanh, dropout on the first token:
+# no slice saved), an MLM head (transform dense, activation, norm: three sbh tensors, plus the logits'
+# fp32 log-softmax 4*sb*V), or an encoder-decoder's LM head (the logits' log-softmax). The eager (b, 1, s, s)
+# additive mask is saved once. T5's attention is always eager. Checked on CPU in fp32 with dropout against
+# the saved-tensor accounting (tests/test_activations.py): BERT classifier and MLM, BART within 0.1%,
+# RoBERTa 0.5%, T5 2.6% (its final norms and the decoder output's rescaling are not counted); the main
+# job (all-MiniLM-L6-v2 classifier, 2 ranks) 0.9996 of its measurement.
+
+_NO_POOLER_TYPES = ("roberta", "xlm-roberta", "camembert", "electra", "deberta", "deberta-v2")
+"""Encoders whose sequence classifier reads the first token's hidden state without a pooler."""
+
+_ENCODER_DECODER_TYPES = ("bart", "mbart", "t5", "mt5", "pegasus", "marian", "blenderbot")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EncoderShape(DecoderShape):
+    """An encoder (BERT, RoBERTa families) or encoder-decoder (BART, T5 families); see [Note: encoder
+    activation model]. The ``DecoderShape`` fields describe one encoder layer.
+
+    Attributes:
+        head: "classifier" (pooler + ``num_labels`` logits: ``...ForSequenceClassification``) or "lm"
+            (logits over the vocabulary).
+        num_labels: the classifier's outputs.
+        num_decoder_layers: decoder layers of an encoder-decoder (each adds cross-attention), else 0.
+        token_types: the embeddings add token-type embeddings (BERT), which save their ids.
+        pooler: the classifier reads a pooler's output (BERT) rather than the first token through its own
+            dense + tanh (RoBERTa family).
+        activation_dropout: dropout between the MLP's activation and its last projection (T5; BART's
+            ``activation_dropout``).
+    """
+
+    head: str = "classifier"
+    num_labels: int = 2
+    num_decoder_layers: int = 0
+    token_types: bool = False
+    pooler: bool = True
+    activation_dropout: bool = False
+
+    @classmethod
+    def from_hf_config(cls, source: Any, *, head: str | None = None) -> "EncoderShape":  # type: ignore[override]
+        """Read an encoder's or encoder-decoder's shape from a Hugging Face config. ``head`` defaults to
+        "classifier" when the config's architectures name a sequence classifier, else "lm".
+
+        Raises:
+            EstimateError: the config lacks the sizes, or is a decoder-only model.
+        """
+        from hfzero.estimate import EstimateError, load_hf_config
+
+        config = load_hf_config(source)
+        if not is_encoder_config(config):
+            raise EstimateError(f"{type(config).__name__} is not an encoder or encoder-decoder config")
+        get = lambda *names, default=None: next(  # noqa: E731
+            (getattr(config, n) for n in names if getattr(config, n, None) is not None), default)
+        hidden = get("hidden_size", "d_model")
+        layers = get("num_hidden_layers", "encoder_layers", "num_layers")
+        heads = get("num_attention_heads", "encoder_attention_heads", "num_heads")
+        if not all(isinstance(v, int) and v > 0 for v in (hidden, layers, heads)):
+            raise EstimateError(f"{type(config).__name__} lacks hidden size, layers or heads")
+        ffn = get("intermediate_size", "encoder_ffn_dim", "d_ff", default=4 * hidden)
+        head_dim = get("d_kv", default=hidden // heads)
+        decoder_layers = get("decoder_layers", "num_decoder_layers", default=0) if config.is_encoder_decoder else 0
+        architectures = " ".join(getattr(config, "architectures", None) or [])
+        if head is None:
+            head = "classifier" if "SequenceClassification" in architectures else "lm"
+        t5 = config.model_type in ("t5", "mt5")
+        dropout = float(get("hidden_dropout_prob", "dropout", "dropout_rate", default=0.0) or 0.0) > 0
+        attn_dropout = float(get("attention_probs_dropout_prob", "attention_dropout", "dropout_rate", default=0.0) or 0.0) > 0
+        activation = str(get("hidden_act", "activation_function", "dense_act_fn", default="gelu"))
+        return cls(hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=heads, head_dim=int(head_dim),
+                   vocab_size=int(config.vocab_size), ffn_size=int(ffn), rms_norm=t5,
+                   gated_mlp=bool(getattr(config, "is_gated_act", False)), activation=activation, softmax_fp32=False,
+                   residual_dropout=dropout, attention_dropout=attn_dropout, embedding_dropout=dropout,
+                   attention="eager" if t5 else getattr(config, "_attn_implementation", None), head=head,
+                   num_labels=int(getattr(config, "num_labels", 2) or 2), num_decoder_layers=int(decoder_layers),
+                   token_types=(getattr(config, "type_vocab_size", 0) or 0) > 0,
+                   pooler=config.model_type not in _NO_POOLER_TYPES,
+                   activation_dropout=float(get("activation_dropout", "dropout_rate", default=0.0) or 0.0) > 0)
+
+
+def is_encoder_config(config: Any) -> bool:
+    """True for encoder-decoder configs and bidirectional encoders (no causal LM: BERT, RoBERTa, ...)."""
+    if getattr(config, "is_encoder_decoder", False) or config.model_type in _ENCODER_DECODER_TYPES:
+        return True
+    return bool(getattr(config, "type_vocab_size", None)) or config.model_type in (
+        "bert", "roberta", "xlm-roberta", "distilbert", "electra", "deberta", "deberta-v2", "albert", "mpnet")
+
+
+def encoder_head_bytes(shape: EncoderShape, seq_len: int, batch_size: int, *, dtype: str | int = "bf16",
+                       device: str = "cuda") -> float:
+    """Bytes saved outside the layers of an encoder or encoder-decoder (see [Note: encoder activation
+    model]): per stack (the encoder; the decoder too for an encoder-decoder) the ids (and token-type ids),
+    the embedding norm's input and statistics, its dropout mask, and the stack's last output (saved by
+    whatever reads it); then the head: "classifier" the pooler's tanh output, its dropout and the
+    log-softmax and labels; "lm" (an encoder's MLM head) the transform's dense output, its norm's input
+    and output, the fp32 log-softmax of the logits (4*sb*V) and the labels; an encoder-decoder's LM head
+    the log-softmax of the logits and the labels."""
+    e, sb, h = _dtype_bytes(dtype), seq_len * batch_size, shape.hidden_size
+    mask = 1 if device == "cuda" else e
+    b = batch_size
+    stack = 8 * sb + e * sb * h + 2 * 4 * sb + (mask * sb * h if shape.embedding_dropout else 0) + e * sb * h
+    if shape.num_decoder_layers:
+        return 2 * stack + 4 * sb * shape.vocab_size + 8 * sb
+    stack += 8 * sb if shape.token_types else 0
+    if shape.head == "classifier":
+        drop = (mask + e) * b * h if shape.residual_dropout else 0
+        if not shape.pooler:  # dropout, dense, tanh, dropout, projection on the first token: no slice saved
+            return stack - e * sb * h + 2 * drop + e * b * h + 4 * b * shape.num_labels + 8 * b
+        return stack + e * b * h + drop + 4 * b * shape.num_labels + 8 * b
+    return stack + 3 * e * sb * h + 2 * 4 * sb + 4 * sb * shape.vocab_size + 8 * sb
+
+
+def _cross_attention_bytes(shape: EncoderShape, s: int, b: int, e: int, fused: bool, mask: int, tp: int) -> float:
+    """One decoder layer's cross-attention over an encoder output of the same length: its norm, then Q,
+    K and V (projections of the encoder output), the output projection's input and the probabilities."""
+    return _norm_bytes(shape, s * b, e) + _attention_bytes(shape, s, b, e, fused, mask, tp)
+
+
+def encoder_activation_bytes(shape: EncoderShape, seq_len: int, batch_size: int, *, dtype: str | int = "bf16",
+                             attention: str | None = None, checkpointing: bool = False, tp: int = 1,
+                             cpu: bool = False, device: str = "cuda") -> DecoderActivationEstimate:
+    """ESTIMATE of one micro-batch's activation bytes for an encoder or encoder-decoder (see [Note: encoder
+    activation model]); arguments as ``decoder_activation_bytes`` (no P_a). An encoder-decoder's decoder
+    runs ``seq_len`` target tokens too."""
+    from hfzero.estimate import EstimateError
+
+    if cpu and not checkpointing:
+        raise EstimateError("cpu_checkpointing acts on activation checkpoints: enable checkpointing too")
+    e = _dtype_bytes(dtype)
+    attention = attention or shape.attention or "sdpa"
+    fused = _fused(shape, attention, device)
+    mask = 1 if device == "cuda" else e
+    enc = decoder_layer_bytes(shape, seq_len, batch_size, dtype=e, attention=attention, tp=tp, device=device)
+    if shape.activation_dropout:  # between the activation and the last projection: its mask and its output
+        enc += (mask + e) * seq_len * batch_size * shape.ffn_size / tp
+    dec = (enc + _cross_attention_bytes(shape, seq_len, batch_size, e, fused, mask, tp)
+           + (mask * seq_len * batch_size * shape.hidden_size if shape.residual_dropout else 0))
+    per_layer = max(enc, dec) if shape.num_decoder_layers else enc
+    layers = shape.num_layers * enc + shape.num_decoder_layers * dec
+    # the additive (b, 1, s, s) mask every eager / math-path layer receives
+    shared = 0 if fused else batch_size * seq_len * seq_len * e
+    head = encoder_head_bytes(shape, seq_len, batch_size, dtype=e, device=device)
+    stored, recompute = 0.0, 0.0
+    if checkpointing:
+        stored = (shape.num_layers + shape.num_decoder_layers) * e * seq_len * batch_size * shape.hidden_size + shared
+        layers, recompute = 0.0, per_layer
+    else:
+        layers += shared
+    host = stored if cpu else 0.0
+    saved = layers + stored + head
+    inputs = {"seq_len": seq_len, "batch_size": batch_size, "dtype_bytes": e, "attention": attention,
+              "checkpointing": checkpointing, "tp": tp, "partition": False, "cpu": cpu, "device": device,
+              "model": "encoder-decoder" if shape.num_decoder_layers else "encoder", "shape": dataclasses.asdict(shape)}
+    return DecoderActivationEstimate(per_layer=per_layer, layers=layers, checkpoints=stored - host,
                                      checkpoints_host=host, head=head, saved=saved, recompute=recompute,
                                      total=saved - host + recompute, inputs=inputs)

@@ -148,3 +148,62 @@ def test_tensor_parallel_activations_and_partitioned_checkpoints(tmp_path) -> No
             assert measured == pytest.approx(case["predicted"]["saved"], rel=0.10), (name, roles)
     full, part = out["ckpt"]["roles"][0]["act_checkpoint"], out["pa"]["roles"][0]["act_checkpoint"]
     assert full == LAYERS * 4 * SEQ * BATCH * 64 and part == full // 2
+
+
+@pytest.mark.parametrize("family", ["bert", "bert-mlm", "roberta", "bart", "t5"])
+def test_encoder_activation_model_matches_the_measurement(family: str) -> None:
+    """The encoder / encoder-decoder activation model against the saved-tensor accounting, in-process on
+    tiny models with dropout on (CPU, fp32): see [Note: encoder activation model]."""
+    import transformers
+
+    from hfzero.runtime.activations.accounting import ActivationAccounting
+
+    vocab, small = 1000, dict(vocab_size=1000)
+    bert = dict(small, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256)
+    seq2seq = dict(small, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                   decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256)
+    t5 = dict(small, d_model=64, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=16, d_ff=256,
+              decoder_start_token_id=0, pad_token_id=0)
+    build = {"bert": (transformers.BertConfig(**bert), transformers.BertForSequenceClassification, 0.01),
+             "bert-mlm": (transformers.BertConfig(**bert), transformers.BertForMaskedLM, 0.01),
+             "roberta": (transformers.RobertaConfig(**bert), transformers.RobertaForSequenceClassification, 0.01),
+             "bart": (transformers.BartConfig(**seq2seq), transformers.BartForConditionalGeneration, 0.01),
+             "t5": (transformers.T5Config(**t5), transformers.T5ForConditionalGeneration, 0.05)}
+    config, cls, tolerance = build[family]
+    torch.manual_seed(0)
+    model = cls(config).train()
+    head = "classifier" if "Classification" in cls.__name__ else "lm"
+    shape = est.EncoderShape.from_hf_config(model.config, head=head)
+    accounting = ActivationAccounting(model).attach()
+    ids = torch.randint(5, vocab, (4, 16), generator=torch.Generator().manual_seed(1))
+    labels = torch.zeros(4, dtype=torch.long) if head == "classifier" else ids
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+    measured = accounting.saved.live
+    out.loss.backward()
+    accounting.detach()
+    predicted = est.encoder_activation_bytes(shape, 16, 4, dtype="fp32", device="cpu").saved
+    assert measured == pytest.approx(predicted, rel=tolerance)
+
+
+def test_header_prediction_follows_the_largest_input_of_an_encoder(tmp_path) -> None:
+    """Dynamic padding: the header's activation_prediction is the encoder model's, for the longest batch
+    seen (the one whose activations peak), not the first."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, num_labels=2)
+    model = transformers.BertForSequenceClassification(config).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = hfzero.prepare(model, optimizer, hfzero.ZeroConfig(stage=0))
+    with ZeroProfiler(model, optimizer, tmp_path / "run"):
+        for seq in (8, 24, 16):
+            ids = torch.randint(0, 100, (2, seq))
+            model(input_ids=ids, labels=torch.zeros(2, dtype=torch.long)).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    run = load_run(tmp_path / "run")
+    predicted = run.header["activation_prediction"]
+    assert (predicted["inputs"]["model"], predicted["inputs"]["seq_len"]) == ("encoder", 24)
+    measured = max(r["roles"].get("activations", 0) for r in run.ranks[0].of_kind("step"))
+    assert measured == pytest.approx(predicted["saved"], rel=0.02)

@@ -180,7 +180,7 @@ def test_crashed_run_loads_and_plots_what_is_there(tmp_path: Path) -> None:
     assert any("no rank file for rank(s) [3]" in w for w in loaded.run.warnings)
     assert not loaded.run.ranks[1].stopped and loaded.run.ranks[0].stopped
     fig = figures.memory_by_role_figure(loaded)
-    assert len(trace(fig, "optim_state (model state)").y) == 4 * 3  # ranks 0-2: model states, formula, transient, rest
+    assert len(trace(fig, "optim_state (model state)").y) == 3 * 3  # ranks 0-2: model states, formula, transient
     assert len(data.timeline_frame(loaded.run)) == 3 * 2 * 6
 
 
@@ -227,20 +227,25 @@ def test_memory_by_role_figure_against_the_formula(tmp_path: Path) -> None:
     labels = {t.name for t in fig.data}
     assert {f"{r.value} (model state)" for r in (MemoryRole.PARAM_FULL, MemoryRole.GRAD_SHARD)} <= labels
     assert "grad_bucket" in labels
-    # per rank, left to right: model states (measured), formula, transient, rest of the process peak
-    assert list(fig.data[0].x[1][:4]) == ["model states", "formula", "transient", "other / allocator overhead"]
-    assert list(trace(fig, "optim_state (model state)").y) == [4 * PSI, 0, 0, 0] * 2
-    assert list(trace(fig, "formula: optimizer states KΨ").y) == [0, 6 * PSI, 0, 0] * 2
-    assert list(trace(fig, "formula: parameters pΨ").y) == [0, 2 * PSI, 0, 0] * 2
-    assert list(trace(fig, "formula: gradients gΨ").y) == [0, PSI, 0, 0] * 2
+    # per rank, left to right: model states (measured), formula, transient; the rest of the peak on the right
+    assert list(fig.data[0].x[1][:3]) == ["model states", "formula", "transient"]
+    assert list(trace(fig, "optim_state (model state)").y) == [4 * PSI, 0, 0] * 2
+    assert list(trace(fig, "formula: optimizer states KΨ").y) == [0, 6 * PSI, 0] * 2
+    assert list(trace(fig, "formula: parameters pΨ").y) == [0, 2 * PSI, 0] * 2
+    assert list(trace(fig, "formula: gradients gΨ").y) == [0, PSI, 0] * 2
     bucket = trace(fig, "grad_bucket")
     assert [y for y, (_, kind) in zip(bucket.y, zip(*bucket.x)) if y] and all(
         kind == "transient" for y, (_, kind) in zip(bucket.y, zip(*bucket.x)) if y)  # never on the model-state bar
     ratio = trace(fig, "model states: measured / formula")
-    assert list(ratio.text) == ["measured / formula 1.000"] * 2 and set(ratio.x[1]) == {"formula"}
+    assert list(ratio.text) == ["1.000"] * 2 and set(ratio.x[1]) == {"formula"}
     as_dict = fig.to_dict()["data"]
     grad_shard = next(t for t in as_dict if t["name"] == "grad_shard (model state)")
-    assert list(decode(grad_shard["y"])) == [PSI, 0, 0, 0] * 2
+    assert list(decode(grad_shard["y"])) == [PSI, 0, 0] * 2
+    # the legend: one entry per role, one per prediction, in three titled groups
+    shown = [t for t in fig.data if t.showlegend is not False]
+    assert {t.legendgrouptitle.text for t in shown if t.legendgrouptitle.text} == {
+        "measured, by role", "predicted", "the rank's whole peak"}
+    assert [t.name for t in shown if t.legendgroup == "formula"] == ["formula pΨ + gΨ + KΨ (hatched)"]
 
 
 def test_timeline_and_fragmentation_figures(tmp_path: Path) -> None:
@@ -447,7 +452,8 @@ def page_titles(app: Any) -> str:
 EXPECTED_TITLES = {"Memory by role": "Bytes by role", "Timeline": "Memory over steps", "Fragmentation":
                    "Fragmentation over time", "Communication": "Communication per step",
                    "Pipeline stages": "Pipeline stages",
-                   "Compare runs": "Runs side by side", "Estimator": "Per-device model-state memory"}
+                   "Compare runs": "Runs side by side", "Estimator": "Per-device model-state memory",
+                   "Planner": "Plan: configurations"}
 
 
 def test_every_page_runs_on_good_crashed_and_bad_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -483,6 +489,24 @@ def test_estimator_page_with_a_config_and_bad_input(tmp_path: Path, monkeypatch:
     app = run_page([], "Estimator", monkeypatch, est_source="Hugging Face config path",
                    est_config=str(tmp_path / "nowhere.json"))
     assert any("not found" in e.value for e in app.error)
+
+
+def test_planner_page_ranks_and_explains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Planner view: the paper's 7.5B model on 64 x 32 GB (its default), the choice named, the rejected
+    configurations with their reasons; a config path and a bad Ψ."""
+    app = run_page([], "Planner", monkeypatch)
+    assert any(m.value.startswith("**Choice:** stage ") for m in app.markdown)
+    frames = [f.value for f in app.dataframe]
+    assert any("why not" in frame.columns and frame["why not"].str.startswith("needs ").all() for frame in frames)
+    from transformers import BertConfig
+
+    BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+               vocab_size=100).save_pretrained(tmp_path / "bert")
+    app = run_page([], "Planner", monkeypatch, plan_source="Hugging Face config path", plan_model_H=str(tmp_path / "bert"),
+                   plan_seq=64, plan_batch=64)
+    assert any(m.value.startswith("**Choice:**") for m in app.markdown)
+    app = run_page([], "Planner", monkeypatch, plan_model_Ψ="lots")
+    assert any("Ψ must be a number" in e.value for e in app.error)
 
 
 def test_a_run_still_being_written_reloads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -592,19 +616,47 @@ def test_memory_by_role_accounts_for_the_whole_peak(tmp_path: Path) -> None:
         (path / f"rank-{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     loaded = data.load(path)
     fig = figures.memory_by_role_figure(loaded)
-    kinds = ["model states", "formula", "transient", "activations", "activation estimate", "other / allocator overhead"]
-    assert list(fig.data[0].x[1][:6]) == kinds
-    assert list(trace(fig, "activations").y[:6]) == [0, 0, 0, 3000, 0, 0]
-    assert list(trace(fig, "act_checkpoint").y[:6]) == [0, 0, 0, 1000, 0, 0]
-    assert list(trace(fig, "estimate: layers (no checkpointing)").y[:6]) == [0, 0, 0, 0, 3000, 0]
-    assert list(trace(fig, "activations: measured / estimate").text) == ["measured / estimate 1.000",
-                                                                         "measured / estimate 1.000"]
+    kinds = ["model states", "formula", "transient", "activations", "estimate"]
+    assert list(fig.data[0].x[1][:5]) == kinds
+    assert list(trace(fig, "activations").y[:5]) == [0, 0, 0, 3000, 0]
+    assert list(trace(fig, "act_checkpoint").y[:5]) == [0, 0, 0, 1000, 0]
+    assert list(trace(fig, "estimate: layers (no checkpointing)").y[:5]) == [0, 0, 0, 0, 3000]
+    assert list(trace(fig, "activations: measured / estimate").text) == ["1.000"] * 2
     rows = figures.whole_peak_rows(loaded)
     last = allocated_at(1, 1, 5)  # rank 1's largest peak: the last step's end (RSS = 3 x allocated)
     row = rows[1]
     assert row["peak (bytes)"] == 3 * last and row["activations + checkpoints"] == 4001
     parts = ("model states", "transient", "activations + checkpoints", "other / allocator overhead")
     assert sum(row[p] for p in parts) == row["peak (bytes)"]
-    overhead = trace(fig, "other / allocator overhead (the peak minus the roles)")
-    assert list(overhead.y[6:]) == [0, 0, 0, 0, 0, row["other / allocator overhead"]]
+    # the right panel: the whole peak = engine roles + the overhead's parts (untracked, runtime, slack)
+    split = data.overhead_split(loaded.run)[1]
+    assert sum(split.values()) == pytest.approx(row["other / allocator overhead"])
+    whole = [trace(fig, name).y[1] for name in ("engine roles (the left panel)", "untracked live memory",
+                                                 "framework runtime", "allocator slack and the rest")]
+    assert sum(whole) == pytest.approx(row["peak (bytes)"])
     assert row["measured / estimate"] == pytest.approx(4001 / 4000)
+    assert figures.peak_sentence(loaded).startswith("Within its prediction (model states 1.000 of the formula, "
+                                                    "activations 1.000 of the estimate")
+
+
+def test_first_view_of_the_main_job_profile() -> None:
+    """The main job's profile (examples/main_job.sh: MiniLM encoder classifier, ZeRO-2, 2 ranks; kept in
+    tests/data): the encoder estimate within 10% of the measured activations, the sentence under the chart,
+    the overhead decomposed, a legend of three groups (the browser test checks that no label is cut)."""
+    loaded = data.load(Path(__file__).parent / "data" / "main_job_profile")
+    assert loaded.error is None
+    predicted = data.activation_prediction(loaded.run)
+    assert predicted["inputs"]["model"] == "encoder"
+    for rank, measured in data.activation_peaks(loaded.run).items():
+        assert sum(measured.values()) == pytest.approx(predicted["saved"], rel=0.10), rank
+    split, whole = data.overhead_split(loaded.run), data.whole_peak(loaded.run)
+    for rank in whole:
+        assert sum(split[rank].values()) == pytest.approx(whole[rank]["overhead"])
+        assert split[rank]["runtime"] > 100e6  # torch, transformers and the interpreter on a CPU rank
+    sentence = figures.peak_sentence(loaded)
+    assert sentence.startswith("Within its prediction") and "framework runtime" in sentence
+    fig = figures.memory_by_role_figure(loaded)
+    shown = [t for t in fig.data if t.showlegend is not False]
+    assert len(shown) <= 12 and len({t.legendgroup for t in shown}) <= 6
+    legend = figures.legend_html(fig)
+    assert legend.count("<b>") == 3 and "measured, by role:" in legend and "framework runtime" in legend

@@ -32,17 +32,18 @@ VIEW_MARKERS: dict[str, str] = {
     "Pipeline stages": "Pipeline stages",
     "Compare runs": "Runs side by side",
     "Estimator": "Per-device model-state memory by data-parallel degree",
+    "Planner": "Plan: configurations by estimated throughput",
 }
 """Each sidebar view and a plot title that shows it has rendered."""
 
 SCREENSHOT_NAMES: dict[str, str] = {
     "Memory by role": "memory_by_role", "Timeline": "timeline", "Fragmentation": "fragmentation",
     "Communication": "communication", "Pipeline stages": "pipeline_stages", "Compare runs": "compare_runs",
-    "Estimator": "estimator",
+    "Estimator": "estimator", "Planner": "planner",
 }
 
 VIEW_HEIGHTS: dict[str, int] = {"Timeline": 1900, "Fragmentation": 1300, "Pipeline stages": 1700, "Compare runs": 1500,
-                                "Estimator": 1900}
+                                "Estimator": 1900, "Planner": 1900}
 """Window heights for the screenshots (Streamlit scrolls inside its own container, so the window sets
 how much of a view a screenshot holds)."""
 
@@ -188,6 +189,87 @@ def test_every_view_renders_in_chromium(tmp_path: Path) -> None:
     pp = write_pp_run(tmp_path / "pp")
     assert capture([str(pp)], tmp_path / "pp_shots", tools, views=["Pipeline stages"]) == {"Pipeline stages": []}
     assert (tmp_path / "pp_shots" / "pipeline_stages.png").stat().st_size > 10_000
+
+
+CUT_LABELS_JS = """
+const plot = document.querySelector('.js-plotly-plot');
+const svg = plot.querySelector('.main-svg').getBoundingClientRect();
+const inside = r => r.left >= svg.left - 1 && r.right <= svg.right + 1 && r.top >= svg.top - 1 && r.bottom <= svg.bottom + 1;
+const overlap = (a, b) => a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom;
+const legend = plot.querySelector('.legend');  // none in the first view (its legend is HTML under it)
+const legendBox = legend ? legend.getBoundingClientRect() : null;
+const problems = [];
+const ticks = Array.from(plot.querySelectorAll('.xtick text, .ytick text, .xtick2 text, .ytick2 text, .multicategory text'));
+for (const t of ticks) {
+  const r = t.getBoundingClientRect();
+  if (!t.textContent) continue;
+  if (!inside(r)) problems.push('axis label cut by the figure edge: ' + t.textContent);
+  if (legendBox && overlap(r, legendBox)) problems.push('axis label under the legend: ' + t.textContent);
+}
+for (const t of plot.querySelectorAll('.legendtext, .legendtitletext, .gtitle, .annotation-text')) {
+  if (!inside(t.getBoundingClientRect())) problems.push('text cut: ' + t.textContent);
+}
+const groups = {};
+for (const t of ticks) {
+  const axis = t.closest('.xaxislayer-above, .yaxislayer-above, .multicategory, g');
+  const key = (t.closest('g[class*="tick"]') || t).getAttribute('class') + ':' + (axis ? axis.getAttribute('class') : '');
+  (groups[key] = groups[key] || []).push(t.getBoundingClientRect());
+}
+for (const [key, boxes] of Object.entries(groups)) {
+  for (let i = 0; i < boxes.length; i++) for (let j = i + 1; j < boxes.length; j++)
+    if (overlap(boxes[i], boxes[j])) problems.push('axis labels overlap on ' + key);
+}
+const titles = Array.from(plot.querySelectorAll('.annotation-text')).map(t => t.getBoundingClientRect());
+for (let i = 0; i < titles.length; i++) for (let j = i + 1; j < titles.length; j++)
+  if (overlap(titles[i], titles[j])) problems.push('subplot titles overlap');
+return {problems: problems, ticks: ticks.map(t => t.textContent)};
+"""
+"""Every axis tick label of the first plot (category labels, the rank row, bytes), its titles and any legend
+text lie inside the figure, tick labels off the legend and off each other, subplot titles off each other:
+plotly's text bounding boxes as the browser lays them out."""
+
+
+def first_view_problems(driver: Any) -> tuple[list[str], list[str]]:
+    """(cut or covered labels of the first plot, its tick label texts)."""
+    result = driver.execute_script(CUT_LABELS_JS)
+    return result["problems"], result["ticks"]
+
+
+@pytest.mark.browser
+def test_first_view_of_the_main_job_has_no_cut_label() -> None:
+    """The first view (Memory by role) of the main job's profile (MiniLM encoder classifier, stage 2, 2 ranks;
+    ``tests/data/main_job_profile``): no axis label cut or under the legend at widths 900, 1500 and 2400 (one
+    server, one browser, resized), the one-sentence summary under the chart, and the activation estimate
+    within 10% of the measurement."""
+    tools = browser_tools()
+    if isinstance(tools, str):
+        pytest.skip(tools)
+    from selenium.webdriver.common.by import By
+
+    from dashboard import data, figures
+
+    run_dir = Path(__file__).parent / "data" / "main_job_profile"
+    loaded = data.load(run_dir)
+    predicted = data.activation_prediction(loaded.run)["saved"]
+    for measured in data.activation_peaks(loaded.run).values():
+        assert sum(measured.values()) == pytest.approx(predicted, rel=0.10)
+    sentence = figures.peak_sentence(loaded)
+    assert sentence.startswith("Within its prediction")
+    with serve([str(run_dir)]) as url, chromium(tools, width=1500, height=1200) as driver:
+        driver.get(url)
+        show_view(driver, "Memory by role")
+        for width in (900, 1500, 2400):
+            driver.set_window_size(width, 1200)
+            time.sleep(2.0)  # streamlit and plotly re-lay the chart out for the new width
+            assert page_problems(driver) == []
+            problems, ticks = first_view_problems(driver)
+            assert problems == [], (width, problems)
+            for label in ("model states", "formula", "transient", "activations", "estimate"):
+                assert ticks.count(label) == 2, (width, label, ticks)  # one per rank: none skipped
+            assert {"rank 0", "rank 1"} <= set(ticks)
+            body = driver.find_element(By.TAG_NAME, "body").text
+            assert sentence.split(";")[0] in body
+            assert all(f"{group}:" in body for group in ("measured, by role", "predicted", "whole peak"))
 
 
 if __name__ == "__main__":

@@ -246,26 +246,36 @@ def _estimate(request: _Request) -> dict[str, Any]:
 def _activations(request: _Request, precision: est.PrecisionBytes) -> dict[str, Any]:
     """The decoder activation model's figures (``hfzero.estimate.decoder_activation_bytes``), with
     Korthikanti et al.'s closed form beside them for reference."""
-    shape = est.DecoderShape.from_hf_config(request.config)
+    config = est.load_hf_config(request.config)
     dtype = precision.param_bytes
-    estimate = est.decoder_activation_bytes(
-        shape, request.seq_len, request.batch_size, dtype=dtype, attention=request.attention,
-        checkpointing=request.checkpointing, tp=request.tp, partition=request.partition_activations,
-        cpu=request.cpu_checkpointing, device=request.device)
+    encoder = est.is_encoder_config(config)
+    if encoder:  # See [Note: encoder activation model]
+        if request.partition_activations:
+            raise est.EstimateError("--partition-activations is modelled for decoders only")
+        estimate = est.encoder_activation_bytes(
+            est.EncoderShape.from_hf_config(config), request.seq_len, request.batch_size, dtype=dtype,
+            attention=request.attention, checkpointing=request.checkpointing, tp=request.tp,
+            cpu=request.cpu_checkpointing, device=request.device)
+    else:
+        estimate = est.decoder_activation_bytes(
+            est.DecoderShape.from_hf_config(config), request.seq_len, request.batch_size, dtype=dtype,
+            attention=request.attention, checkpointing=request.checkpointing, tp=request.tp,
+            partition=request.partition_activations, cpu=request.cpu_checkpointing, device=request.device)
     attention = estimate.inputs["attention"]
-    paper = est.activation_bytes(
-        est.TransformerShape.from_hf_config(request.config), request.seq_len, request.batch_size,
+    paper = None if encoder else est.activation_bytes(
+        est.TransformerShape.from_hf_config(config), request.seq_len, request.batch_size,
         checkpointing=request.checkpointing, dtype_bytes=dtype, tp=request.tp,
         fused_attention=attention in est.FUSED_ATTENTION)
     return {
-        "estimate": "hfzero's decoder activation model (what autograd saves, tensor by tensor); an estimate",
+        "estimate": f"hfzero's {'encoder' if encoder else 'decoder'} activation model (what autograd saves, "
+                    "tensor by tensor); an estimate",
         "seq_len": request.seq_len, "batch_size": request.batch_size, "checkpointing": request.checkpointing,
         "attention": attention, "fused_attention": attention in est.FUSED_ATTENTION, "tp": request.tp,
         "partition_activations": request.partition_activations, "cpu_checkpointing": request.cpu_checkpointing,
         "device": request.device, "per_layer_bytes": estimate.per_layer, "layers_bytes": estimate.layers,
         "checkpoint_bytes": estimate.checkpoints, "checkpoint_host_bytes": estimate.checkpoints_host,
         "recompute_bytes": estimate.recompute, "head_bytes": estimate.head, "saved_bytes": estimate.saved,
-        "total_bytes": estimate.total, "korthikanti_total_bytes": paper.total,
+        "total_bytes": estimate.total, "korthikanti_total_bytes": paper.total if paper else None,
     }
 
 
@@ -339,7 +349,7 @@ def _activation_lines(acts: dict[str, Any]) -> list[str]:
         f"attention {acts['attention']}", f"tp {acts['tp']}" if acts["tp"] > 1 else "",
         "P_a" if acts["partition_activations"] else "", "checkpoints on the host" if acts["cpu_checkpointing"] else "")))
     lines = [
-        f"activations per device, ESTIMATE (hfzero decoder model): seq {acts['seq_len']}, batch "
+        f"activations per device, ESTIMATE ({acts['estimate'].split(' (')[0]}): seq {acts['seq_len']}, batch "
         f"{acts['batch_size']}, {mode}",
         f"  one layer    {acts['per_layer_bytes'] / _GB:10.3f} GB",
     ]
@@ -351,6 +361,7 @@ def _activation_lines(acts: dict[str, Any]) -> list[str]:
         lines.append(f"  layers       {acts['layers_bytes'] / _GB:10.3f} GB")
     return lines + [
         f"  head         {acts['head_bytes'] / _GB:10.3f} GB  (ids, final norm, fp32 log-softmax of the logits)",
-        f"  total        {acts['total_bytes'] / _GB:10.3f} GB  (Korthikanti et al. 2022: "
-        f"{acts['korthikanti_total_bytes'] / _GB:.3f} GB)",
+        f"  total        {acts['total_bytes'] / _GB:10.3f} GB"
+        + (f"  (Korthikanti et al. 2022: {acts['korthikanti_total_bytes'] / _GB:.3f} GB)"
+           if acts["korthikanti_total_bytes"] is not None else ""),
     ]

@@ -195,6 +195,13 @@ def model_activation_estimate(model: torch.nn.Module, zero: Any, batch_size: int
     flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
     checkpointing = bool(getattr(model, flag, False))  # transformers 5 renamed it (the old name warns)
     try:
+        if est.is_encoder_config(config):  # BERT, RoBERTa, BART, T5 families: See [Note: encoder activation model]
+            head = "classifier" if "SequenceClassification" in type(model).__name__ else "lm"
+            return est.encoder_activation_bytes(
+                est.EncoderShape.from_hf_config(config, head=head), seq_len, batch_size, dtype=dtype,
+                attention=getattr(config, "_attn_implementation", None), checkpointing=checkpointing,
+                tp=int(getattr(zero, "tp_size", 1) or 1),
+                cpu=checkpointing and bool(getattr(zero, "cpu_checkpointing", False)), device=device.type)
         shape = est.DecoderShape.from_hf_config(config)
         return est.decoder_activation_bytes(
             shape, seq_len, batch_size, dtype=dtype, attention=getattr(config, "_attn_implementation", None),
@@ -202,7 +209,7 @@ def model_activation_estimate(model: torch.nn.Module, zero: Any, batch_size: int
             partition=checkpointing and bool(getattr(zero, "partition_activations", False)),
             cpu=checkpointing and bool(getattr(zero, "cpu_checkpointing", False)), device=device.type)
     except est.EstimateError as err:
-        logger.info("no decoder activation estimate for %s: %s", type(model).__name__, err)
+        logger.info("no activation estimate for %s: %s", type(model).__name__, err)
         return None
 
 

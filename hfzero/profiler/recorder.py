@@ -247,6 +247,7 @@ class ZeroProfiler:
             self.optimizer.register_step_post_hook(self._on_step_end),
         ]
         if self._header is not None and self.pipeline is None:  # a pipeline stage holds some layers only
+            self._predicted_shapes: set[tuple[int, int]] = set()
             self._input_hook = self.model.register_forward_pre_hook(self._on_first_input, with_kwargs=True)
             self._handles.append(self._input_hook)
         if self.pipeline is not None:  # See [Note: pipeline backward phases]
@@ -268,17 +269,25 @@ class ZeroProfiler:
 
     @_costed
     def _on_first_input(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Rank 0, first recorded forward with gradients: add the activation model's figures for its
-        (batch, sequence) to the header (rewritten atomically), then remove this hook."""
+        """Rank 0, recorded forwards with gradients: add the activation model's figures for the input's
+        (batch, sequence) to the header (rewritten atomically), and again whenever a later input's
+        prediction is larger (dynamic padding: the measured peak is the longest batch's), so the header
+        holds the prediction for the largest input seen. Removed when the model has no prediction."""
         if not (self._recording() and torch.is_grad_enabled()) or self._header is None:
             return
-        self._input_hook.remove()
         tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
         if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
+            self._input_hook.remove()
             return
-        prediction = activation_prediction(self.model, self.engine, int(tokens.shape[0]), int(tokens.shape[1]),
-                                           self.device)
-        if prediction is not None:
+        shape = (int(tokens.shape[0]), int(tokens.shape[1]))
+        if shape in self._predicted_shapes:
+            return
+        self._predicted_shapes.add(shape)
+        prediction = activation_prediction(self.model, self.engine, *shape, self.device)
+        if prediction is None:
+            self._input_hook.remove()
+            return
+        if prediction["saved"] > (self._header.get("activation_prediction") or {}).get("saved", -1):
             self._header["activation_prediction"] = prediction
             write_header(self.run_dir, self._header)
 
