@@ -1,0 +1,9 @@
+"""Sharded loading where users call ``from_pretrained`` (see docs/loading.md).
+
+``sharded_init()`` (context manager), ``enable()`` / ``disable()`` (process-wide, used by
+``hfzero run --zero_stage 3`` and ZeroTrainingArguments at stage 3), ``is_enabled()``.
+"""
+
+from hfzero.loading.hook import disable, enable, is_enabled, sharded_init
+
+__all__ = ["disable", "enable", "is_enabled", "sharded_init"]

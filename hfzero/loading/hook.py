@@ -1,0 +1,221 @@
+"""Sharded loading where scripts call ``from_pretrained``: the one hook into transformers.
+
+transformers 5 already builds every model on the meta device (``PreTrainedModel.get_init_context``
+adds ``torch.device("meta")``) and then fills it in ``PreTrainedModel._load_pretrained_model``
+(memory-mapping each safetensors file and materializing every tensor whole on every rank). DeepSpeed
+ZeRO-3 is switched on inside those same two functions (``is_deepspeed_zero3_enabled``); hfzero
+replaces only the second one, while sharded loading is enabled:
+
+- ``_load_pretrained_model`` reads the safetensors headers (``os.pread``, no memory map), maps each
+  checkpoint key to the model's name with transformers' own ``rename_source_key`` (renamings and
+  the ``base_model_prefix``), checks shapes and dtypes, loads persistent buffers (small), and leaves
+  the parameters on meta with a ``PendingWeights`` attached (see [Note: pending weights] in
+  runtime/pending.py). It returns transformers' ``LoadStateDictInfo``, so missing and unexpected keys
+  are reported, initialized and tied by transformers' ``_finalize_model_loading`` as usual.
+
+Everything else in ``from_pretrained`` (config, dtype, ``_keep_in_fp32_modules``, tying, generation
+config, ``eval()``) is transformers' own code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from hfzero.logging import get_logger
+from hfzero.runtime.pending import PendingWeights
+from hfzero.runtime.stage3.weights import SafetensorsFile, WeightLoadError
+
+logger = get_logger(__name__)
+
+_lock = threading.Lock()
+_depth = 0
+_original = None
+
+
+def enable() -> None:
+    """Turn sharded loading on for this process (``hfzero run --zero_stage 3``, ZeroTrainingArguments at
+    stage 3). Nested with ``disable``: each ``enable`` needs one ``disable``."""
+    global _depth, _original
+    from transformers import PreTrainedModel
+
+    with _lock:
+        if _depth == 0:
+            _original = PreTrainedModel.__dict__["_load_pretrained_model"]
+            PreTrainedModel._load_pretrained_model = staticmethod(_load_pending)
+        _depth += 1
+
+
+def disable() -> None:
+    global _depth
+    from transformers import PreTrainedModel
+
+    with _lock:
+        if _depth == 0:
+            return
+        _depth -= 1
+        if _depth == 0:
+            PreTrainedModel._load_pretrained_model = _original
+
+
+def is_enabled() -> bool:
+    return _depth > 0
+
+
+@contextlib.contextmanager
+def sharded_init() -> Iterator[None]:
+    """Within this block ``from_pretrained`` leaves the weights in the checkpoint: no rank holds the
+    model; ``hfzero.prepare`` (or ZeroTrainer / ZeroAccelerator) reads each rank's part.
+
+    Example::
+
+        with hfzero.sharded_init():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=3))
+
+    Between the two, weights have no values (see docs/loading.md for what works and what is refused).
+    """
+    enable()
+    try:
+        yield
+    finally:
+        disable()
+
+
+def _load_pending(model, state_dict, checkpoint_files, load_config, expected_keys=None):
+    """``PreTrainedModel._load_pretrained_model`` under sharded loading; see the module docstring."""
+    refusal = _refusal(state_dict, checkpoint_files, load_config)
+    if refusal:
+        if state_dict is not None or refusal.startswith("quantized"):
+            logger.warning("hfzero: sharded loading skipped (%s); loading with transformers", refusal)
+            return _original.__func__(model, state_dict, checkpoint_files, load_config, expected_keys)
+        raise WeightLoadError(f"hfzero: sharded loading cannot read this checkpoint: {refusal}")
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.modeling_utils import LoadStateDictInfo
+
+    files = _open_all(checkpoint_files)
+    try:
+        meta = model.state_dict(keep_vars=True)
+        info = LoadStateDictInfo(missing_keys=set(meta), unexpected_keys=set(), mismatched_keys=set(),
+                                 error_msgs=[], conversion_errors={}, skipped_pp_keys=set())
+        mapping = load_config.weight_mapping or []
+        renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        keys: dict[nn.Parameter, tuple[str, str]] = {}
+        buffers = {name for name, _ in model.named_buffers()}
+        dtype_of = _dtype_plan(load_config)
+        problems: list[str] = []
+        for path, handle in files.items():
+            for key in sorted(handle.entries):
+                name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+                if name not in meta and key in meta:
+                    name, pattern = rename_source_key(key, [], [], model.base_model_prefix, meta)
+                if name not in meta:
+                    info.unexpected_keys.add(name)
+                    continue
+                if pattern is not None:
+                    problems.append(f"{key} in {path} needs transformers' weight conversion ({pattern}), which "
+                                    "sharded loading does not run; save the model with save_pretrained first")
+                    continue
+                stored_dtype, stored_shape, _ = handle.entries[key]
+                target = meta[name]
+                info.missing_keys.discard(name)
+                if list(stored_shape) != list(target.shape):
+                    if not load_config.ignore_mismatched_sizes:
+                        problems.append(f"{key} in {path}: checkpoint shape {list(stored_shape)}, model "
+                                        f"{list(target.shape)} (pass ignore_mismatched_sizes=True to initialize it)")
+                    info.mismatched_keys.add((name, tuple(stored_shape), tuple(target.shape)))
+                    continue
+                if target.is_floating_point() != stored_dtype.is_floating_point:
+                    problems.append(f"{key} in {path}: the checkpoint stores {stored_dtype}, which cannot provide "
+                                    f"the model's {target.dtype}")
+                    continue
+                if name in buffers:
+                    _set_buffer(model, name, handle.read(key, 0, math.prod(stored_shape)).view(stored_shape))
+                    continue
+                param = _retype(model, name, target, dtype_of(name))
+                param._is_hf_initialized = True
+                keys[param] = (path, key)
+        if problems:
+            raise WeightLoadError(f"hfzero: {load_config.pretrained_model_name_or_path}: {len(problems)} problem(s) "
+                                  "with the checkpoint: " + "; ".join(problems[:8]))
+    finally:
+        for handle in files.values():
+            handle.close()
+    PendingWeights(keys).attach(model)
+    logger.info("hfzero: %s: %d parameter tensor(s) left in the checkpoint for hfzero.prepare to read "
+                "(sharded loading)", type(model).__name__, len(keys))
+    return info, None
+
+
+def _refusal(state_dict, checkpoint_files, load_config) -> str:
+    """Why this call cannot load sharded ('' when it can)."""
+    if load_config.hf_quantizer is not None:
+        return "quantized models are loaded by their quantizer"
+    if state_dict is not None:
+        return "a state_dict was passed (its tensors are already in memory)"
+    if not checkpoint_files:
+        return "no checkpoint files"
+    if not all(str(f).endswith(".safetensors") for f in checkpoint_files):
+        return (f"{checkpoint_files[0]} is not a safetensors file; PyTorch .bin checkpoints would need unpickling. "
+                "Convert it once with save_pretrained(..., safe_serialization=True)")
+    if load_config.device_map is not None and len(set(map(str, load_config.device_map.values()))) > 1:
+        return "a device_map over several devices; hfzero places the shards itself (drop device_map)"
+    return ""
+
+
+def _open_all(checkpoint_files) -> dict[str, SafetensorsFile]:
+    """Every file's header, read up front on every rank: a missing or truncated file fails here."""
+    files: dict[str, SafetensorsFile] = {}
+    try:
+        for path in checkpoint_files:
+            try:
+                files[str(path)] = SafetensorsFile(str(path))
+            except FileNotFoundError:
+                raise WeightLoadError(f"hfzero: the checkpoint's index names {path}, which does not exist") from None
+    except BaseException:
+        for handle in files.values():
+            handle.close()
+        raise
+    return files
+
+
+def _dtype_plan(load_config):
+    """name -> dtype forced by ``_keep_in_fp32_modules(_strict)`` (None when not forced)."""
+    plan = load_config.dtype_plan or {}
+    if not plan:
+        return lambda name: None
+    from transformers.core_model_loading import build_glob_alternation
+
+    alternation, by_group, _ = build_glob_alternation(list(plan))
+
+    def dtype_of(name: str):
+        found = alternation.search(name)
+        return plan[by_group[found.lastgroup]] if found is not None else None
+
+    return dtype_of
+
+
+def _retype(model: nn.Module, name: str, param: nn.Parameter, dtype) -> nn.Parameter:
+    """The meta parameter, in ``dtype`` when the dtype plan forces one (a new meta object, not yet tied)."""
+    if dtype is None or param.dtype == dtype:
+        return param
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    new = nn.Parameter(torch.empty(param.shape, dtype=dtype, device="meta"), requires_grad=param.requires_grad)
+    setattr(module, attr, new)
+    return new
+
+
+def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    old = module._buffers[attr]
+    new = value.to(old.dtype).clone()
+    new._is_hf_initialized = True
+    module._buffers[attr] = new
