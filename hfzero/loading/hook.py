@@ -20,6 +20,7 @@ config, ``eval()``) is transformers' own code.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from hfzero.logging import get_logger
-from hfzero.runtime.pending import PendingWeights
+from hfzero.runtime.pending import PendingWeights, find_pending
 from hfzero.runtime.stage3.weights import SafetensorsFile, WeightLoadError
 
 logger = get_logger(__name__)
@@ -45,6 +46,7 @@ def enable() -> None:
     from transformers import PreTrainedModel
 
     with _lock:
+        _install_resize_reads(PreTrainedModel)
         if _depth == 0:
             _original = PreTrainedModel.__dict__["_load_pretrained_model"]
             PreTrainedModel._load_pretrained_model = staticmethod(_load_pending)
@@ -85,6 +87,26 @@ def sharded_init() -> Iterator[None]:
         yield
     finally:
         disable()
+
+
+def _install_resize_reads(cls) -> None:
+    """``resize_token_embeddings`` copies the old rows into the new matrix: for a pending model, the old
+    matrix is read whole first (one tensor, as from_pretrained would hold it), so the copy is real.
+    Installed once; a model that is not pending goes straight to transformers' code."""
+    for attr in ("_get_resized_embeddings", "_get_resized_lm_head"):
+        original = cls.__dict__[attr]
+        if getattr(original, "_hfzero_reads_pending", False):
+            continue
+
+        def resized(self, old, *args, _original=original, **kwargs):
+            pending = find_pending(self)
+            if pending is not None:
+                for param in old.parameters():
+                    pending.materialize(param)
+            return _original(self, old, *args, **kwargs)
+
+        resized._hfzero_reads_pending = True
+        setattr(cls, attr, functools.wraps(original)(resized))
 
 
 def _load_pending(model, state_dict, checkpoint_files, load_config, expected_keys=None):

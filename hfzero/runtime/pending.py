@@ -24,7 +24,8 @@ weights after ``prepare`` (see docs/loading.md).
 
 from __future__ import annotations
 
-import types
+import math
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -49,21 +50,35 @@ class PendingWeights:
         self.keys = keys
 
     def attach(self, model: nn.Module) -> None:
-        """Mark ``model`` as pending and let ``model.to(...)`` pass over its meta parameters."""
+        """Mark ``model`` as pending and let ``model.to(...)`` pass over meta parameters while it is."""
         model.__dict__[PENDING_ATTR] = self
-        for module in model.modules():
-            if any(p.device.type == "meta" for p in module._parameters.values() if p is not None):
-                module.__dict__["_apply"] = types.MethodType(_pending_apply, module)
+        _live.add(model)
+        if nn.Module._apply is not _pending_apply:
+            nn.Module._apply = _pending_apply
+
+    def materialize(self, param: nn.Parameter) -> None:
+        """Read ``param`` whole now, in place (same object, ties kept); from then on it is taken by value.
+        For what must see values before prepare (``resize_token_embeddings`` copying the old rows)."""
+        if param.device.type != "meta" or param not in self.keys:
+            return
+        path, key = self.keys.pop(param)
+        handle = SafetensorsFile(path)
+        try:
+            _, shape, _ = handle.entries[key]
+            value = handle.read(key, 0, math.prod(shape)).view(shape).to(param.dtype)
+        finally:
+            handle.close()
+        torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
 
     def source(self, model: nn.Module, device: torch.device) -> PendingSource:
         """A WeightSource over ``model``'s canonical parameter names (see [Note: pending weights])."""
         _follow_peft_copies(model, self.keys)
-        resolved: dict[str, tuple[str, str]] = {}
+        resolved: dict[str, tuple[str, str, torch.dtype]] = {}  # name -> (path, key, dtype as built)
         values: dict[str, torch.Tensor] = {}
         added: list[tuple[str, nn.Parameter]] = []
         for name, p in model.named_parameters():
             if p in self.keys and p.device.type == "meta":
-                resolved[name] = self.keys[p]
+                resolved[name] = (*self.keys[p], p.dtype)
             elif p.device.type != "meta":
                 values[name] = p.detach()  # initialized by transformers or the script: taken by value
                 torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
@@ -71,10 +86,23 @@ class PendingWeights:
             else:
                 added.append((name, p))
         if added:
-            from hfzero.runtime.stage3.init import _init_added
-
-            values.update(_init_added(model, added, seed=0))
+            values.update(_init_added_in_place(model, added))
         return PendingSource(resolved, values, device)
+
+
+def _init_added_in_place(model: nn.Module, added: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
+    """Initial values of parameters a wrapper added on meta (peft's LoRA matrices), computed by their own
+    initializers as ``from_pretrained_sharded(wrap=...)`` does; the optimizer already holds these very
+    objects, so they are put back in their modules afterwards."""
+    from hfzero.runtime.stage3.init import _init_added
+
+    wanted = {p for _, p in added}
+    slots = [(m, key, p) for m in model.modules() for key, p in m._parameters.items() if p in wanted]
+    try:
+        return _init_added(model, added, seed=0)
+    finally:
+        for module, key, p in slots:
+            module._parameters[key] = p
 
 
 def find_pending(model: nn.Module) -> PendingWeights | None:
@@ -89,21 +117,37 @@ def find_pending(model: nn.Module) -> PendingWeights | None:
 def release(model: nn.Module) -> None:
     """After prepare: the model is no longer pending (its parameters are the engine's)."""
     for module in model.modules():
-        module.__dict__.pop(PENDING_ATTR, None)
-        module.__dict__.pop("_apply", None)
+        if module.__dict__.pop(PENDING_ATTR, None) is not None:
+            _live.discard(module)
+
+
+_live: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Models with pending weights in this process; ``_pending_apply`` acts only while there is one."""
+_torch_apply = nn.Module._apply
 
 
 def _pending_apply(self: nn.Module, fn, recurse: bool = True):
-    """``nn.Module._apply`` for a module with pending (meta) parameters: ``model.to(device, dtype)``
-    converts buffers and real parameters as usual and gives meta parameters the new dtype, in place
-    (same objects); the device is where ``prepare`` puts the shard anyway."""
-    def convert(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "meta":
-            return fn(t)
-        probe = fn(torch.empty(0, dtype=t.dtype))  # what fn does to a dtype, without touching t
-        return torch.empty(t.shape, dtype=probe.dtype, device="meta")
+    """``nn.Module._apply`` while a pending model exists: ``model.to(device, dtype)`` converts buffers and
+    real parameters as usual and gives meta parameters the new dtype, in place (same objects); their
+    device is where ``prepare`` puts them anyway. Real tensors sent to meta keep their values (peft moves
+    the adapters it initialized to "the base layer's device"; ``prepare`` takes them by value). Otherwise,
+    with no pending model in the process, torch's own."""
+    if not _live:
+        return _torch_apply(self, fn, recurse)
 
-    return nn.Module._apply(self, convert, recurse)
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        try:
+            out = fn(t)  # real tensors; meta -> meta casts; to_empty
+        except NotImplementedError:  # "Cannot copy out of meta tensor": a move to a real device
+            if t.device.type != "meta":
+                raise
+            probe = fn(torch.empty(0, dtype=t.dtype))  # what fn does to a dtype, without touching t
+            return torch.empty(t.shape, dtype=probe.dtype, device="meta")
+        if out.device.type == "meta" and t.device.type != "meta":
+            return t.to(out.dtype)  # "to the base layer's device" (peft's adapters): keep the values
+        return out
+
+    return _torch_apply(self, convert, recurse)
 
 
 def _follow_peft_copies(model: nn.Module, keys: dict[nn.Parameter, tuple[str, str]]) -> None:
@@ -124,7 +168,7 @@ def _follow_peft_copies(model: nn.Module, keys: dict[nn.Parameter, tuple[str, st
 class PendingSource(WeightSource):
     """Reads a pending model's parameters: by (file, key) from safetensors, or from held values."""
 
-    def __init__(self, resolved: dict[str, tuple[str, str]], values: dict[str, torch.Tensor], device: torch.device):
+    def __init__(self, resolved: dict[str, tuple[str, str, torch.dtype]], values: dict[str, torch.Tensor], device: torch.device):
         super().__init__(device)
         self.resolved = resolved
         self.values = values
@@ -133,13 +177,13 @@ class PendingSource(WeightSource):
     def read(self, name: str, shape: torch.Size, lo: int, hi: int) -> torch.Tensor:
         if name in self.values:
             return self.values[name].reshape(-1)[lo:hi]
-        path, key = self.resolved[name]
+        path, key, dtype = self.resolved[name]
         handle = self._files.get(path)
         if handle is None:
             handle = self._files[path] = SafetensorsFile(path)
         if key not in handle.entries:
             raise WeightLoadError(f"hfzero: {path} no longer holds {key!r} (changed since from_pretrained?)")
-        return handle.read(key, lo, hi)
+        return handle.read(key, lo, hi).to(dtype)  # rounded as from_pretrained(dtype=...) rounds it
 
     def close(self) -> None:
         for handle in self._files.values():
