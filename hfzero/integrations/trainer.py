@@ -51,6 +51,7 @@ from hfzero.integrations.gpus import check_ranks_fit_devices, cpu_requested, loc
 from hfzero.integrations.state import (has_shards, is_partitioned, load_optimizer_shards, model_param_count,
                                       needs_gathered_weights, save_optimizer_shards, scheduler_state_for_stage,
                                       scheduler_state_for_user_groups, unwrap_optimizer)
+from hfzero.loading.hook import enable_while, wanted
 from hfzero.logging import get_logger
 from hfzero.parallel.pipeline import PipelineConfig
 from hfzero.parallel.pipeline.microbatches import check_explicit, default_microbatches
@@ -125,6 +126,19 @@ def _post_init(self: Any) -> None:
     check_ranks_fit_devices(local_world_size(), what="ZeroTrainingArguments", option="LOCAL_WORLD_SIZE",
                             cpu=self.use_cpu or cpu_requested())  # before the Trainer places each rank
     TrainingArguments.__post_init__(self)
+    _load_sharded_at_stage3(self)
+
+
+def _load_sharded_at_stage3(args: Any) -> None:
+    """Stage 3: from_pretrained calls made while these arguments live load sharded (see docs/loading.md),
+    as DeepSpeed's zero.Init is switched on by TrainingArguments(deepspeed=...)."""
+    try:
+        config = resolve_zero_config(args)
+        pipelined = resolve_pipeline_config(args) is not None
+    except ConfigError:
+        return  # the Trainer reports it
+    if wanted(config.stage, config.tp_size, pipelined):
+        enable_while(args)
 
 
 def _env_true(name: str) -> bool:

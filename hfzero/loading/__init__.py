@@ -4,6 +4,6 @@
 ``hfzero run --zero_stage 3`` and ZeroTrainingArguments at stage 3), ``is_enabled()``.
 """
 
-from hfzero.loading.hook import disable, enable, is_enabled, sharded_init
+from hfzero.loading.hook import disable, enable, enable_while, is_enabled, sharded_init, wanted
 
-__all__ = ["disable", "enable", "is_enabled", "sharded_init"]
+__all__ = ["disable", "enable", "enable_while", "is_enabled", "sharded_init", "wanted"]

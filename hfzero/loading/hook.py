@@ -22,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import threading
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -63,6 +65,19 @@ def disable() -> None:
         _depth -= 1
         if _depth == 0:
             PreTrainedModel._load_pretrained_model = _original
+
+
+def enable_while(owner: object) -> None:
+    """Sharded loading on while ``owner`` lives: ZeroTrainingArguments at stage 3, as transformers ties
+    DeepSpeed's ZeRO-3 switch to the lifetime of its config object."""
+    enable()
+    weakref.finalize(owner, disable)
+
+
+def wanted(stage: object, tp_size: int = 1, pipeline: bool = False) -> bool:
+    """Whether a run with these settings loads sharded: stage 3 without tensor or pipeline parallelism
+    (those build their own per-rank models)."""
+    return stage == 3 and tp_size == 1 and not pipeline
 
 
 def is_enabled() -> bool:
@@ -122,6 +137,7 @@ def _load_pending(model, state_dict, checkpoint_files, load_config, expected_key
 
     files = _open_all(checkpoint_files)
     try:
+        _check_index(load_config, files)
         meta = model.state_dict(keep_vars=True)
         info = LoadStateDictInfo(missing_keys=set(meta), unexpected_keys=set(), mismatched_keys=set(),
                                  error_msgs=[], conversion_errors={}, skipped_pp_keys=set())
@@ -205,6 +221,18 @@ def _open_all(checkpoint_files) -> dict[str, SafetensorsFile]:
             handle.close()
         raise
     return files
+
+
+def _check_index(load_config, files: dict[str, SafetensorsFile]) -> None:
+    """A sharded save's index maps each tensor to a file: that file must hold it (else transformers would
+    report it missing and initialize it at random)."""
+    weight_map = (load_config.sharded_metadata or {}).get("weight_map") or {}
+    by_name = {os.path.basename(path): handle for path, handle in files.items()}
+    for key, filename in sorted(weight_map.items()):
+        handle = by_name.get(os.path.basename(str(filename)))
+        if handle is not None and key not in handle.entries:
+            raise WeightLoadError(f"hfzero: tensor {key!r} is missing from {handle.path}, where the checkpoint's "
+                                  "index says it is (a partial or mixed-up save?)")
 
 
 def _dtype_plan(load_config):
