@@ -1,0 +1,171 @@
+"""Sharded loading where scripts call from_pretrained, world 2 (one spawn): after ``from_pretrained``
+no rank holds a parameter (all on meta), and training equals the ordinary path's exactly (fp32):
+
+- Trainer: ``ZeroTrainingArguments(zero_stage=3)`` built before ``from_pretrained`` switches sharded
+  loading on; then ``resize_token_embeddings``, ``gradient_checkpointing_enable``, peft LoRA, ZeroTrainer;
+  the saved adapters are equal too;
+- accelerate: ``with hfzero.sharded_init()`` around ``from_pretrained`` (tied GPT-2), ZeroAccelerator at stage 3;
+- custom loop: ``hfzero.prepare`` at stages 3 and 2 from an index-sharded save, ``model.to(device)`` in between.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hfzero
+from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
+from hfzero.testing.spawn import run_distributed
+
+pytest.importorskip("peft")
+
+STEPS = 3
+SEQ = 8
+
+
+def _all_meta(model) -> bool:
+    return all(p.device.type == "meta" for p in model.parameters())
+
+
+def _load(path: str, sharded: bool):
+    from transformers import AutoModelForCausalLM
+
+    if not sharded:
+        return AutoModelForCausalLM.from_pretrained(path)
+    with hfzero.sharded_init():
+        model = AutoModelForCausalLM.from_pretrained(path)
+    assert _all_meta(model), "sharded loading left a parameter whole"
+    return model
+
+
+def _rows(world: int) -> list[dict]:
+    return [{"input_ids": row, "labels": row} for batch in token_batches(STEPS, 2 * world, SEQ) for row in batch]
+
+
+def _trainer(root: Path, sharded: bool, world: int) -> dict:
+    """An unmodified Trainer script's order: arguments, from_pretrained, resize, checkpointing, LoRA, train."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    common = dict(output_dir=str(root / f"trainer-{sharded}"), max_steps=STEPS, per_device_train_batch_size=2,
+                  learning_rate=1e-2, logging_steps=1, report_to="none", disable_tqdm=True, save_strategy="no",
+                  seed=0, lr_scheduler_type="constant", dataloader_drop_last=True, use_cpu=True)
+    zero = dict(zero_stage=3, zero_param_persistence_threshold=0, zero_reduce_bucket_size=4096)
+    if sharded:
+        args = hfzero.ZeroTrainingArguments(**common, **zero)
+        model = AutoModelForCausalLM.from_pretrained(str(root / "llama"))
+        loaded_meta = _all_meta(model)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(root / "llama"))
+        loaded_meta = False
+        args = hfzero.ZeroTrainingArguments(**common, **zero)
+    torch.manual_seed(1)
+    model.resize_token_embeddings(136, mean_resizing=False)
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable()
+    torch.manual_seed(2)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                             target_modules=["q_proj", "v_proj"]))
+    trainer = hfzero.ZeroTrainer(model=model, args=args, train_dataset=_rows(world))
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    trainer.save_model()
+    adapter = _safetensors(Path(args.output_dir) / "adapter_model.safetensors") if dist.get_rank() == 0 else None
+    del trainer, args, model
+    gc.collect()
+    return {"loaded_meta": loaded_meta, "losses": losses, "adapter": adapter}
+
+
+def _safetensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(path) if path.exists() else {}
+
+
+def _accelerate(root: Path, sharded: bool, rank: int, world: int) -> list[float]:
+    config = hfzero.ZeroConfig(stage=3, param_persistence_threshold=0, reduce_bucket_size=4096)
+    accelerator = hfzero.ZeroAccelerator(zero_config=config, cpu=True)
+    model = _load(str(root / "gpt2"), sharded)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    losses = []
+    for batch in token_batches(STEPS, 2 * world, SEQ):
+        (ids,) = micro_batches(batch, rank, world, 1)
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    accelerator.free_memory()
+    return losses
+
+
+def _custom(root: Path, sharded: bool, stage: int, rank: int, world: int) -> list[float]:
+    model = _load(str(root / "llama_index"), sharded)
+    model.to("cpu")
+    model.train()
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = hfzero.prepare(model, optimizer, hfzero.ZeroConfig(stage=stage, param_persistence_threshold=0,
+                                                                         reduce_bucket_size=4096))
+    losses = []
+    for batch in token_batches(STEPS, 2 * world, SEQ):
+        (ids,) = micro_batches(batch, rank, world, 1)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _run(rank: int, world: int, root: str) -> dict:
+    from hfzero.loading import is_enabled
+
+    root = Path(root)
+    out = {}
+    for sharded in (False, True):
+        out[("trainer", sharded)] = _trainer(root, sharded, world)
+        out[("enabled_after_trainer", sharded)] = is_enabled()
+        out[("accelerate", sharded)] = _accelerate(root, sharded, rank, world)
+        for stage in (3, 2):
+            out[("custom", stage, sharded)] = _custom(root, sharded, stage, rank, world)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loading")
+    tiny_causal_lm("llama").save_pretrained(root / "llama")
+    tiny_causal_lm("llama", seed=4).save_pretrained(root / "llama_index", max_shard_size="20KB")
+    tiny_causal_lm("gpt2").save_pretrained(root / "gpt2")
+    return run_distributed(_run, 2, str(root))
+
+
+def test_trainer_loads_sharded_and_trains_as_the_ordinary_path(results):
+    for rank in results:
+        ordinary, sharded = rank[("trainer", False)], rank[("trainer", True)]
+        assert sharded["loaded_meta"]
+        assert len(sharded["losses"]) == STEPS and sharded["losses"] == ordinary["losses"]
+        assert rank[("enabled_after_trainer", True)] is False  # switched off with the arguments
+    ordinary, sharded = results[0][("trainer", False)]["adapter"], results[0][("trainer", True)]["adapter"]
+    assert sharded and sorted(sharded) == sorted(ordinary)  # rank 0 saved the adapters
+    assert all(torch.equal(sharded[k], ordinary[k]) for k in ordinary)
+
+
+def test_accelerate_loads_sharded_and_trains_as_the_ordinary_path(results):
+    for rank in results:
+        assert rank[("accelerate", True)] == rank[("accelerate", False)]
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_custom_loop_loads_sharded_and_trains_as_the_ordinary_path(results, stage):
+    for rank in results:
+        assert rank[("custom", stage, True)] == rank[("custom", stage, False)]
