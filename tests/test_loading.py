@@ -5,7 +5,10 @@ no rank holds a parameter (all on meta), and training equals the ordinary path's
   loading on; then ``resize_token_embeddings``, ``gradient_checkpointing_enable``, peft LoRA, ZeroTrainer;
   the saved adapters are equal too;
 - accelerate: ``with hfzero.sharded_init()`` around ``from_pretrained`` (tied GPT-2), ZeroAccelerator at stage 3;
-- custom loop: ``hfzero.prepare`` at stages 3 and 2 from an index-sharded save, ``model.to(device)`` in between.
+- custom loop: ``hfzero.prepare`` at stages 3 and 2 from an index-sharded save, ``model.to(device)`` in between;
+- saving (issue 20 item 6): ZeroTrainer's save and ``ZeroAccelerator.get_state_dict`` hold a tied matrix once
+  (one tensor under both names), so ``save_pretrained`` writes it once; the saved model reloads to the
+  trained weights.
 """
 
 from __future__ import annotations
@@ -80,6 +83,30 @@ def _trainer(root: Path, sharded: bool, world: int) -> dict:
     return {"loaded_meta": loaded_meta, "losses": losses, "adapter": adapter}
 
 
+def _trainer_save(root: Path, world: int) -> dict:
+    """No adapters, the default persistence threshold (the tied embedding stays whole): the saved model
+    holds the tied matrix once, as the ordinary save does, and reloads to the trained weights."""
+    from transformers import AutoModelForCausalLM
+
+    out = root / "trainer-save"
+    args = hfzero.ZeroTrainingArguments(output_dir=str(out), max_steps=1, per_device_train_batch_size=2,
+                                        report_to="none", disable_tqdm=True, save_strategy="no", use_cpu=True,
+                                        zero_stage=3)
+    model = AutoModelForCausalLM.from_pretrained(str(root / "llama"))
+    trainer = hfzero.ZeroTrainer(model=model, args=args, train_dataset=_rows(world))
+    trainer.train()
+    trainer.save_model()
+    from hfzero.runtime.stage3 import full_state_dict
+
+    trained = full_state_dict(trainer.model, rank0_only=False)
+    dist.barrier()
+    saved = _safetensors(out / "model.safetensors")
+    del trainer, args, model
+    gc.collect()
+    reloaded = AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
+    return {"saved_keys": sorted(saved), "reloaded_equal": all(torch.equal(reloaded[k], trained[k]) for k in trained)}
+
+
 def _safetensors(path: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -101,6 +128,11 @@ def _accelerate(root: Path, sharded: bool, rank: int, world: int) -> list[float]
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    state = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:  # tied: one tensor under both names, written once
+        assert state["lm_head.weight"] is state["transformer.wte.weight"]
+        accelerator.unwrap_model(model).save_pretrained(root / f"accelerate-{sharded}", state_dict=state)
+        assert "lm_head.weight" not in _safetensors(root / f"accelerate-{sharded}" / "model.safetensors")
     accelerator.free_memory()
     return losses
 
@@ -136,6 +168,7 @@ def _run(rank: int, world: int, root: str) -> dict:
         out[("accelerate", sharded)] = _accelerate(root, sharded, rank, world)
         for stage in (3, 2):
             out[("custom", stage, sharded)] = _custom(root, sharded, stage, rank, world)
+    out["trainer_save"] = _trainer_save(root, world)
     dist.barrier()
     return out
 
@@ -169,3 +202,10 @@ def test_accelerate_loads_sharded_and_trains_as_the_ordinary_path(results):
 def test_custom_loop_loads_sharded_and_trains_as_the_ordinary_path(results, stage):
     for rank in results:
         assert rank[("custom", stage, True)] == rank[("custom", stage, False)]
+
+
+def test_trainer_save_writes_tied_weights_once_and_reloads(results):
+    for rank in results:
+        assert "model.embed_tokens.weight" in rank["trainer_save"]["saved_keys"]
+        assert "lm_head.weight" not in rank["trainer_save"]["saved_keys"]
+        assert rank["trainer_save"]["reloaded_equal"]
