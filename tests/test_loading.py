@@ -2,7 +2,8 @@
 no rank holds a parameter (all on meta), and training equals the ordinary path's exactly (fp32):
 
 - Trainer: ``ZeroTrainingArguments(zero_stage=3)`` built before ``from_pretrained`` switches sharded
-  loading on; then ``resize_token_embeddings``, ``gradient_checkpointing_enable``, peft LoRA, ZeroTrainer;
+  loading on; then ``resize_token_embeddings``, ``gradient_checkpointing_enable``, peft LoRA with
+  partitioned ``modules_to_save`` (saving them used to be refused by the stage-3 guard), ZeroTrainer;
   the saved adapters are equal too;
 - accelerate: ``with hfzero.sharded_init()`` around ``from_pretrained`` (tied GPT-2), ZeroAccelerator at stage 3;
 - custom loop: ``hfzero.prepare`` at stages 3 and 2 from an index-sharded save, ``model.to(device)`` in between;
@@ -72,7 +73,7 @@ def _trainer(root: Path, sharded: bool, world: int) -> dict:
     model.gradient_checkpointing_enable()
     torch.manual_seed(2)
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                                             target_modules=["q_proj", "v_proj"]))
+                                             target_modules=["q_proj", "v_proj"], modules_to_save=["norm"]))
     trainer = hfzero.ZeroTrainer(model=model, args=args, train_dataset=_rows(world))
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -190,6 +191,7 @@ def test_trainer_loads_sharded_and_trains_as_the_ordinary_path(results):
         assert rank[("enabled_after_trainer", True)] is False  # switched off with the arguments
     ordinary, sharded = results[0][("trainer", False)]["adapter"], results[0][("trainer", True)]["adapter"]
     assert sharded and sorted(sharded) == sorted(ordinary)  # rank 0 saved the adapters
+    assert any("norm" in k for k in sharded), "the partitioned modules_to_save were not saved"
     assert all(torch.equal(sharded[k], ordinary[k]) for k in ordinary)
 
 
