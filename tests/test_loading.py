@@ -9,7 +9,8 @@ no rank holds a parameter (all on meta), and training equals the ordinary path's
 - custom loop: ``hfzero.prepare`` at stages 3 and 2 from an index-sharded save, ``model.to(device)`` in between;
 - saving (issue 20 item 6): ZeroTrainer's save and ``ZeroAccelerator.get_state_dict`` hold a tied matrix once
   (one tensor under both names), so ``save_pretrained`` writes it once; the saved model reloads to the
-  trained weights.
+  trained weights;
+- a reference model prepared without an optimizer (TRL's DPO) is partitioned at stage 3 (issue 20 item 6).
 """
 
 from __future__ import annotations
@@ -108,6 +109,43 @@ def _trainer_save(root: Path, world: int) -> dict:
     return {"saved_keys": sorted(saved), "reloaded_equal": all(torch.equal(reloaded[k], trained[k]) for k in trained)}
 
 
+def _trainer_reference_model(root: Path, world: int) -> dict:
+    """A DPO-style trainer: a reference model (from_pretrained, sharded) prepared without an optimizer, as
+    TRL does (``accelerator.prepare_model(ref, evaluation_mode=True)``), is partitioned at stage 3 and
+    computes what the unprepared model computes."""
+    from transformers import AutoModelForCausalLM
+
+    from hfzero.integrations.state import is_partitioned
+    from hfzero.roles import MemoryRole
+
+    plain = AutoModelForCausalLM.from_pretrained(str(root / "gpt2"))
+    args = hfzero.ZeroTrainingArguments(output_dir=str(root / "trainer-ref"), max_steps=2, per_device_train_batch_size=2,
+                                        report_to="none", disable_tqdm=True, save_strategy="no", use_cpu=True,
+                                        zero_stage=3, zero_param_persistence_threshold=0)
+    model = AutoModelForCausalLM.from_pretrained(str(root / "llama"))
+    ref = AutoModelForCausalLM.from_pretrained(str(root / "gpt2"))
+    seen = {"equal": []}
+
+    class RefTrainer(hfzero.ZeroTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            with torch.no_grad():
+                ref_logits = self.ref_model(input_ids=inputs["input_ids"]).logits
+                seen["equal"].append(torch.equal(ref_logits, plain(input_ids=inputs["input_ids"]).logits))
+            out = model(**inputs)
+            return out.loss + 0.01 * (out.logits.log_softmax(-1) - ref_logits.log_softmax(-1)).pow(2).mean()
+
+    trainer = RefTrainer(model=model, args=args, train_dataset=_rows(world))
+    trainer.ref_model = trainer.accelerator.prepare_model(ref, evaluation_mode=True)
+    trainer.train()
+    roles = hfzero.get_engine(trainer.ref_model).memory_by_role()
+    whole = sum(p.numel() * p.element_size() for p in plain.parameters())
+    out = {"partitioned": is_partitioned(trainer.ref_model), "equal": seen["equal"],
+           "shard_fraction": roles.get(MemoryRole.PARAM_SHARD, 0) / whole}
+    del trainer, args, model, ref
+    gc.collect()
+    return out
+
+
 def _safetensors(path: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -170,6 +208,7 @@ def _run(rank: int, world: int, root: str) -> dict:
         for stage in (3, 2):
             out[("custom", stage, sharded)] = _custom(root, sharded, stage, rank, world)
     out["trainer_save"] = _trainer_save(root, world)
+    out["trainer_ref"] = _trainer_reference_model(root, world)
     dist.barrier()
     return out
 
@@ -211,3 +250,10 @@ def test_trainer_save_writes_tied_weights_once_and_reloads(results):
         assert "model.embed_tokens.weight" in rank["trainer_save"]["saved_keys"]
         assert "lm_head.weight" not in rank["trainer_save"]["saved_keys"]
         assert rank["trainer_save"]["reloaded_equal"]
+
+
+def test_reference_model_without_optimizer_is_partitioned(results):
+    for rank in results:
+        ref = rank["trainer_ref"]
+        assert ref["partitioned"] and ref["equal"] and all(ref["equal"])
+        assert ref["shard_fraction"] <= 0.5 + 0.05  # 1/N of the weights (+ bucket padding), not the whole model

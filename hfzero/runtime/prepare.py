@@ -90,7 +90,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     if pending is not None:  # See [Note: pending weights] in runtime/pending.py
         weights = _read_pending(model, optimizer, config, process_group, pending)
     groups = _optimizer_groups(model, optimizer)
-    device = _single_device(groups) if weights is None else _meta_device(groups, weights.device)
+    # a model with nothing to train (a frozen reference model, stage 3): placed by its frozen parameters
+    placed = groups if any(groups) or config.stage != 3 else [[p for p in model.parameters() if not p.requires_grad]]
+    device = _single_device(placed) if weights is None else _meta_device(placed, weights.device)
     check_placement(device, process_group)  # before any collective: a clear error, not an NCCL one
     if config.mixed_precision:
         model.to(config.torch_dtype)
