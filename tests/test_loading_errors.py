@@ -1,6 +1,7 @@
 """Sharded loading (``hfzero.sharded_init`` around ``from_pretrained``) refuses bad checkpoints with one
 error naming the tensor and the file, raised inside ``from_pretrained`` (before any training), leaving no
-pending model behind. Single process: every rank reads the headers itself, so every rank raises the same."""
+pending model behind. Single process: every rank reads the headers itself, so every rank raises the same.
+Also: what from_pretrained leaves (meta parameters, ties, refused reads) and ``hfzero run``'s stage-3 switch."""
 
 from __future__ import annotations
 
@@ -112,3 +113,19 @@ def test_dtype_unknown_to_hfzero(single):
     with open(path, "wb") as f:
         f.write(data[:8] + raw + data[8 + length:])
     _refused(single, "model.norm.weight", "model.safetensors", "dtype")
+
+
+def test_hfzero_run_at_stage3_switches_sharded_loading_on(monkeypatch):
+    from hfzero.integrations import launch
+    from hfzero.loading import disable, is_enabled
+
+    monkeypatch.setenv("HFZERO_STAGE", "2")
+    launch._load_sharded_at_stage3()
+    assert not is_enabled()
+    monkeypatch.setenv("HFZERO_STAGE", "3")
+    launch._load_sharded_at_stage3()
+    try:
+        assert is_enabled()
+    finally:
+        disable()
+    assert not is_enabled()
