@@ -38,14 +38,24 @@ logger = get_logger(__name__)
 
 _lock = threading.Lock()
 _depth = 0
+"""Active switches: ``sharded_init`` blocks plus run-wide ones; the hook is installed while > 0."""
+_explicit = 0
+"""Active ``sharded_init`` blocks: they load sharded whatever was prepared before."""
+_prepared_at_switch: int | None = None
+"""``prepared_count()`` when the first run-wide switch came on (None: none on). Run-wide switches
+(``hfzero run``, ZeroTrainingArguments) load sharded only until this process prepares a model: the
+models of the run are loaded before (the trained one, DPO's reference model); a model loaded after
+training (to evaluate it) loads as usual, whole."""
 _original = None
 
 
-def enable() -> None:
-    """Turn sharded loading on for this process (``hfzero run --zero_stage 3``, ZeroTrainingArguments at
-    stage 3). Nested with ``disable``: each ``enable`` needs one ``disable``."""
-    global _depth, _original
+def enable(*, explicit: bool = False) -> None:
+    """Turn sharded loading on (``hfzero run --zero_stage 3``, ZeroTrainingArguments at stage 3: until the
+    first ``prepare``; ``explicit``: a ``sharded_init`` block). Each ``enable`` needs one ``disable``."""
+    global _depth, _original, _explicit, _prepared_at_switch
     from transformers import PreTrainedModel
+
+    from hfzero.runtime.prepare import prepared_count
 
     with _lock:
         _install_resize_reads(PreTrainedModel)
@@ -53,23 +63,31 @@ def enable() -> None:
             _original = PreTrainedModel.__dict__["_load_pretrained_model"]
             PreTrainedModel._load_pretrained_model = staticmethod(_load_pending)
         _depth += 1
+        if explicit:
+            _explicit += 1
+        elif _prepared_at_switch is None:
+            _prepared_at_switch = prepared_count()
 
 
-def disable() -> None:
-    global _depth
+def disable(*, explicit: bool = False) -> None:
+    global _depth, _explicit, _prepared_at_switch
     from transformers import PreTrainedModel
 
     with _lock:
         if _depth == 0:
             return
         _depth -= 1
+        if explicit:
+            _explicit -= 1
+        if _depth == _explicit:
+            _prepared_at_switch = None  # no run-wide switch left
         if _depth == 0:
             PreTrainedModel._load_pretrained_model = _original
 
 
 def enable_while(owner: object) -> None:
-    """Sharded loading on while ``owner`` lives: ZeroTrainingArguments at stage 3, as transformers ties
-    DeepSpeed's ZeRO-3 switch to the lifetime of its config object."""
+    """Sharded loading on while ``owner`` lives (and until the first ``prepare``): ZeroTrainingArguments at
+    stage 3, as transformers ties DeepSpeed's ZeRO-3 switch to the lifetime of its config object."""
     enable()
     weakref.finalize(owner, disable)
 
@@ -81,7 +99,10 @@ def wanted(stage: object, tp_size: int = 1, pipeline: bool = False) -> bool:
 
 
 def is_enabled() -> bool:
-    return _depth > 0
+    """Whether ``from_pretrained`` called now would load sharded."""
+    from hfzero.runtime.prepare import prepared_count
+
+    return _explicit > 0 or (_prepared_at_switch is not None and prepared_count() == _prepared_at_switch)
 
 
 @contextlib.contextmanager
@@ -97,11 +118,11 @@ def sharded_init() -> Iterator[None]:
 
     Between the two, weights have no values (see docs/loading.md for what works and what is refused).
     """
-    enable()
+    enable(explicit=True)
     try:
         yield
     finally:
-        disable()
+        disable(explicit=True)
 
 
 def _install_resize_reads(cls) -> None:
@@ -126,6 +147,8 @@ def _install_resize_reads(cls) -> None:
 
 def _load_pending(model, state_dict, checkpoint_files, load_config, expected_keys=None):
     """``PreTrainedModel._load_pretrained_model`` under sharded loading; see the module docstring."""
+    if not is_enabled():  # a run-wide switch after the run's first prepare: load as usual
+        return _original.__func__(model, state_dict, checkpoint_files, load_config, expected_keys)
     refusal = _refusal(state_dict, checkpoint_files, load_config)
     if refusal:
         if state_dict is not None or refusal.startswith("quantized"):
