@@ -27,6 +27,7 @@ from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
 from hfzero.testing.spawn import run_distributed
 
 pytest.importorskip("peft")
+pytestmark = pytest.mark.slow
 
 STEPS = 3
 SEQ = 8
