@@ -129,3 +129,27 @@ def test_hfzero_run_at_stage3_switches_sharded_loading_on(monkeypatch):
     finally:
         disable()
     assert not is_enabled()
+
+
+def test_missing_and_unexpected_keys_reported_and_initialized_as_transformers_does(single):
+    from transformers import AutoModelForCausalLM
+
+    from hfzero.runtime.stage3 import full_state_dict
+
+    path = single / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    tensors["model.extra.weight"] = torch.ones(3)
+    save_file(tensors, path, metadata={"format": "pt"})
+    torch.manual_seed(5)
+    plain, plain_info = AutoModelForCausalLM.from_pretrained(str(single), output_loading_info=True)
+    torch.manual_seed(5)
+    with hfzero.sharded_init():
+        model, info = AutoModelForCausalLM.from_pretrained(str(single), output_loading_info=True)
+    assert info == plain_info and "model.layers.0.mlp.up_proj.weight" in info["missing_keys"]
+    assert "model.extra.weight" in info["unexpected_keys"]
+    assert model.model.layers[0].mlp.up_proj.weight.device.type == "cpu"  # initialized by transformers
+    model, _ = hfzero.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              hfzero.ZeroConfig(stage=3, param_persistence_threshold=0))
+    got, want = full_state_dict(model, rank0_only=False), plain.state_dict()
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)

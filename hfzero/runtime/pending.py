@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from hfzero.logging import get_logger
-from hfzero.runtime.stage3.weights import SafetensorsFile, WeightLoadError, WeightSource
+from hfzero.runtime.stage3.weights import SafetensorsFile, WeightLoadError, WeightSource, init_added_values
 
 logger = get_logger(__name__)
 
@@ -94,12 +94,10 @@ def _init_added_in_place(model: nn.Module, added: list[tuple[str, nn.Parameter]]
     """Initial values of parameters a wrapper added on meta (peft's LoRA matrices), computed by their own
     initializers as ``from_pretrained_sharded(wrap=...)`` does; the optimizer already holds these very
     objects, so they are put back in their modules afterwards."""
-    from hfzero.runtime.stage3.init import _init_added
-
     wanted = {p for _, p in added}
     slots = [(m, key, p) for m in model.modules() for key, p in m._parameters.items() if p in wanted]
     try:
-        return _init_added(model, added, seed=0)
+        return init_added_values(model, added, seed=0)
     finally:
         for module, key, p in slots:
             module._parameters[key] = p
@@ -168,7 +166,8 @@ def _follow_peft_copies(model: nn.Module, keys: dict[nn.Parameter, tuple[str, st
 class PendingSource(WeightSource):
     """Reads a pending model's parameters: by (file, key) from safetensors, or from held values."""
 
-    def __init__(self, resolved: dict[str, tuple[str, str, torch.dtype]], values: dict[str, torch.Tensor], device: torch.device):
+    def __init__(self, resolved: dict[str, tuple[str, str, torch.dtype]], values: dict[str, torch.Tensor],
+                 device: torch.device):
         super().__init__(device)
         self.resolved = resolved
         self.values = values
