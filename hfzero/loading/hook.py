@@ -209,8 +209,9 @@ def _load_pending(model, state_dict, checkpoint_files, load_config, expected_key
         for handle in files.values():
             handle.close()
     PendingWeights(keys).attach(model)
-    logger.info("hfzero: %s: %d parameter tensor(s) left in the checkpoint for hfzero.prepare to read "
-                "(sharded loading)", type(model).__name__, len(keys))
+    logger.info("hfzero: %s: %d parameter tensor(s) left in the checkpoint (sharded loading): hfzero.prepare "
+                "(or ZeroTrainer / ZeroAccelerator) reads each rank's part; until then the parameters are on the "
+                "meta device and reading their values fails (see docs/loading.md)", type(model).__name__, len(keys))
     return info, None
 
 
