@@ -153,3 +153,24 @@ def test_missing_and_unexpected_keys_reported_and_initialized_as_transformers_do
                               hfzero.ZeroConfig(stage=3, param_persistence_threshold=0))
     got, want = full_state_dict(model, rank0_only=False), plain.state_dict()
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_keep_in_fp32_modules_and_fp16_load_as_transformers_does(tmp_path):
+    from transformers import AutoModelForSeq2SeqLM, T5Config, T5ForConditionalGeneration
+
+    from hfzero.runtime.stage3 import full_state_dict
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
+    T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")  # _keep_in_fp32_modules = ["wo"]
+    plain = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "t5", dtype=torch.float16)
+    with hfzero.sharded_init():
+        model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "t5", dtype=torch.float16)
+    assert {n: p.dtype for n, p in model.named_parameters()} == {n: p.dtype for n, p in plain.named_parameters()}
+    assert model.encoder.block[0].layer[1].DenseReluDense.wo.weight.dtype == torch.float32
+    got = []
+    for m in (plain, model):
+        m, _ = hfzero.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1),
+                              hfzero.ZeroConfig(stage=3, param_persistence_threshold=0))
+        got.append(full_state_dict(m, rank0_only=False))
+    assert sorted(got[0]) == sorted(got[1]) and all(torch.equal(got[0][k], got[1][k]) for k in got[0])
