@@ -89,21 +89,25 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--saved_dtype", choices=sorted(DTYPES), default=None,
+                        help="the checkpoint's dtype (default: --dtype, the dtype from_pretrained loads in)")
     parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="hfzero-load-")
-    model = _llama(args.layers, args.hidden, args.vocab).to(DTYPES[args.dtype])
+    saved = DTYPES[args.saved_dtype or args.dtype]  # the checkpoint's dtype (an fp32 save loaded in bf16)
+    model = _llama(args.layers, args.hidden, args.vocab).to(saved)
     params = sum(p.numel() for p in model.parameters())
     itemsize = DTYPES[args.dtype].itemsize
     largest = max(p.numel() for p in model.parameters()) * itemsize
     model.save_pretrained(f"{root}/model")
-    _llama(1, 64, 256).to(DTYPES[args.dtype]).save_pretrained(f"{root}/warmup")
+    _llama(1, 64, 256).to(saved).save_pretrained(f"{root}/warmup")
     del model
     model_bytes = params * itemsize
     bound = 1.25 * model_bytes / args.world + largest
     report = {"params": params, "model_bytes": model_bytes, "largest_tensor_bytes": largest, "world": args.world,
-              "bound_bytes": bound, "dtype": args.dtype, "stage": args.stage}
+              "bound_bytes": bound, "dtype": args.dtype, "stage": args.stage,
+              "saved_dtype": args.saved_dtype or args.dtype}
     for sharded in (True, False):
         label = "sharded" if sharded else "ordinary"
         report[label] = run_distributed(_rank, args.world, f"{root}/model", f"{root}/warmup", sharded, args.dtype,
@@ -112,7 +116,7 @@ def main() -> None:
         print(json.dumps(report, indent=1))
         return
     mib = 1 << 20
-    print(f"Llama {params / 1e6:.1f}M params, {args.dtype}: model {model_bytes / mib:.0f} MiB, largest tensor "
+    print(f"Llama {params / 1e6:.1f}M params, {args.dtype} (saved in {args.saved_dtype or args.dtype}), stage {args.stage}: model {model_bytes / mib:.0f} MiB, largest tensor "
           f"{largest / mib:.0f} MiB, world {args.world}; bound 1.25 x model / N + largest = {bound / mib:.0f} MiB")
     for label in ("sharded", "ordinary"):
         for rank, figures in enumerate(report[label]):

@@ -1,7 +1,7 @@
 """Sharded loading where scripts call from_pretrained, world 2 (one spawn): after ``from_pretrained``
 no rank holds a parameter (all on meta), and training equals the ordinary path's exactly (fp32):
 
-- Trainer: ``ZeroTrainingArguments(zero_stage=3)`` built before ``from_pretrained`` switches sharded
+- Trainer (stages 3 and 2): ``ZeroTrainingArguments(zero_stage=S)`` built before ``from_pretrained`` switches sharded
   loading on; then ``resize_token_embeddings``, ``gradient_checkpointing_enable``, peft LoRA with
   partitioned ``modules_to_save`` (saving them used to be refused by the stage-3 guard), ZeroTrainer;
   the saved adapters are equal too;
@@ -52,15 +52,15 @@ def _rows(world: int) -> list[dict]:
     return [{"input_ids": row, "labels": row} for batch in token_batches(STEPS, 2 * world, SEQ) for row in batch]
 
 
-def _trainer(root: Path, sharded: bool, world: int) -> dict:
+def _trainer(root: Path, sharded: bool, world: int, stage: int = 3) -> dict:
     """An unmodified Trainer script's order: arguments, from_pretrained, resize, checkpointing, LoRA, train."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    common = dict(output_dir=str(root / f"trainer-{sharded}"), max_steps=STEPS, per_device_train_batch_size=2,
+    common = dict(output_dir=str(root / f"trainer-{stage}-{sharded}"), max_steps=STEPS, per_device_train_batch_size=2,
                   learning_rate=1e-2, logging_steps=1, report_to="none", disable_tqdm=True, save_strategy="no",
                   seed=0, lr_scheduler_type="constant", dataloader_drop_last=True, use_cpu=True)
-    zero = dict(zero_stage=3, zero_param_persistence_threshold=0, zero_reduce_bucket_size=4096)
+    zero = dict(zero_stage=stage, zero_param_persistence_threshold=0, zero_reduce_bucket_size=4096)
     if sharded:
         args = hfzero.ZeroTrainingArguments(**common, **zero)
         model = AutoModelForCausalLM.from_pretrained(str(root / "llama"))
@@ -204,6 +204,7 @@ def _run(rank: int, world: int, root: str) -> dict:
     out = {}
     for sharded in (False, True):
         out[("trainer", sharded)] = _trainer(root, sharded, world)
+        out[("trainer2", sharded)] = _trainer(root, sharded, world, stage=2)
         out[("enabled_after_trainer", sharded)] = is_enabled()
         out[("accelerate", sharded)] = _accelerate(root, sharded, rank, world)
         for stage in (3, 2):
@@ -233,6 +234,14 @@ def test_trainer_loads_sharded_and_trains_as_the_ordinary_path(results):
     assert sharded and sorted(sharded) == sorted(ordinary)  # rank 0 saved the adapters
     assert any("norm" in k for k in sharded), "the partitioned modules_to_save were not saved"
     assert all(torch.equal(sharded[k], ordinary[k]) for k in ordinary)
+
+
+def test_trainer_at_stage2_loads_through_the_hook_and_trains_as_the_ordinary_path(results):
+    for rank in results:
+        ordinary, sharded = rank[("trainer2", False)], rank[("trainer2", True)]
+        assert sharded["loaded_meta"] and sharded["losses"] == ordinary["losses"]
+    ordinary, sharded = results[0][("trainer2", False)]["adapter"], results[0][("trainer2", True)]["adapter"]
+    assert sharded and all(torch.equal(sharded[k], ordinary[k]) for k in ordinary)
 
 
 def test_accelerate_loads_sharded_and_trains_as_the_ordinary_path(results):

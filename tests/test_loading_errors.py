@@ -115,15 +115,15 @@ def test_dtype_unknown_to_hfzero(single):
     _refused(single, "model.norm.weight", "model.safetensors", "dtype")
 
 
-def test_hfzero_run_at_stage3_switches_sharded_loading_on(monkeypatch):
+def test_hfzero_run_switches_sharded_loading_on(monkeypatch):
     from hfzero.integrations import launch
     from hfzero.loading import disable, is_enabled
 
-    monkeypatch.setenv("HFZERO_STAGE", "2")
-    launch._load_sharded_at_stage3()
+    monkeypatch.setenv("HFZERO_STAGE", "auto")
+    launch._load_through_hfzero()
     assert not is_enabled()
     monkeypatch.setenv("HFZERO_STAGE", "3")
-    launch._load_sharded_at_stage3()
+    launch._load_through_hfzero()
     try:
         assert is_enabled()
     finally:

@@ -126,12 +126,12 @@ def _post_init(self: Any) -> None:
     check_ranks_fit_devices(local_world_size(), what="ZeroTrainingArguments", option="LOCAL_WORLD_SIZE",
                             cpu=self.use_cpu or cpu_requested())  # before the Trainer places each rank
     TrainingArguments.__post_init__(self)
-    _load_sharded_at_stage3(self)
+    _load_through_hfzero(self)
 
 
-def _load_sharded_at_stage3(args: Any) -> None:
-    """Stage 3: from_pretrained calls made while these arguments live load sharded (see docs/loading.md),
-    as DeepSpeed's zero.Init is switched on by TrainingArguments(deepspeed=...)."""
+def _load_through_hfzero(args: Any) -> None:
+    """from_pretrained calls made while these arguments live (until the first prepare) load through hfzero's
+    hook (see docs/loading.md), as DeepSpeed's zero.Init is switched on by TrainingArguments(deepspeed=...)."""
     try:
         config = resolve_zero_config(args)
         pipelined = resolve_pipeline_config(args) is not None
