@@ -157,7 +157,6 @@ def _load_pending(model, state_dict, checkpoint_files, load_config, expected_key
             logger.warning("hfzero: sharded loading skipped (%s); loading with transformers", refusal)
             return _original.__func__(model, state_dict, checkpoint_files, load_config, expected_keys)
         raise WeightLoadError(f"hfzero: sharded loading cannot read this checkpoint: {refusal}")
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
     from transformers.modeling_utils import LoadStateDictInfo
 
     files = _open_all(checkpoint_files)
@@ -166,47 +165,7 @@ def _load_pending(model, state_dict, checkpoint_files, load_config, expected_key
         meta = model.state_dict(keep_vars=True)
         info = LoadStateDictInfo(missing_keys=set(meta), unexpected_keys=set(), mismatched_keys=set(),
                                  error_msgs=[], conversion_errors={}, skipped_pp_keys=set())
-        mapping = load_config.weight_mapping or []
-        renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-        converters = [m for m in mapping if isinstance(m, WeightConverter)]
-        keys: dict[nn.Parameter, tuple[str, str]] = {}
-        buffers = {name for name, _ in model.named_buffers()}
-        dtype_of = _dtype_plan(load_config)
-        problems: list[str] = []
-        for path, handle in files.items():
-            for key in sorted(handle.entries):
-                name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
-                if name not in meta and key in meta:
-                    name, pattern = rename_source_key(key, [], [], model.base_model_prefix, meta)
-                if name not in meta:
-                    info.unexpected_keys.add(name)
-                    continue
-                if pattern is not None:
-                    problems.append(f"{key} in {path} needs transformers' weight conversion ({pattern}), which "
-                                    "sharded loading does not run; save the model with save_pretrained first")
-                    continue
-                stored_dtype, stored_shape, _ = handle.entries[key]
-                target = meta[name]
-                info.missing_keys.discard(name)
-                if list(stored_shape) != list(target.shape):
-                    if not load_config.ignore_mismatched_sizes:
-                        problems.append(f"{key} in {path}: checkpoint shape {list(stored_shape)}, model "
-                                        f"{list(target.shape)} (pass ignore_mismatched_sizes=True to initialize it)")
-                    info.mismatched_keys.add((name, tuple(stored_shape), tuple(target.shape)))
-                    continue
-                if target.is_floating_point() != stored_dtype.is_floating_point:
-                    problems.append(f"{key} in {path}: the checkpoint stores {stored_dtype}, which cannot provide "
-                                    f"the model's {target.dtype}")
-                    continue
-                if name in buffers:
-                    _set_buffer(model, name, handle.read(key, 0, math.prod(stored_shape)).view(stored_shape))
-                    continue
-                param = _retype(model, name, target, dtype_of(name))
-                param._is_hf_initialized = True
-                keys[param] = (path, key)
-        if problems:
-            raise WeightLoadError(f"hfzero: {load_config.pretrained_model_name_or_path}: {len(problems)} problem(s) "
-                                  "with the checkpoint: " + "; ".join(problems[:8]))
+        keys = _match(model, meta, files, load_config, info)
     finally:
         for handle in files.values():
             handle.close()
@@ -215,6 +174,64 @@ def _load_pending(model, state_dict, checkpoint_files, load_config, expected_key
                 "(or ZeroTrainer / ZeroAccelerator) reads each rank's part; until then the parameters are on the "
                 "meta device and reading their values fails (see docs/loading.md)", type(model).__name__, len(keys))
     return info, None
+
+
+def _match(model, meta: dict, files: dict[str, SafetensorsFile], load_config,
+           info) -> dict[nn.Parameter, tuple[str, str]]:
+    """Each checkpoint key to the model's name (transformers' renamings and prefix), checked; buffers loaded;
+    ``info`` updated as transformers' loader updates it. Returns parameter -> (file, key); raises
+    WeightLoadError listing every problem (tensor and file named)."""
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    mapping = load_config.weight_mapping or []
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    keys: dict[nn.Parameter, tuple[str, str]] = {}
+    buffers = {name for name, _ in model.named_buffers()}
+    dtype_of = _dtype_plan(load_config)
+    problems: list[str] = []
+    for path, handle in files.items():
+        for key in sorted(handle.entries):
+            name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+            if name not in meta and key in meta:
+                name, pattern = rename_source_key(key, [], [], model.base_model_prefix, meta)
+            if name not in meta:
+                info.unexpected_keys.add(name)
+                continue
+            mismatched, problem = _check_entry(key, path, handle, meta[name], pattern)
+            info.missing_keys.discard(name)
+            if mismatched:  # transformers initializes it with ignore_mismatched_sizes=True
+                info.mismatched_keys.add((name, tuple(handle.entries[key][1]), tuple(meta[name].shape)))
+            if problem and not (mismatched and load_config.ignore_mismatched_sizes):
+                problems.append(problem)
+            if problem:
+                continue
+            if name in buffers:
+                shape = handle.entries[key][1]
+                _set_buffer(model, name, handle.read(key, 0, math.prod(shape)).view(shape))
+                continue
+            param = _retype(model, name, meta[name], dtype_of(name))
+            param._is_hf_initialized = True
+            keys[param] = (path, key)
+    if problems:
+        raise WeightLoadError(f"hfzero: {load_config.pretrained_model_name_or_path}: {len(problems)} problem(s) "
+                              "with the checkpoint: " + "; ".join(problems[:8]))
+    return keys
+
+
+def _check_entry(key: str, path: str, handle: SafetensorsFile, target: torch.Tensor, pattern) -> tuple[bool, str]:
+    """(shape mismatch?, why checkpoint tensor ``key`` cannot fill ``target``: '' when it can)."""
+    stored_dtype, stored_shape, _ = handle.entries[key]
+    if pattern is not None:
+        return False, (f"{key} in {path} needs transformers' weight conversion ({pattern}), which sharded loading "
+                       "does not run; save the model with save_pretrained first")
+    if list(stored_shape) != list(target.shape):
+        return True, (f"{key} in {path}: checkpoint shape {list(stored_shape)}, model {list(target.shape)} "
+                      "(pass ignore_mismatched_sizes=True to initialize it)")
+    if target.is_floating_point() != stored_dtype.is_floating_point:
+        return False, (f"{key} in {path}: the checkpoint stores {stored_dtype}, which cannot provide the model's "
+                       f"{target.dtype}")
+    return False, ""
 
 
 def _refusal(state_dict, checkpoint_files, load_config) -> str:
