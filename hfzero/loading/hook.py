@@ -50,7 +50,7 @@ _original = None
 
 
 def enable(*, explicit: bool = False) -> None:
-    """Turn sharded loading on (``hfzero run --zero_stage 3``, ZeroTrainingArguments at stage 3: until the
+    """Turn sharded loading on (``hfzero run --zero_stage N``, ZeroTrainingArguments, stages 0-3: until the
     first ``prepare``; ``explicit``: a ``sharded_init`` block). Each ``enable`` needs one ``disable``."""
     global _depth, _original, _explicit, _prepared_at_switch
     from transformers import PreTrainedModel
@@ -87,7 +87,7 @@ def disable(*, explicit: bool = False) -> None:
 
 def enable_while(owner: object) -> None:
     """Sharded loading on while ``owner`` lives (and until the first ``prepare``): ZeroTrainingArguments at
-    stage 3, as transformers ties DeepSpeed's ZeRO-3 switch to the lifetime of its config object."""
+    stages 0-3, as transformers ties DeepSpeed's ZeRO-3 switch to the lifetime of its config object."""
     enable()
     weakref.finalize(owner, disable)
 
