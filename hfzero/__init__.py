@@ -34,6 +34,7 @@ _EXPORTS = {
     "init_sharded": "hfzero.runtime.stage3.init",
     "from_pretrained_sharded": "hfzero.runtime.stage3.init",
     "WeightLoadError": "hfzero.runtime.stage3.weights",
+    "sharded_init": "hfzero.loading",
     "pipeline": "hfzero.parallel.pipeline",
     "PipelineConfig": "hfzero.parallel.pipeline",
     "ZeroAccelerator": "hfzero.integrations.accelerate",
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     from hfzero.runtime.engine import ZeroEngine
     from hfzero.runtime.optimizer import ZeroOptimizer
     from hfzero.runtime.prepare import get_engine, prepare
+    from hfzero.loading import sharded_init
     from hfzero.runtime.stage3.init import from_pretrained_sharded, init_sharded
     from hfzero.runtime.stage3.scheduler import GatherOrderError
     from hfzero.runtime.stage3.state_dict import full_state_dict

@@ -190,8 +190,24 @@ class ZeroAccelerator(Accelerator):
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> nn.Module:
-        """Place ``model`` on the device without a DDP wrapper: ZeRO reduces its gradients."""
-        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        """Place ``model`` on the device without a DDP wrapper: ZeRO reduces its gradients.
+
+        ``evaluation_mode=True`` at stage 3 (a model that is never trained, e.g. TRL's DPO reference model,
+        prepared as ``accelerator.prepare_model(ref_model, evaluation_mode=True)``): its parameters are
+        frozen and partitioned like a LoRA base, as DeepSpeed's ZeRO-3 shards it, instead of kept whole on
+        every rank."""
+        model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        if evaluation_mode and self._partitions_frozen_models() and not _is_zero_model(model):
+            model.requires_grad_(False)
+            nothing = torch.optim.SGD([{"params": []}], lr=0.0)  # no state, no step: the engine needs no optimizer
+            model, _ = zero_prepare(model, nothing, self.zero_config)
+            logger.info("ZeroAccelerator: %s prepared for evaluation only: frozen and partitioned (stage 3)",
+                        type(model).__name__)
+        return model
+
+    def _partitions_frozen_models(self) -> bool:
+        config = self.zero_config
+        return config.stage == 3 and config.tp_size == 1 and self.pipeline_config is None
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
         """Shard ``optimizer`` with ``hfzero.prepare`` over the prepared model that owns its parameters."""

@@ -280,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     zero = bool(config_strings_from_env() or pipeline_strings_from_env() or os.environ.get(PROFILE_DIR_ENV))
     if zero:
         _patch_frameworks()
+        _load_through_hfzero()
     target, script_args = argv[0], argv[1:]
     sys.argv = [target, *script_args]
     try:
@@ -296,6 +297,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         _report_if_not_applied(zero)
         raise
     _exit_cleanly(NOT_APPLIED_EXIT if _report_if_not_applied(zero) else 0)
+
+
+def _load_through_hfzero() -> None:
+    """``--zero_stage 0-3``: the script's from_pretrained calls load through hfzero's hook (docs/loading.md)."""
+    from hfzero.loading.hook import enable, wanted
+
+    options = config_strings_from_env()
+    try:
+        config = ZeroConfig.from_strings(options)
+    except ConfigError:
+        return  # validated by plan(); the Trainer or accelerator reports it
+    if wanted(config.stage, config.tp_size, bool(pipeline_strings_from_env())):
+        enable()
 
 
 def _report_if_not_applied(zero: bool) -> bool:

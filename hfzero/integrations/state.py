@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,25 @@ def is_tensor_parallel(model: Any) -> bool:
     except ValueError:
         return False
     return group is not None and group.world_size > 1
+
+
+@contextlib.contextmanager
+def saving_gathered(model: Any) -> Iterator[None]:
+    """While a save writes a gathered state dict (``full_state_dict``): a wrapper may call ``state_dict()``
+    on a submodule for its *keys* (peft's ``modules_to_save`` does, through ``adapter_state_dict``), which
+    the stage-3 guard would refuse; the values written are the gathered ones, so the guard is lowered."""
+    try:
+        engine = get_engine(model)
+    except ValueError:
+        engine = None
+    if not hasattr(engine, "allow_partitioned_state_dict"):
+        yield
+        return
+    engine.allow_partitioned_state_dict = True
+    try:
+        yield
+    finally:
+        engine.allow_partitioned_state_dict = False
 
 
 def needs_gathered_weights(model: Any) -> bool:

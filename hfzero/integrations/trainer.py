@@ -49,8 +49,9 @@ from hfzero.integrations.accelerate import ZeroAccelerator, apply_mixed_precisio
 from hfzero.integrations.env import config_strings_from_env, pipeline_strings_from_env, profile_dir_from_env
 from hfzero.integrations.gpus import check_ranks_fit_devices, cpu_requested, local_world_size
 from hfzero.integrations.state import (has_shards, is_partitioned, load_optimizer_shards, model_param_count,
-                                      needs_gathered_weights, save_optimizer_shards, scheduler_state_for_stage,
-                                      scheduler_state_for_user_groups, unwrap_optimizer)
+                                      needs_gathered_weights, save_optimizer_shards, saving_gathered,
+                                      scheduler_state_for_stage, scheduler_state_for_user_groups, unwrap_optimizer)
+from hfzero.loading.hook import enable_while, wanted
 from hfzero.logging import get_logger
 from hfzero.parallel.pipeline import PipelineConfig
 from hfzero.parallel.pipeline.microbatches import check_explicit, default_microbatches
@@ -125,6 +126,19 @@ def _post_init(self: Any) -> None:
     check_ranks_fit_devices(local_world_size(), what="ZeroTrainingArguments", option="LOCAL_WORLD_SIZE",
                             cpu=self.use_cpu or cpu_requested())  # before the Trainer places each rank
     TrainingArguments.__post_init__(self)
+    _load_through_hfzero(self)
+
+
+def _load_through_hfzero(args: Any) -> None:
+    """from_pretrained calls made while these arguments live (until the first prepare) load through hfzero's
+    hook (see docs/loading.md), as DeepSpeed's zero.Init is switched on by TrainingArguments(deepspeed=...)."""
+    try:
+        config = resolve_zero_config(args)
+        pipelined = resolve_pipeline_config(args) is not None
+    except ConfigError:
+        return  # the Trainer reports it
+    if wanted(config.stage, config.tp_size, pipelined):
+        enable_while(args)
 
 
 def _env_true(name: str) -> bool:
@@ -414,6 +428,8 @@ class ZeroTrainer(Trainer):
             if state_dict is None:
                 raise RuntimeError("ZeroTrainer: at stage 3 save through save_model() (every rank must gather "
                                    "the partitioned weights), not _save()")
+            with saving_gathered(self.model):  # peft's modules_to_save reads a submodule's keys
+                return super()._save(output_dir, state_dict=state_dict)
         super()._save(output_dir, state_dict=state_dict)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:

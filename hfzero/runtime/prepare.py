@@ -21,6 +21,8 @@ from hfzero.runtime.hostmem import configure_host_allocator
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.placement import check_placement
 from hfzero.runtime.stage3 import Stage3Engine
+from hfzero.runtime.pending import PendingWeights, find_pending, materialize_whole
+from hfzero.runtime.pending import release as release_pending
 from hfzero.runtime.stage3.weights import WeightSource, materialize_meta_params
 
 logger = get_logger(__name__)
@@ -84,8 +86,13 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         raise ConfigError(f"hfzero.prepare: config.tp_size={config.tp_size} but the tensor-parallel group has {tp_size} "
                           "rank(s); build the dp x tp mesh and the TP model with "
                           "hfzero.parallel.tensor.prepare_tensor_parallel(model, optimizer, config)")
+    pending = find_pending(model) if weights is None else None
+    if pending is not None:  # See [Note: pending weights] in runtime/pending.py
+        weights = _read_pending(model, optimizer, config, process_group, pending)
     groups = _optimizer_groups(model, optimizer)
-    device = _single_device(groups) if weights is None else _meta_device(groups, weights.device)
+    # a model with nothing to train (a frozen reference model, stage 3): placed by its frozen parameters
+    placed = groups if any(groups) or config.stage != 3 else [[p for p in model.parameters() if not p.requires_grad]]
+    device = _single_device(placed) if weights is None else _meta_device(placed, weights.device)
     check_placement(device, process_group)  # before any collective: a clear error, not an NCCL one
     if config.mixed_precision:
         model.to(config.torch_dtype)
@@ -99,8 +106,12 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     comm = Communicator(process_group, config.reduce_scatter_impl, device=device)
     _check_ranks_agree(comm, config, model, optimizer, groups)
     if config.stage == 3:
-        engine = Stage3Engine(model, groups, config, comm, device, units=units,
-                              verify_gather_order=verify_gather_order, weights=weights)
+        try:
+            engine = Stage3Engine(model, groups, config, comm, device, units=units,
+                                  verify_gather_order=verify_gather_order, weights=weights)
+        finally:
+            if pending is not None:
+                weights.close()
     else:
         engine = ZeroEngine(model, groups, config, comm, device, bucket_units=units)
     if tp_group is not None:
@@ -111,6 +122,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         enable_checkpointing(model, policy, engine.norm_group)
     zero_optimizer = ZeroOptimizer(engine, optimizer)
     setattr(model, _ENGINE_ATTR, engine)
+    if pending is not None:
+        release_pending(model)
     global _prepared_count
     _prepared_count += 1
     model.no_sync = engine.no_sync  # the DDP-style context accelerate and Trainer look for
@@ -182,6 +195,32 @@ def _optimizer_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> lis
                        "updated (e.g. %s); freeze them with requires_grad_(False) or add them to the optimizer",
                        len(missing), missing[:3])
     return groups
+
+
+def _read_pending(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig,
+                  process_group: dist.ProcessGroup | None, pending: PendingWeights) -> WeightSource | None:
+    """A model loaded under sharded loading: stage 3 gets a WeightSource for its shards (parameters the
+    engine keeps whole are read whole first); stages 0-2 read every parameter whole, one at a time, and
+    prepare as usual (None)."""
+    distributed = dist.is_available() and dist.is_initialized()
+    device = Communicator(process_group).device if distributed else torch.device("cpu")
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+    source = pending.source(model, device)
+    if config.stage != 3:
+        try:
+            materialize_whole(model, source)
+        finally:
+            source.close()
+        release_pending(model)
+        return None
+    in_optimizer = {p for group in optimizer.param_groups for p in group["params"]}
+    whole = [n for n, p in model.named_parameters()
+             if (p.numel() < config.param_persistence_threshold if not p.requires_grad else p not in in_optimizer)]
+    materialize_whole(model, source, whole)
+    return source
 
 
 def _single_device(groups: list[list[nn.Parameter]]) -> torch.device:

@@ -27,7 +27,7 @@ from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.prepare import prepare
 from hfzero.runtime.stage3.units import default_unit_names
 from hfzero.runtime.stage3.weights import (CheckpointSource, InitSource, WeightLoadError, WeightSource,
-                                           params_on_meta, parameter_aliases)
+                                           init_added_values, params_on_meta, parameter_aliases)
 
 logger = get_logger(__name__)
 
@@ -53,7 +53,8 @@ def from_pretrained_sharded(model_dir_or_config, optimizer_factory: OptimizerFac
     ``wrap(model) -> model`` (checkpoint directories only) wraps the model built on meta before the
     optimizer is built, e.g. ``lambda m: peft.get_peft_model(m, LoraConfig(...))``: the base weights are
     found in the checkpoint by parameter identity (whatever the wrapper renamed them to) and the
-    parameters it adds are initialized on the CPU (see ``_init_added``), then sharded like the others.
+    parameters it adds are initialized on the CPU (see ``init_added_values`` in weights.py), then sharded
+    like the others.
     """
     if not isinstance(zero_config, ZeroConfig) or zero_config.stage != 3:
         raise ConfigError("hfzero: sharded construction needs ZeroConfig(stage=3); at stages 0-2 every rank "
@@ -160,39 +161,9 @@ def _wrap(model: nn.Module, wrap: Callable[[nn.Module], nn.Module], source: Chec
             renamed[name] = base[p]
         else:
             added.append((name, p))
-    source.adopt_wrapped(renamed, _init_added(wrapped, added, seed))
+    source.adopt_wrapped(renamed, init_added_values(wrapped, added, seed))
     logger.info("stage 3: wrapped as %s; %d parameter(s) added by the wrapper", type(wrapped).__name__, len(added))
     return wrapped
-
-
-def _init_added(model: nn.Module, added: list[tuple[str, nn.Parameter]], seed: int) -> dict[str, torch.Tensor]:
-    """Initial values (CPU) of parameters a wrapper added on meta, computed by their own initializers:
-    each owning module is materialized alone and re-initialized (peft's ``reset_lora_parameters`` for LoRA
-    layers, else the module's ``reset_parameters``) under ``seed``; the parameters stay on meta."""
-    wanted = {p: name for name, p in added}
-    # by (module, attribute): to_empty replaces the parameter objects
-    slots = [(m, key, wanted[p]) for m in model.modules() for key, p in m._parameters.items() if p in wanted]
-    owners = list({id(m): m for m, _, _ in slots}.values())
-    torch.manual_seed(seed)
-    for module in owners:
-        module.to_empty(device="cpu", recurse=False)
-    config = getattr(model, "peft_config", {})
-    done: set[int] = set()
-    for layer in model.modules():  # LoRA layers initialize their A/B pairs themselves (B = 0)
-        if hasattr(layer, "reset_lora_parameters") and hasattr(layer, "lora_A"):
-            for adapter in list(layer.lora_A.keys()):
-                layer.reset_lora_parameters(adapter, getattr(config.get(adapter), "init_lora_weights", True))
-            done.update(id(m) for m in layer.modules())
-    for module in owners:
-        if id(module) not in done and hasattr(module, "reset_parameters"):
-            module.reset_parameters()
-    values = {}
-    for module, key, name in slots:
-        p = module._parameters[key]
-        values[name] = p.detach().clone()
-        module._parameters[key] = type(p)(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                          requires_grad=p.requires_grad)
-    return values
 
 
 def _materialize_whole(model: nn.Module, optimizer: torch.optim.Optimizer, source: WeightSource,

@@ -31,7 +31,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     engine = get_engine(model)
     keep = not rank0_only or engine.rank == 0
     if not isinstance(engine, Stage3Engine):
-        return {k: whole_cpu(v) for k, v in model.state_dict().items()} if keep else {}
+        return _copies(model.state_dict(keep_vars=True), {}) if keep else {}
     gathered: dict[nn.Parameter, torch.Tensor] = {}
     for unit in engine.units:
         was_sharded = unit.state is UnitState.SHARDED
@@ -49,9 +49,22 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
         entries = model.state_dict(keep_vars=True)
     finally:
         engine.allow_partitioned_state_dict = False
+    return _copies(entries, gathered)
+
+
+def _copies(entries: dict[str, torch.Tensor], gathered: dict[nn.Parameter, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU copies of ``entries`` (``state_dict(keep_vars=True)``), the gathered one for a partitioned
+    parameter. A tensor under several names (tied weights) is copied once and shared by its names, so
+    ``save_pretrained`` sees the tie and writes it once, as it does for the unprepared model."""
+    copies: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     for key, value in entries.items():
         tensor = gathered.get(value) if isinstance(value, nn.Parameter) else None
-        out[key] = tensor if tensor is not None else whole_cpu(value)
+        if tensor is None:
+            tensor = copies.get(id(value))
+            if tensor is None:
+                tensor = copies[id(value)] = whole_cpu(value)
+        out[key] = tensor
     return out
 
 

@@ -307,6 +307,36 @@ class InitSource(WeightSource):
         self._cached = None
 
 
+def init_added_values(model: nn.Module, added: list[tuple[str, nn.Parameter]], seed: int) -> dict[str, torch.Tensor]:
+    """Initial values (CPU) of parameters a wrapper added on meta, computed by their own initializers:
+    each owning module is materialized alone and re-initialized (peft's ``reset_lora_parameters`` for LoRA
+    layers, else the module's ``reset_parameters``) under ``seed``; the parameters stay on meta."""
+    wanted = {p: name for name, p in added}
+    # by (module, attribute): to_empty replaces the parameter objects
+    slots = [(m, key, wanted[p]) for m in model.modules() for key, p in m._parameters.items() if p in wanted]
+    owners = list({id(m): m for m, _, _ in slots}.values())
+    torch.manual_seed(seed)
+    for module in owners:
+        module.to_empty(device="cpu", recurse=False)
+    config = getattr(model, "peft_config", {})
+    done: set[int] = set()
+    for layer in model.modules():  # LoRA layers initialize their A/B pairs themselves (B = 0)
+        if hasattr(layer, "reset_lora_parameters") and hasattr(layer, "lora_A"):
+            for adapter in list(layer.lora_A.keys()):
+                layer.reset_lora_parameters(adapter, getattr(config.get(adapter), "init_lora_weights", True))
+            done.update(id(m) for m in layer.modules())
+    for module in owners:
+        if id(module) not in done and hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    values = {}
+    for module, key, name in slots:
+        p = module._parameters[key]
+        values[name] = p.detach().clone()
+        module._parameters[key] = type(p)(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                          requires_grad=p.requires_grad)
+    return values
+
+
 @contextlib.contextmanager
 def params_on_meta() -> Iterator[None]:
     """Construct modules with their parameters on the meta device and their buffers where created.

@@ -1,0 +1,135 @@
+"""Per-rank peak RSS while loading a Llama through ``from_pretrained``, sharded vs ordinary.
+
+    python benchmarks/load.py [--world 2] [--layers 12] [--hidden 768] [--vocab 32000] [--dtype fp32]
+
+Saves a Llama (about 110M parameters with the defaults, tied embeddings) once, then on each of
+``--world`` spawned ranks, from a post-import baseline (process group up; a tiny model of the same
+class loaded once so lazy imports and first-use allocations are not counted), measures VmHWM growth:
+
+- ``sharded: from_pretrained``: ``with hfzero.sharded_init(): from_pretrained(...)`` (issue 20's
+  bound: 1.25 x model bytes / N + the largest tensor);
+- ``sharded: + prepare``: the same model then ``hfzero.prepare`` at stage 3 (the shard is read here:
+  parameter shard, gradient shard and fp32 master/Adam state are the engine's model states);
+- ``ordinary: from_pretrained`` and ``ordinary: + prepare``, for contrast (every rank holds the model).
+
+Each variant runs in fresh processes. Prints one line per rank and variant, and ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+
+import torch
+
+import hfzero
+from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
+from hfzero.testing import run_distributed
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _reset_peak() -> int:
+    """Reset VmHWM to the current RSS and return it."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def _llama(layers: int, hidden: int, vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 8 / 3) // 64 * 64,
+                         num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+                         num_key_value_heads=max(1, hidden // 64), max_position_embeddings=256,
+                         tie_word_embeddings=True)
+    return LlamaForCausalLM(config)
+
+
+def _rank(rank: int, world: int, path: str, warmup: str, sharded: bool, dtype: str, stage: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    def load(where: str):
+        if sharded:
+            with hfzero.sharded_init():
+                return AutoModelForCausalLM.from_pretrained(where, dtype=DTYPES[dtype])
+        return AutoModelForCausalLM.from_pretrained(where, dtype=DTYPES[dtype])
+
+    config = hfzero.ZeroConfig(stage=stage, dtype=dtype)  # the engine keeps the model's dtype
+    small = load(warmup)
+    hfzero.prepare(small, torch.optim.AdamW(small.parameters()), config)
+    del small
+    base = _reset_peak()
+    model = load(path)
+    loaded = _status("VmHWM") - base
+    model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters()), config)
+    prepared = _status("VmHWM") - base
+    roles = hfzero.get_engine(model).memory_by_role()
+    states = sum(roles.get(role, 0) for role in MODEL_STATE_ROLES)
+    return {"from_pretrained": loaded, "prepare": prepared, "param_shard": roles.get(MemoryRole.PARAM_SHARD, 0),
+            "other_states": states - roles.get(MemoryRole.PARAM_SHARD, 0)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--saved_dtype", choices=sorted(DTYPES), default=None,
+                        help="the checkpoint's dtype (default: --dtype, the dtype from_pretrained loads in)")
+    parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="hfzero-load-")
+    saved = DTYPES[args.saved_dtype or args.dtype]  # the checkpoint's dtype (an fp32 save loaded in bf16)
+    model = _llama(args.layers, args.hidden, args.vocab).to(saved)
+    params = sum(p.numel() for p in model.parameters())
+    itemsize = DTYPES[args.dtype].itemsize
+    largest = max(p.numel() for p in model.parameters()) * itemsize
+    model.save_pretrained(f"{root}/model")
+    _llama(1, 64, 256).to(saved).save_pretrained(f"{root}/warmup")
+    del model
+    model_bytes = params * itemsize
+    bound = 1.25 * model_bytes / args.world + largest
+    report = {"params": params, "model_bytes": model_bytes, "largest_tensor_bytes": largest, "world": args.world,
+              "bound_bytes": bound, "dtype": args.dtype, "stage": args.stage,
+              "saved_dtype": args.saved_dtype or args.dtype}
+    for sharded in (True, False):
+        label = "sharded" if sharded else "ordinary"
+        report[label] = run_distributed(_rank, args.world, f"{root}/model", f"{root}/warmup", sharded, args.dtype,
+                                        args.stage)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    mib = 1 << 20
+    print(f"Llama {params / 1e6:.1f}M params, {args.dtype} (saved in {args.saved_dtype or args.dtype}), stage {args.stage}: model {model_bytes / mib:.0f} MiB, largest tensor "
+          f"{largest / mib:.0f} MiB, world {args.world}; bound 1.25 x model / N + largest = {bound / mib:.0f} MiB")
+    for label in ("sharded", "ordinary"):
+        for rank, figures in enumerate(report[label]):
+            print(f"{label:8s} rank {rank}: peak RSS growth from_pretrained {figures['from_pretrained'] / mib:7.1f} MiB, "
+                  f"+ prepare (stage {args.stage}) {figures['prepare'] / mib:7.1f} MiB (engine: parameter shard "
+                  f"{figures['param_shard'] / mib:.1f} MiB, other model states {figures['other_states'] / mib:.1f} MiB)")
+    ok = all(f["from_pretrained"] <= bound for f in report["sharded"])
+    print(f"sharded from_pretrained within the bound on every rank: {ok}")
+    # gradient / master shards are the engine's (allocated by prepare whatever the loading); the rest is the load
+    ok_prepared = all(f["prepare"] - f["other_states"] <= bound for f in report["sharded"])
+    print(f"sharded from_pretrained + prepare, less the engine's gradient/master shards, within the bound on every "
+          f"rank: {ok_prepared}")
+
+
+if __name__ == "__main__":
+    main()

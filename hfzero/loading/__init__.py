@@ -1,0 +1,9 @@
+"""Sharded loading where users call ``from_pretrained`` (see docs/loading.md).
+
+``sharded_init()`` (context manager), ``enable()`` / ``disable()`` (process-wide, used by
+``hfzero run --zero_stage N`` and ZeroTrainingArguments, stages 0-3), ``is_enabled()``.
+"""
+
+from hfzero.loading.hook import disable, enable, enable_while, is_enabled, sharded_init, wanted
+
+__all__ = ["disable", "enable", "enable_while", "is_enabled", "sharded_init", "wanted"]

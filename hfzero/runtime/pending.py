@@ -1,0 +1,201 @@
+"""A model whose weights are still in the checkpoint: ``from_pretrained`` under sharded loading.
+
+[Note: pending weights]
+Under ``hfzero.sharded_init`` (and ``hfzero run --zero_stage 3``, ``ZeroTrainingArguments`` at stage
+3) ``from_pretrained`` leaves every parameter it would load on the meta device and attaches a
+``PendingWeights`` to the model: for each such parameter *object*, the safetensors file and key its
+values are in. Nothing is read but the files' JSON headers. Keying by object, not by name, survives
+what scripts do before ``prepare``: tying (one object under two names), PEFT's renaming
+(``base_model.model.<name>``, ``.base_layer``), dtype casts (``Module._apply`` keeps the objects).
+
+``hfzero.prepare`` finds the ``PendingWeights`` (``find_pending``) and turns it into a
+``WeightSource`` for the model as it is then (``source``): parameters still pending are read from
+their file, range by range, into this rank's shard (stage 3) or whole, one at a time (stages 0-2);
+parameters that became real in between (keys the checkpoint lacked, which transformers initialized;
+a resized embedding; a LoRA matrix) are taken by value; parameters a wrapper added on meta are
+initialized as ``from_pretrained_sharded(wrap=...)`` does.
+
+Between ``from_pretrained`` and ``prepare`` a pending parameter has no values. ``model.to(device)`` /
+``.to(dtype)`` / ``.half()`` work (they change the dtype and record nothing else; see
+``_pending_apply``). Anything that reads values fails with torch's meta-tensor error (``Cannot copy
+out of meta tensor``, ``item() cannot be called on meta tensors``), never with empty values: read
+weights after ``prepare`` (see docs/loading.md).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from hfzero.logging import get_logger
+from hfzero.runtime.stage3.weights import SafetensorsFile, WeightLoadError, WeightSource, init_added_values
+
+logger = get_logger(__name__)
+
+PENDING_ATTR = "_hfzero_pending_weights"
+
+
+class PendingWeights:
+    """Where each meta parameter of a model loaded under sharded loading finds its values.
+
+    Attributes:
+        keys: parameter object -> (safetensors path, key in that file).
+    """
+
+    def __init__(self, keys: dict[nn.Parameter, tuple[str, str]]):
+        self.keys = keys
+
+    def attach(self, model: nn.Module) -> None:
+        """Mark ``model`` as pending and let ``model.to(...)`` pass over meta parameters while it is."""
+        model.__dict__[PENDING_ATTR] = self
+        _live.add(model)
+        if nn.Module._apply is not _pending_apply:
+            nn.Module._apply = _pending_apply
+
+    def materialize(self, param: nn.Parameter) -> None:
+        """Read ``param`` whole now, in place (same object, ties kept); from then on it is taken by value.
+        For what must see values before prepare (``resize_token_embeddings`` copying the old rows)."""
+        if param.device.type != "meta" or param not in self.keys:
+            return
+        path, key = self.keys.pop(param)
+        handle = SafetensorsFile(path)
+        try:
+            _, shape, _ = handle.entries[key]
+            value = handle.read(key, 0, math.prod(shape)).view(shape).to(param.dtype)
+        finally:
+            handle.close()
+        torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+
+    def source(self, model: nn.Module, device: torch.device) -> PendingSource:
+        """A WeightSource over ``model``'s canonical parameter names (see [Note: pending weights])."""
+        _follow_peft_copies(model, self.keys)
+        resolved: dict[str, tuple[str, str, torch.dtype]] = {}  # name -> (path, key, dtype as built)
+        values: dict[str, torch.Tensor] = {}
+        added: list[tuple[str, nn.Parameter]] = []
+        for name, p in model.named_parameters():
+            if p in self.keys and p.device.type == "meta":
+                resolved[name] = (*self.keys[p], p.dtype)
+            elif p.device.type != "meta":
+                values[name] = p.detach()  # initialized by transformers or the script: taken by value
+                torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                         requires_grad=p.requires_grad))
+            else:
+                added.append((name, p))
+        if added:
+            values.update(_init_added_in_place(model, added))
+        return PendingSource(resolved, values, device)
+
+
+def _init_added_in_place(model: nn.Module, added: list[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
+    """Initial values of parameters a wrapper added on meta (peft's LoRA matrices), computed by their own
+    initializers as ``from_pretrained_sharded(wrap=...)`` does; the optimizer already holds these very
+    objects, so they are put back in their modules afterwards."""
+    wanted = {p for _, p in added}
+    slots = [(m, key, p) for m in model.modules() for key, p in m._parameters.items() if p in wanted]
+    try:
+        return init_added_values(model, added, seed=0)
+    finally:
+        for module, key, p in slots:
+            module._parameters[key] = p
+
+
+def find_pending(model: nn.Module) -> PendingWeights | None:
+    """The PendingWeights of ``model`` or of a module inside it (a PEFT wrapper holds the base model)."""
+    for module in model.modules():
+        pending = module.__dict__.get(PENDING_ATTR)
+        if pending is not None:
+            return pending
+    return None
+
+
+def release(model: nn.Module) -> None:
+    """After prepare: the model is no longer pending (its parameters are the engine's)."""
+    for module in model.modules():
+        if module.__dict__.pop(PENDING_ATTR, None) is not None:
+            _live.discard(module)
+
+
+_live: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Models with pending weights in this process; ``_pending_apply`` acts only while there is one."""
+_torch_apply = nn.Module._apply
+
+
+def _pending_apply(self: nn.Module, fn, recurse: bool = True):
+    """``nn.Module._apply`` while a pending model exists: ``model.to(device, dtype)`` converts buffers and
+    real parameters as usual and gives meta parameters the new dtype, in place (same objects); their
+    device is where ``prepare`` puts them anyway. Real tensors sent to meta keep their values (peft moves
+    the adapters it initialized to "the base layer's device"; ``prepare`` takes them by value). Otherwise,
+    with no pending model in the process, torch's own."""
+    if not _live:
+        return _torch_apply(self, fn, recurse)
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        try:
+            out = fn(t)  # real tensors; meta -> meta casts; to_empty
+        except NotImplementedError:  # "Cannot copy out of meta tensor": a move to a real device
+            if t.device.type != "meta":
+                raise
+            probe = fn(torch.empty(0, dtype=t.dtype))  # what fn does to a dtype, without touching t
+            return torch.empty(t.shape, dtype=probe.dtype, device="meta")
+        if out.device.type == "meta" and t.device.type != "meta":
+            return t.to(out.dtype)  # "to the base layer's device" (peft's adapters): keep the values
+        return out
+
+    return _torch_apply(self, convert, recurse)
+
+
+def _follow_peft_copies(model: nn.Module, keys: dict[nn.Parameter, tuple[str, str]]) -> None:
+    """PEFT's ``modules_to_save`` deep-copies a module (meta parameters included): its copies read the
+    original's keys."""
+    for module in model.modules():
+        original = getattr(module, "original_module", None)
+        copies = getattr(module, "modules_to_save", None)
+        if not isinstance(original, nn.Module) or not isinstance(copies, nn.ModuleDict):
+            continue
+        base = dict(original.named_parameters())
+        for copy in copies.values():
+            for name, p in copy.named_parameters():
+                if p not in keys and base.get(name) in keys:
+                    keys[p] = keys[base[name]]
+
+
+class PendingSource(WeightSource):
+    """Reads a pending model's parameters: by (file, key) from safetensors, or from held values."""
+
+    def __init__(self, resolved: dict[str, tuple[str, str, torch.dtype]], values: dict[str, torch.Tensor],
+                 device: torch.device):
+        super().__init__(device)
+        self.resolved = resolved
+        self.values = values
+        self._files: dict[str, SafetensorsFile] = {}
+
+    def read(self, name: str, shape: torch.Size, lo: int, hi: int) -> torch.Tensor:
+        if name in self.values:
+            return self.values[name].reshape(-1)[lo:hi]
+        path, key, dtype = self.resolved[name]
+        handle = self._files.get(path)
+        if handle is None:
+            handle = self._files[path] = SafetensorsFile(path)
+        if key not in handle.entries:
+            raise WeightLoadError(f"hfzero: {path} no longer holds {key!r} (changed since from_pretrained?)")
+        return handle.read(key, lo, hi).to(dtype)  # rounded as from_pretrained(dtype=...) rounds it
+
+    def close(self) -> None:
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
+        self.values.clear()
+
+
+def materialize_whole(model: nn.Module, source: WeightSource, names: Iterable[str] | None = None) -> None:
+    """Give the meta parameters named ``names`` (default: all) their whole values, one at a time, in place
+    (stages 0-2, and stage 3's parameters kept whole). Peak: the parameters so far + one tensor read."""
+    wanted = set(names) if names is not None else None
+    for name, p in model.named_parameters():
+        if p.device.type == "meta" and (wanted is None or name in wanted):
+            value = source.read_whole(name, p.shape).to(source.device, p.dtype)
+            torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))  # keeps ties
