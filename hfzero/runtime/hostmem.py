@@ -32,9 +32,12 @@ shapes, batch 2 x 64, world 2, and the bars shape with benchmarks/host_policy.py
   stage 2, 1 micro-batch, DDP             576 / 587  1.029 / 1.014             0
   bars: stage 1 / 2 / 3, 10 steps         831 / 852 / 845 (worse rank)          33-38k
   bars: DDP                               839                                   33k
+  benchmarks/host_policy.py, bars, 3 interleaved rounds, CPU time and peak as x DDP:
+    stage 1 / 2 / 3: CPU 1.019 / 0.985 / 0.986, peak 1.024 / 1.037 / 1.011, faults 34-37k (DDP 37k)
+    1 MiB + trim every step (stage 1): CPU 1.109, peak 0.825, faults 149k
 
-The peak is DDP's (within the run-to-run spread of a few percent: both runs are torch's allocations
-under the same allocator) and creeps a few MB over the first steps as glibc's dynamic mmap threshold
+The peak is DDP's within a few percent (1-4% above it in the interleaved benchmark, although the
+model states are smaller: not explained yet, see docs/engine.md) and creeps a few MB over the first steps as glibc's dynamic mmap threshold
 settles, as DDP's does; tests/test_memory_flat.py measures growth from step 3. The lowest peak is
 still available where memory, not time, is short: ``host_mmap_threshold=1048576, host_trim=True``
 maps every block of 1 MiB or more and trims after every step (bars: peak 0.8x DDP's, step ~1.5x).
