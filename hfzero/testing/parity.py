@@ -168,19 +168,21 @@ class ParityReference:
                 return self.params[start:end], self.bound.bound[start:end]
         raise KeyError(name)
 
-    def worst_ratio(self, losses: list[float], params: dict[str, torch.Tensor]) -> float:
-        """The largest |got - float64| / bound over the losses and parameter elements: how much of the bound a
-        run used (the margin evidence a tolerance change records)."""
-        worst = max((abs(got - want) / tol for got, want, tol in zip(losses, self.losses, self.loss_bounds)),
-                    default=0.0)
-        for name, start, end in self.names:
+    def worst_ratio(self, losses: list[float], params: dict[str, torch.Tensor] | None = None, first: int = 0) -> float:
+        """The largest |got - float64| / bound over the losses (from step ``first``) and parameter elements: how
+        much of the bound a run used (the margin evidence a tolerance change records)."""
+        worst = max((abs(got - want) / tol for got, want, tol in
+                     zip(losses, self.losses[first:], self.loss_bounds[first:])), default=0.0)
+        for name, start, end in self.names if params is not None else ():
             diff = (params[name].reshape(-1).double() - self.params[start:end]).abs()
             ratio = torch.where(diff == 0, 0.0, diff / self.bound.bound[start:end])  # 0 / 0: exact, 0
             worst = max(worst, float(ratio.max()))
         return worst
 
-    def check_losses(self, losses: list[float], what: str = "loss") -> None:
-        for step, (got, want, tol) in enumerate(zip(losses, self.losses, self.loss_bounds, strict=True)):
+    def check_losses(self, losses: list[float], what: str = "loss", first: int = 0) -> None:
+        """Each loss within its bound of the float64 one; ``first``: the step ``losses`` start at (a resumed run)."""
+        for step, (got, want, tol) in enumerate(zip(losses, self.losses[first:], self.loss_bounds[first:], strict=True),
+                                                start=first):
             assert abs(got - want) <= tol, f"step {step}: {what} {got} vs float64 {want}, bound {tol:.3g}"
 
     def check_norms(self, norms: list[float]) -> None:
