@@ -18,7 +18,8 @@ from hfzero.runtime.stage3.scheduler import GatherOrderError, Phase
 from hfzero.testing.host_syncs import measure
 from hfzero.testing.spawn import run_distributed
 
-CASES = [(stage, accumulation, dtype) for dtype in ("fp32", "fp16") for stage in (0, 1, 2, 3) for accumulation in (1, 4)]
+CASES = [(stage, accumulation, dtype) for dtype in ("fp32", "fp16") for stage in (0, 1, 2, 3)
+         for accumulation in (1, 4)]
 """fp16 reads its overflow flag with the step's checks (the agreement counts at stages 0-2, the packed
 stage-3 check): no read of its own."""
 

@@ -285,7 +285,9 @@ class ZeroEngine:
         if not self.scaler.enabled:
             return None
         sums = [self.reducer.owned_grad(bucket) for bucket in self.layout.buckets]
-        finite = torch.stack([torch.isfinite(g).all() for g in sums]).all() if sums else torch.ones((), dtype=torch.bool)
+        if not sums:
+            return torch.zeros(1, dtype=torch.float32, device=self.comm_device)
+        finite = torch.stack([torch.isfinite(g).all() for g in sums]).all()
         return (~finite).to(self.comm_device, torch.float32).reshape(1)
 
     def _check_step(self, overflow: torch.Tensor | None) -> bool:

@@ -9,8 +9,9 @@ fold their signatures into a running fingerprint kept on the host (plain Python:
 gradients stay in their buffers, and at the optimizer step (``materialize_grads``, where the step waits
 for its reductions anyway) one all-reduce (MAX) of an int64 tensor allocated once,
 ``[fingerprint, -fingerprint, overflow, late flag of bucket 0, ..., late flag of bucket B-1]``, filled
-with ``fill_`` (fp16's overflow flag of the reduced sums copied in on the device), is read once. Ranks agree on the fingerprint when ``max == -max(-fingerprint)``; the flags say
-which buckets any rank has late gradients for, so every rank launches the same second reductions.
+with ``fill_`` (fp16's overflow flag of the reduced sums copied in on the device), is read once. Ranks
+agree on the fingerprint when ``max == -max(-fingerprint)``; the flags say which buckets any rank has late
+gradients for, so every rank launches the same second reductions.
 What moved: a rank that gathered other units than another's in a training pass now raises
 GatherOrderError at the next ``optimizer.step()`` (or ``clip_grad_norm_``), before anything is applied,
 instead of at the end of that pass; the error names the first pass where ranks differ. Forwards without
