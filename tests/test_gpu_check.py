@@ -64,17 +64,25 @@ def test_failures_and_time_outs_are_recorded_and_the_run_goes_on(tmp_path: Path,
 
 
 def test_matrix_comparison_fails_on_drift_skips_and_placement() -> None:
-    """The matrix's verdict can fail: a parameter off by more than the tolerance, a skipped step, or an
-    offload that did not happen each fail the case (no spawn: the comparison alone)."""
+    """The matrix's verdict can fail: a parameter or loss off by more than its derived bound (fp32) or the
+    16-bit tolerance, a skipped step, or an offload that did not happen each fail the case (no spawn: the
+    comparison alone, against a hand-made float64 reference whose bounds are 1e-5 everywhere)."""
     from hfzero.testing.gpu_check.matrix import Case, compare
+    from hfzero.testing.parity import AdamRoundingBound, ParityReference
 
     ref = {"losses": [2.0, 1.9], "params": {"w": torch.zeros(3)}}
+    bound = AdamRoundingBound(3, 1e-3)
+    bound.bound.fill_(1e-5)
+    ref64 = ParityReference([2.0, 1.9], [], [1e-5, 1e-5], [], torch.zeros(3, dtype=torch.float64), bound,
+                            [("w", 0, 3)])
     good = {"losses": [2.0, 1.9], "params": {"w": torch.full((3,), 5e-6)}, "skipped": 0, "offloaded": True}
     case = Case(2, "fp32", True, 1)
-    assert compare(case, good, ref)[0]
-    assert not compare(case, {**good, "params": {"w": torch.tensor([0.0, 2e-5, 0.0])}}, ref)[0]
-    assert not compare(case, {**good, "losses": [2.0, 1.9001]}, ref)[0]
-    assert not compare(case, {**good, "skipped": 1}, ref)[0]
-    assert not compare(case, {**good, "offloaded": False}, ref)[0]
-    assert compare(Case(2, "bf16", True, 1), {**good, "params": {"w": torch.full((3,), 1e-2)}}, ref)[0]
-    assert not compare(case, {"error": "RuntimeError: boom"}, ref)[0]
+    ok, detail = compare(case, good, ref, ref64)
+    assert ok and "0.50" in detail  # the share of the bound used is reported
+    assert not compare(case, {**good, "params": {"w": torch.tensor([0.0, 2e-5, 0.0])}}, ref, ref64)[0]
+    assert not compare(case, {**good, "losses": [2.0, 1.9001]}, ref, ref64)[0]
+    assert not compare(case, {**good, "skipped": 1}, ref, ref64)[0]
+    assert not compare(case, {**good, "offloaded": False}, ref, ref64)[0]
+    assert compare(Case(2, "bf16", True, 1), {**good, "params": {"w": torch.full((3,), 1e-2)}}, ref, ref64)[0]
+    assert not compare(Case(2, "bf16", True, 1), {**good, "losses": [2.1, 1.9]}, ref, ref64)[0]
+    assert not compare(case, {"error": "RuntimeError: boom"}, ref, ref64)[0]

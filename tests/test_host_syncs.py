@@ -2,9 +2,9 @@
 
 Counted on CPU by the proxy of ``hfzero.testing.host_syncs`` (hfzero's own calls of the APIs that
 synchronize on an accelerator; see [Note: host-sync budget]), world 2, stages 0-3, 1 and 4
-micro-batches per step, in one spawn. The checks whose reads moved to the step still raise there: a rank
-whose stage-3 gathers departed from the others' raises GatherOrderError at ``optimizer.step()``, on every
-rank, before anything is applied.
+micro-batches per step, fp32 and fp16 (whose overflow flag is read with the step's checks), in one spawn.
+The checks whose reads moved to the step still raise there: a rank whose stage-3 gathers departed from the
+others' raises GatherOrderError at ``optimizer.step()``, on every rank, before anything is applied.
 """
 
 from __future__ import annotations
@@ -18,11 +18,15 @@ from hfzero.runtime.stage3.scheduler import GatherOrderError, Phase
 from hfzero.testing.host_syncs import measure
 from hfzero.testing.spawn import run_distributed
 
-CASES = [(stage, accumulation) for stage in (0, 1, 2, 3) for accumulation in (1, 4)]
+CASES = [(stage, accumulation, dtype) for dtype in ("fp32", "fp16") for stage in (0, 1, 2, 3)
+         for accumulation in (1, 4)]
+"""fp16 reads its overflow flag with the step's checks (the agreement counts at stages 0-2, the packed
+stage-3 check): no read of its own."""
 
 
 def _worker(rank: int, world: int) -> list[dict]:
-    return [measure(rank, world, stage, accumulation, steps=2, warmup=1) for stage, accumulation in CASES]
+    return [measure(rank, world, stage, accumulation, steps=2, warmup=1, dtype=dtype)
+            for stage, accumulation, dtype in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +34,7 @@ def counts() -> list[list[dict]]:
     return run_distributed(_worker, 2, timeout=600)
 
 
-@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"stage{s}-acc{a}" for s, a in CASES])
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{d}-stage{s}-acc{a}" for s, a, d in CASES])
 def test_at_most_one_host_sync_per_step(counts, case: int) -> None:
     for rank_counts in counts:
         result = rank_counts[case]

@@ -67,6 +67,8 @@ def _persistent_params(log: str) -> int:
 def test_losses_match_ddp(runs: dict[str, Path], variant: str) -> None:
     ddp = losses(runs["ddp"])
     assert sorted(ddp) == list(range(1, STEPS + 1)) and ddp[STEPS] != ddp[1]
+    # 1e-5 relative is ample: measured equal bit for bit (zero0-3); the weight elements whose rounding Adam
+    # amplifies have gradients near 0, so they barely move a loss
     assert_losses_match(losses(runs[variant]), ddp)
     assert_losses_match(losses(runs[variant], "eval_loss"), losses(runs["ddp"], "eval_loss"))
 
@@ -80,6 +82,9 @@ def test_saved_models_load_and_match_ddp(runs: dict[str, Path], variant: str) ->
     """Final model (the best checkpoint, loaded at the end) and each checkpoint's weights equal DDP's."""
     from transformers import AutoTokenizer
 
+    # Not derived yet (issue 19 item 0): measured worst 0.30 of this (7.3e-7 on a c_fc weight at zero2/zero3,
+    # whose sharded accumulation sums micro-batch gradients in another association than DDP: noise Adam
+    # amplifies), 0.25 at zero0/1; a float64 run of the Trainer's (shuffled) batches would bound it per element.
     for sub in ("", "checkpoint-2", f"checkpoint-{STEPS}"):
         _assert_weights_close(_weights(runs[variant] / sub), _weights(runs["ddp"] / sub), rtol=1e-4, atol=1e-6)
     final, best, last = (_weights(runs[variant] / sub) for sub in ("", "checkpoint-2", f"checkpoint-{STEPS}"))
@@ -142,6 +147,7 @@ def test_stage3_resumes_exactly_into_the_default_persistence(runs: dict[str, Pat
     assert_losses_match(resumed, {s: original[s] for s in (3, 4)})
     assert [h["step"] for h in log_history(out) if "eval_loss" in h][-1] == STEPS
     assert_losses_match({STEPS: losses(out, "eval_loss")[STEPS]}, {STEPS: losses(runs["zero3"], "eval_loss")[STEPS]})
+    # not bit for bit: whole tensors are reduced in other groupings than shards; measured 0.29 of this (2.9e-8)
     _assert_weights_close(_weights(out / f"checkpoint-{STEPS}"), _weights(runs["zero3"] / f"checkpoint-{STEPS}"),
                           rtol=1e-5, atol=1e-7)
     _assert_weights_close(_weights(out), _weights(runs["zero3"] / "checkpoint-2"), rtol=0, atol=0)  # best model

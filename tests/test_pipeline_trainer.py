@@ -49,6 +49,8 @@ def _weights(directory: Path) -> dict[str, torch.Tensor]:
 def test_losses_match_ddp(runs: dict[str, Path], variant: str) -> None:
     ddp = losses(runs["ddp"])
     assert sorted(ddp) == list(range(1, STEPS + 1)) and ddp[STEPS] != ddp[1]
+    # 1e-5 relative is ample: measured at most 8.1e-8 (124x under); the weight elements whose rounding Adam
+    # amplifies have gradients near 0, so they barely move a loss
     assert_losses_match(losses(runs[variant]), ddp, rel=1e-5)
     assert sorted(losses(runs["ddp"], "eval_loss")) == [2, STEPS]
     assert_losses_match(losses(runs[variant], "eval_loss"), losses(runs["ddp"], "eval_loss"), rel=1e-5)
@@ -61,6 +63,9 @@ def test_saved_models_load_and_match_ddp(runs: dict[str, Path], variant: str) ->
     for sub in ("", "checkpoint-2", f"checkpoint-{STEPS}"):
         got, want = _weights(runs[variant] / sub), _weights(runs["ddp"] / sub)
         assert got.keys() == want.keys()
+        # Not derived yet (issue 19 item 0): measured worst 0.30 of this (7.3e-7 on a c_fc weight; 0.30 on wte
+        # at GPipe): micro-batch gradients summed in another association than DDP's, noise Adam amplifies; a
+        # float64 run of the Trainer's (shuffled) batches would bound it per element.
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     manifest = json.loads((runs[variant] / "checkpoint-2" / "zero_optimizer" / "manifest.json").read_text())

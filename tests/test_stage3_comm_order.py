@@ -6,7 +6,9 @@ one spawn of 2 gloo ranks:
   which hangs once the default group is bound to a device and groups are split), and its gathers run
   on the data-parallel group itself;
 - a stress run: many steps of stage 3 with prefetch of every next unit, several buckets reduced per
-  unit and sharded accumulation over 4 micro-batches, equal to single-process AdamW (no hang, no mix).
+  unit and sharded accumulation over 4 micro-batches, equal to single-process AdamW (no hang, no mix)
+  within the rounding bounds derived against a float64 run (hfzero/testing/parity.py): a fixed 1e-5
+  against an fp32 run holds for one CPU's reduction order and not another's.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.distributed as dist
 import hfzero
 from hfzero.testing.models import tiny_causal_lm
 from hfzero.testing.spawn import run_distributed
-from hfzero.testing.workloads import TrainSpec, train_reference, train_zero
+from hfzero.testing.workloads import TrainSpec, train_reference64, train_zero
 
 STRESS = TrainSpec(model="llama", stage=3, accumulation=4, steps=8, global_batch=8, seq_len=8, bucket_size=1024,
                    extra_config=(("accumulation", "sharded"), ("allgather_bucket_size", 1),
@@ -46,14 +48,13 @@ def _worker(rank: int, world: int) -> dict:
 
 
 def test_one_communicator_and_stress_parity():
-    ref_losses, ref_params = train_reference(STRESS)
     results = run_distributed(_worker, 2, timeout=300)
-    for out in results:
+    ref = train_reference64(STRESS, splits=2 * STRESS.accumulation)  # world 2 x 4 micro-batches
+    for rank, out in enumerate(results):
         assert out["created"] == [], out["created"]  # no group of its own: nothing any rank could skip
         assert out["same_group"]
-        torch.testing.assert_close(torch.tensor(out["stress"]["losses"]), torch.tensor(ref_losses), atol=1e-5, rtol=0)
-        for name, ref in ref_params.items():
-            torch.testing.assert_close(out["stress"]["params"][name], ref, atol=1e-5, rtol=0, msg=name)
+        ref.check_losses(out["stress"]["losses"], f"rank {rank} loss")
+        ref.check_params(out["stress"]["params"], f"rank {rank} ")
     # and no group anywhere in the library is made with local synchronization
     sources = Path(hfzero.__file__).parent.rglob("*.py")
     assert not [p for p in sources if "use_local_synchronization=True" in p.read_text()]

@@ -10,8 +10,9 @@ step, launches one asynchronous 2-element all-reduce (MAX of [count, -count]) on
 group, ordered before that step's bucket reductions. The step waits for it where it already waits for
 those reductions, and every rank whose count differs from another's raises StepMismatchError before
 the optimizer applies anything. The counts go into a 2-element device tensor allocated once and filled
-with ``fill_`` (no copy of Python data to the device), and the result is read once, at the step: the
-step's one host synchronization (See [Note: host-sync budget] in hfzero/testing/host_syncs.py). Stage 3
+with ``fill_`` (no copy of Python data to the device), and the result is read once, at the step, together
+with fp16's overflow flag (all-reduced after the step's reductions, copied next to the counts on the
+device): the step's one host synchronization (See [Note: host-sync budget] in hfzero/testing/host_syncs.py). Stage 3
 has a check of its own at the step, which packs its gather-order fingerprint and late-gradient flags
 into one such read (stage3/step_check.py).
 """
@@ -38,8 +39,10 @@ class StepAgreement:
         self.forwards = 0
         """Forward passes of the prepared model run with gradients enabled on this rank."""
         self._pending: tuple[Handle, int] | None = None
-        self._counts = torch.zeros(2, dtype=torch.int64, device=comm.device)
-        """[count, -count], all-reduced (MAX) in place; allocated once (scratch, 16 bytes)."""
+        self._values = torch.zeros(3, dtype=torch.int64, device=comm.device)
+        """[count, -count, overflow flag], read once at the step; allocated once (scratch, 24 bytes)."""
+        self._counts = self._values[:2]
+        """[count, -count], all-reduced (MAX) in place."""
         self._hook = model.register_forward_pre_hook(eager_hook(self._count))  # See [Note: compiled regions]
 
     def _count(self, module: nn.Module, args: object) -> None:
@@ -54,14 +57,20 @@ class StepAgreement:
         self._counts[1].fill_(-self.forwards)
         self._pending = (self.comm.all_reduce(self._counts, op=dist.ReduceOp.MAX, async_op=True), self.forwards)
 
-    def check(self) -> None:
-        """Before the step applies anything: raise on every rank whose step differs from another's."""
-        if self._pending is None:
-            return
+    def check(self, overflow: torch.Tensor | None = None) -> bool:
+        """Before the step applies anything: raise on every rank whose step differs from another's. Returns
+        whether ``overflow`` (fp16: the step's overflow flag, already all-reduced) is set, read with the
+        counts in the step's one host synchronization."""
+        if self._pending is None:  # no backward since the last step: the flag alone
+            return bool(overflow.item() > 0) if overflow is not None else False
         handle, mine = self._pending
         self._pending = None
         handle.wait()
-        most, negated_least = self._counts.tolist()  # the step's one host synchronization
+        if overflow is None:
+            (most, negated_least), overflowed = self._counts.tolist(), 0  # the step's one host synchronization
+        else:
+            self._values[2].copy_(overflow[0])  # a device copy: no host synchronization
+            most, negated_least, overflowed = self._values.tolist()  # the step's one host synchronization
         least = -negated_least
         if most != least:
             raise StepMismatchError(
@@ -70,6 +79,7 @@ class StepAgreement:
                 "skipped a batch after an exception while the others trained on theirs, so their gradient "
                 "reductions paired different steps. Skip a failed batch on every rank (catch the exception, "
                 "agree, e.g. with an all_reduce of a flag, then call optimizer.zero_grad() everywhere).")
+        return overflowed > 0
 
     def forget(self) -> None:
         """Drop an agreement of a step that was abandoned (zero_grad after a failure)."""

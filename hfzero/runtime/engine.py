@@ -257,12 +257,12 @@ class ZeroEngine:
         """Finish reductions and set each master view's ``.grad`` to its fp32, averaged, unscaled gradient.
 
         Idempotent until the step ends. With fp16, also decides (across ranks) whether any gradient
-        overflowed. See [Note: gradient sums] in reducer.py.
+        overflowed, in the step's one host read. See [Note: gradient sums] in reducer.py.
         """
         if self._materialized:
             return
         self.reducer.reduce_pending()
-        self._check_step()
+        self.overflow = self._check_step(self._overflow_flag())
         if self.offload is not None:  # the host writes master weights next: See [Note: offload copies]
             self.offload.wait_uploads()
         factor = 1.0 / (self.world_size * self.scaler.scale)
@@ -276,18 +276,29 @@ class ZeroEngine:
             master.grad = grad.mul_(factor)
         self._materialized = True
         self.unused_ranges = self._find_unused_ranges() if self.config.find_unused_parameters else []
-        self.overflow = False
-        if self.scaler.enabled:
-            finite = torch.stack([torch.isfinite(m.grad).all() for m in self.master_views]).all()
-            flag = (~finite).to(self.comm_device, torch.float32).reshape(1)  # one device sync, below
-            self.comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            self.overflow = bool(flag.item() > 0)
 
-    def _check_step(self) -> None:
-        """The step's checks, before anything is applied: the step agreement (See [Note: step agreement]),
-        whose one read is the step's one host synchronization."""
+    def _overflow_flag(self) -> torch.Tensor | None:
+        """fp16: a 1-element float32 tensor on the communication device, 1 where a reduced gradient sum this
+        rank owns is not finite (not read here: the step reads it with its checks); None otherwise. Checked on
+        the sums, before unscaling, so stage 3 can pack it into its step check: a finite sum (fp16 at most
+        65504, or fp32) times 1 / (world x scale) stays finite for any loss scale above ~1e-30."""
+        if not self.scaler.enabled:
+            return None
+        sums = [self.reducer.owned_grad(bucket) for bucket in self.layout.buckets]
+        if not sums:
+            return torch.zeros(1, dtype=torch.float32, device=self.comm_device)
+        finite = torch.stack([torch.isfinite(g).all() for g in sums]).all()
+        return (~finite).to(self.comm_device, torch.float32).reshape(1)
+
+    def _check_step(self, overflow: torch.Tensor | None) -> bool:
+        """The step's checks, before anything is applied, in its one host read: the step agreement (See
+        [Note: step agreement]) and, with fp16, the overflow flag all-reduced (MAX) over the group. Returns
+        whether any rank's gradients overflowed, the same answer on every rank."""
+        if overflow is not None:
+            self.comm.all_reduce(overflow, op=torch.distributed.ReduceOp.MAX)
         if self.agreement is not None:
-            self.agreement.check()
+            return self.agreement.check(overflow)
+        return bool(overflow.item() > 0) if overflow is not None else False  # world 1: the flag alone
 
     def _find_unused_ranges(self) -> list[tuple[int, int, int]]:
         """(bucket index, start, end) ranges of master views whose parameters no rank used since the

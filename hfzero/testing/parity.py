@@ -58,18 +58,23 @@ class AdamRoundingBound:
     """
 
     def __init__(self, numel: int, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 k: float = 8.0, k_feedback: float = 2.0):
+                 k: float = 8.0, k_feedback: float = 2.0, device: torch.device | str | None = None):
         self.lr, self.betas, self.eps, self.k, self.k_feedback = lr, betas, eps, k, k_feedback
         self.steps = 0
-        self.v = torch.zeros(numel, dtype=torch.float64)
-        self.dm = torch.zeros(numel, dtype=torch.float64)
-        self.bound = torch.zeros(numel, dtype=torch.float64)
+        self.v = torch.zeros(numel, dtype=torch.float64, device=device)
+        self.dm = torch.zeros(numel, dtype=torch.float64, device=device)
+        self.bound = torch.zeros(numel, dtype=torch.float64, device=device)
+
+    def cpu(self) -> "AdamRoundingBound":
+        """Move the per-element tensors to the host (a reference run on an accelerator, checked on CPU copies)."""
+        self.v, self.dm, self.bound = self.v.cpu(), self.dm.cpu(), self.bound.cpu()
+        return self
 
     def shift(self, generator: torch.Generator) -> torch.Tensor:
         """A parameter deviation as large as the bound so far, with random signs: the reference's gradient
         at ``params + shift`` measures how the deviations already allowed feed into this step's gradients."""
         signs = torch.randint(0, 2, self.bound.shape, generator=generator, dtype=torch.float64) * 2 - 1
-        return self.bound * signs
+        return self.bound * signs.to(self.bound.device)
 
     def observe(self, grad64: torch.Tensor, grad32: torch.Tensor, params: torch.Tensor,
                 shifted64: torch.Tensor | None = None, lr: float | None = None,
@@ -163,8 +168,21 @@ class ParityReference:
                 return self.params[start:end], self.bound.bound[start:end]
         raise KeyError(name)
 
-    def check_losses(self, losses: list[float], what: str = "loss") -> None:
-        for step, (got, want, tol) in enumerate(zip(losses, self.losses, self.loss_bounds, strict=True)):
+    def worst_ratio(self, losses: list[float], params: dict[str, torch.Tensor] | None = None, first: int = 0) -> float:
+        """The largest |got - float64| / bound over the losses (from step ``first``) and parameter elements: how
+        much of the bound a run used (the margin evidence a tolerance change records)."""
+        worst = max((abs(got - want) / tol for got, want, tol in
+                     zip(losses, self.losses[first:], self.loss_bounds[first:])), default=0.0)
+        for name, start, end in self.names if params is not None else ():
+            diff = (params[name].reshape(-1).double() - self.params[start:end]).abs()
+            ratio = torch.where(diff == 0, 0.0, diff / self.bound.bound[start:end])  # 0 / 0: exact, 0
+            worst = max(worst, float(ratio.max()))
+        return worst
+
+    def check_losses(self, losses: list[float], what: str = "loss", first: int = 0) -> None:
+        """Each loss within its bound of the float64 one; ``first``: the step ``losses`` start at (a resumed run)."""
+        for step, (got, want, tol) in enumerate(zip(losses, self.losses[first:], self.loss_bounds[first:], strict=True),
+                                                start=first):
             assert abs(got - want) <= tol, f"step {step}: {what} {got} vs float64 {want}, bound {tol:.3g}"
 
     def check_norms(self, norms: list[float]) -> None:
@@ -189,7 +207,8 @@ def float64_reference(model: nn.Module, optimizer_factory, batches: list[torch.T
     ``optimizer_factory(model)`` (AdamW with default betas and eps; ``scheduler_factory(optimizer)`` an LR
     schedule), and bound any fp32 run of the same training that computes each step's gradient as the mean of
     up to ``splits`` micro-batch gradients (contiguous rows, equal sizes: data parallel ranks x accumulated
-    micro-batches), summed in any order; see [Note: Adam rounding bound]."""
+    micro-batches), summed in any order; see [Note: Adam rounding bound]. Runs on the model's device (the
+    batches' too); the reference's parameters and bounds come back on the host."""
     import copy
 
     if any(ids.shape[0] % splits for ids in batches):
@@ -199,7 +218,8 @@ def float64_reference(model: nn.Module, optimizer_factory, batches: list[torch.T
     optimizer = optimizer_factory(model)
     scheduler = scheduler_factory(optimizer) if scheduler_factory is not None else None
     lr = optimizer.param_groups[0]["lr"]
-    bound = AdamRoundingBound(sum(p.numel() for p in model.parameters()), lr)
+    bound = AdamRoundingBound(sum(p.numel() for p in model.parameters()), lr,
+                              device=next(model.parameters()).device)
     names, start = [], 0
     for name, p in model.named_parameters():
         names.append((name, start, start + p.numel()))
@@ -232,7 +252,8 @@ def float64_reference(model: nn.Module, optimizer_factory, batches: list[torch.T
         ref.norms.append(norm)
         ref.loss_bounds.append(loss_bound)
         ref.norm_bounds.append(norm_bound)
-    ref.params = flat(model)
+    ref.params = flat(model).cpu()
+    bound.cpu()
     return ref
 
 

@@ -258,15 +258,20 @@ class Stage3Engine(ZeroEngine):
         super().finish_step()
 
     # ---- step -----------------------------------------------------------------------------------
-    def _check_step(self) -> None:
+    def _check_step(self, overflow: torch.Tensor | None) -> bool:
         """One all-reduce and one host read per step (world > 1): every training pass since the last step
-        gathered the same units on every rank (else GatherOrderError on every rank), and the buckets with
-        late gradients on any rank are reduced. See [Note: stage-3 step check] in step_check.py."""
+        gathered the same units on every rank (else GatherOrderError on every rank), the buckets with late
+        gradients on any rank are reduced, and (fp16) whether any rank's gradients overflowed is returned.
+        See [Note: stage-3 step check] in step_check.py."""
         late = self.reducer.late_buckets()
+        overflowed = None
         if self.step_check is not None:
-            agreed, late = self.step_check.run(self.scheduler.fingerprint, late)
+            agreed, late, overflowed = self.step_check.run(self.scheduler.fingerprint, late, overflow)
             self.scheduler.end_step_check(agreed)
         self.reducer.reduce_late(late)
+        if overflow is not None and (overflowed is None or late):  # world 1, or sums the flag did not see
+            return super()._check_step(self._overflow_flag() if late else overflow)
+        return bool(overflowed)
 
     def publish_params(self) -> None:
         """Copy master slices into the parameter shard; all-gather only the persistent parameters.

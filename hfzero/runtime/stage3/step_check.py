@@ -8,15 +8,17 @@ drained the device's queue. Now the training passes (a forward with gradients en
 fold their signatures into a running fingerprint kept on the host (plain Python: no device work), late
 gradients stay in their buffers, and at the optimizer step (``materialize_grads``, where the step waits
 for its reductions anyway) one all-reduce (MAX) of an int64 tensor allocated once,
-``[fingerprint, -fingerprint, late flag of bucket 0, ..., late flag of bucket B-1]``, filled with
-``fill_``, is read once. Ranks agree on the fingerprint when ``max == -max(-fingerprint)``; the flags say
-which buckets any rank has late gradients for, so every rank launches the same second reductions.
+``[fingerprint, -fingerprint, overflow, late flag of bucket 0, ..., late flag of bucket B-1]``, filled
+with ``fill_`` (fp16's overflow flag of the reduced sums copied in on the device), is read once. Ranks
+agree on the fingerprint when ``max == -max(-fingerprint)``; the flags say which buckets any rank has late
+gradients for, so every rank launches the same second reductions.
 What moved: a rank that gathered other units than another's in a training pass now raises
 GatherOrderError at the next ``optimizer.step()`` (or ``clip_grad_norm_``), before anything is applied,
 instead of at the end of that pass; the error names the first pass where ranks differ. Forwards without
 gradients (evaluation, ``generate``) are checked at their end as before, since no step follows them.
 Late gradients (rare: a parameter used outside its unit's backward) are summed locally over the step's
-micro-batches and reduced once, at the step.
+micro-batches and reduced once, at the step; with fp16, a step that has any reads the overflow flag once
+more after reducing them (the packed flag saw the sums before them), its only second synchronization.
 """
 
 from __future__ import annotations
@@ -30,22 +32,26 @@ from hfzero.comm import Communicator
 
 
 class StepCheck:
-    """The packed all-reduce of [Note: stage-3 step check]. Memory: one int64 tensor of 2 + B elements."""
+    """The packed all-reduce of [Note: stage-3 step check]. Memory: one int64 tensor of 3 + B elements."""
 
     def __init__(self, comm: Communicator, num_buckets: int):
         self.comm = comm
-        self._values = torch.zeros(2 + num_buckets, dtype=torch.int64, device=comm.device)
+        self._values = torch.zeros(3 + num_buckets, dtype=torch.int64, device=comm.device)
 
-    def run(self, fingerprint: int, late: Iterable[int]) -> tuple[bool, list[int]]:
+    def run(self, fingerprint: int, late: Iterable[int],
+            overflow: torch.Tensor | None = None) -> tuple[bool, list[int], bool]:
         """Collective over ``comm``'s group, once per step: (whether every rank has ``fingerprint``, the
-        buckets for which any rank has late gradients). ``fingerprint`` is in [0, 2^62)."""
+        buckets for which any rank has late gradients, whether any rank's ``overflow`` flag is set).
+        ``fingerprint`` is in [0, 2^62); ``overflow``: fp16's 1-element flag of this rank (not reduced)."""
         values = self._values
         values.zero_()
         values[0].fill_(fingerprint)  # kernels with scalar arguments: no host synchronization
         values[1].fill_(-fingerprint)
+        if overflow is not None:
+            values[2].copy_(overflow[0])  # a device copy: no host synchronization
         for index in late:
-            values[2 + index].fill_(1)
+            values[3 + index].fill_(1)
         if self.comm.world_size > 1:
             self.comm.all_reduce(values, op=dist.ReduceOp.MAX)
         read = values.tolist()  # the step's one host synchronization
-        return read[0] == -read[1], [i for i, flag in enumerate(read[2:]) if flag]
+        return read[0] == -read[1], [i for i, flag in enumerate(read[3:]) if flag], read[2] > 0

@@ -1,10 +1,11 @@
 """Section: world-1 matrix on the device's own backend (NCCL on CUDA, gloo on CPU). Stages 0-3 x
 fp32/bf16/fp16 x optimizer offload on/off x 1 or 2 micro-batches per step, each against a plain
 single-device AdamW loop on the same model, batches and device: per-step losses and final parameters.
-Tolerances: fp32 1e-5 against an fp32 loop (a fixed tolerance: tests/test_parity.py replaced its own with
-bounds derived against a float64 run, hfzero/testing/parity.py, since one held for one CPU's reduction
-order and not another's); 16-bit against the fp32 loop, losses 5e-2, parameters 2e-2 (+2e-2 relative), as
-tests/test_parity.py. On CPU the offload path is forced (runtime/offload.py's FORCE_ENV)."""
+Tolerances: fp32 within the rounding bounds derived against a float64 run of the loop on the same device
+(hfzero/testing/parity.py, micro-batch splits included; a fixed 1e-5 against an fp32 loop held for one
+reduction order and not another's), each row reporting the share of the bound it used; 16-bit against the
+fp32 loop, losses 5e-2, parameters 2e-2 (+2e-2 relative), as tests/test_parity.py. On CPU the offload path
+is forced (runtime/offload.py's FORCE_ENV)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import hfzero
 from hfzero.runtime.offload import FORCE_ENV
 from hfzero.testing.gpu_check.common import Checks, Options, close, in_process_group
 from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
+from hfzero.testing.parity import ParityReference, float64_reference
 from hfzero.testing.workloads import param_groups
 
 LR, CLIP = 1e-3, 1.0
@@ -66,6 +68,17 @@ def reference(size: dict[str, int], device: str, steps: int, batch: int, seq: in
     return {"losses": losses, "params": {n: p.detach().float().cpu() for n, p in model.named_parameters()}}
 
 
+def reference64(size: dict[str, int], device: str, steps: int, batch: int, seq: int) -> ParityReference:
+    """``reference`` in float64 on ``device``, with the rounding bounds of any fp32 run of it whose micro-batches
+    (ranks x accumulation) are runs of whole rows; see [Note: Adam rounding bound]. The finest split, one row
+    per chunk, also makes the sampled rounding (per-row errors summed in absolute value) one that no chance
+    cancellation makes small: with 2 chunks the fp32 AdamW loop itself ended 1.05x over one element's bound
+    (quick sizes, CPU)."""
+    batches = [tokens.to(device) for tokens in token_batches(steps, batch, seq, vocab=size["vocab"])]
+    return float64_reference(_model(size, device), lambda model: torch.optim.AdamW(param_groups(model), lr=LR),
+                             batches, CLIP, splits=batch)
+
+
 def train(case: Case, size: dict[str, int], device: str, steps: int, batch: int, seq: int, rank: int = 0,
           world: int = 1) -> dict[str, Any]:
     """hfzero on this rank: losses (averaged over ranks) and final full parameters (CPU copies)."""
@@ -105,7 +118,8 @@ def matrix_rank(rank: int, world: int, todo: list[Case], size: dict[str, int], d
                 batch: int, seq: int) -> dict[str, Any]:
     if device == "cuda":
         torch.cuda.set_device(0)
-    out: dict[str, Any] = {"reference": reference(size, device, steps, batch, seq)}
+    out: dict[str, Any] = {"reference": reference(size, device, steps, batch, seq),
+                           "reference64": reference64(size, device, steps, batch, seq)}
     for case in todo:
         try:
             out[case.name] = train(case, size, device, steps, batch, seq)
@@ -114,21 +128,24 @@ def matrix_rank(rank: int, world: int, todo: list[Case], size: dict[str, int], d
     return out
 
 
-def compare(case: Case, got: dict[str, Any], ref: dict[str, Any]) -> tuple[bool, str]:
+def compare(case: Case, got: dict[str, Any], ref: dict[str, Any], ref64: ParityReference) -> tuple[bool, str]:
+    """fp32: within ``ref64``'s derived bounds; 16-bit: within the fixed 16-bit tolerances of the fp32 loop ``ref``."""
     if "error" in got:
         return False, got["error"]
-    fp32 = case.dtype == "fp32"
-    ok_loss, loss_diff = close(got["losses"], ref["losses"], 1e-5 if fp32 else 5e-2)
+    offloaded = got["offloaded"] == case.offload
+    common = f"skipped steps {got['skipped']}, offloaded {got['offloaded']}"
+    if case.dtype == "fp32":
+        ratio = ref64.worst_ratio(got["losses"], got["params"])
+        return ratio <= 1 and offloaded and not got["skipped"], \
+            f"worst |fp32 - float64| / derived bound {ratio:.2f} (losses and parameters), {common}"
+    ok_loss, loss_diff = close(got["losses"], ref["losses"], 5e-2)
     worst, ok_params = 0.0, True
     for name, value in ref["params"].items():
         diff = (got["params"][name] - value).abs()
-        allowed = 1e-5 if fp32 else 2e-2 + 2e-2 * value.abs()
-        ok_params &= bool((diff <= allowed).all())
+        ok_params &= bool((diff <= 2e-2 + 2e-2 * value.abs()).all())
         worst = max(worst, float(diff.max()))
-    offloaded = got["offloaded"] == case.offload
     return ok_loss and ok_params and offloaded and not got["skipped"], \
-        (f"max loss diff {loss_diff:.2e}, max parameter diff {worst:.2e}, skipped steps {got['skipped']}, "
-         f"offloaded {got['offloaded']}")
+        f"max loss diff {loss_diff:.2e}, max parameter diff {worst:.2e}, {common}"
 
 
 def run(options: Options, checks: Checks) -> dict[str, Any]:
@@ -139,7 +156,7 @@ def run(options: Options, checks: Checks) -> dict[str, Any]:
     out = in_process_group(matrix_rank, 1, todo, size, options.device, steps, batch, seq, backend=backend)
     rows = {}
     for case in todo:
-        ok, detail = compare(case, out[case.name], out["reference"])
+        ok, detail = compare(case, out[case.name], out["reference"], out["reference64"])
         checks.add(case.name, ok, detail)
         rows[case.name] = detail
     return {"summary": {"backend": backend, "model": size, "steps": steps, "cases": len(todo),
