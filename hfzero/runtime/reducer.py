@@ -177,20 +177,7 @@ class GradientReducer:
     def no_sync(self) -> Iterator[None]:
         """Under the "local" policy, accumulate gradients locally, without communication, for backward
         passes inside the block; under "sharded", backward passes still reduce (no full gradient is
-        held). See [Note: staging pool]
-Staging buffers are reused, never allocated per bucket per pass: a buffer given back after its
-bucket's reduction joins a pool, and the next bucket takes one of its exact size (else the smallest
-larger one). The pool keeps buffers while pooled + open + late elements stay within the high-water
-mark of open + late elements seen so far (at least ``max_inflight + 1`` of the largest bucket), so the
-GRAD_BUCKET footprint between passes never exceeds what a pass already needed at once, and a steady
-state allocates nothing. At stages 0-2 at most ``max_inflight + 1`` buckets are open; at stage 3
-buckets launch at unit boundaries, so a unit's buckets are open together (plus those in flight), and
-a pool capped at ``max_inflight + 1`` buffers freed and reallocated several per pass: issue 21 counted
-171 fresh buffers in 240 takes (69 MB per step of GPT-2 5.3M, world 2, 4 micro-batches), blocks of
-1-8 MiB that fragment the host heap (see [Note: host allocator] in hostmem.py). Pooled buffers are
-counted in GRAD_BUCKET at every sample (``staging_bytes``).
-
-[Note: accumulation policy]."""
+        held). See [Note: accumulation policy]."""
         if self.policy != "local":
             if not self._told_sharded:
                 logger.info("accumulation='sharded': no_sync() does not defer reduction; every micro-batch is "
