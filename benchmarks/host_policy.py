@@ -37,6 +37,7 @@ import torch.distributed as dist
 import hfzero
 from hfzero.testing import run_distributed
 from hfzero.testing.models import tiny_causal_lm
+from hfzero.testing.procmem import status
 
 VOCAB = 8192
 SHAPES = {"bars": {"batch": 8, "seq": 128, "micro": 1}, "accum": {"batch": 2, "seq": 64, "micro": 4}}
@@ -45,11 +46,6 @@ LOWEST = "host_mmap_threshold=1048576,host_trim=True"
 FAST = "host_mmap_threshold=33554432,host_trim=True,host_trim_slack=0.02"
 """32 MiB fixed threshold, no automatic top trim, heap trimmed when the RSS grew past 2%."""
 DEFAULT_VARIANTS = ["ddp", *(f"zero{s}{spec}" for s in range(4) for spec in ("", f":{LOWEST}", f":{FAST}"))]
-
-
-def _hwm() -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def _overrides(spec: str) -> dict[str, Any]:
@@ -97,7 +93,7 @@ def worker(rank: int, world: int, variant: str, shape: str, steps: int) -> dict[
         now = resource.getrusage(resource.RUSAGE_SELF)
         cpu.append(now.ru_utime + now.ru_stime - usage.ru_utime - usage.ru_stime)
         faults.append(now.ru_minflt - usage.ru_minflt)
-        peaks.append(_hwm())
+        peaks.append(status("VmHWM"))
     heap = getattr(optimizer, "heap", None)
     return {"step": statistics.median(times[2:]), "cpu": statistics.median(cpu[2:]),
             "faults": statistics.median(faults[2:]), "peak": peaks[-1], "growth": peaks[-1] / peaks[1],

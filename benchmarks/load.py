@@ -18,7 +18,6 @@ Each variant runs in fresh processes. Prints one line per rank and variant, and 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import tempfile
 
@@ -27,24 +26,9 @@ import torch
 import hfzero
 from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
 from hfzero.testing import run_distributed
+from hfzero.testing.procmem import reset_peak, status
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _reset_peak() -> int:
-    """Reset VmHWM to the current RSS and return it."""
-    gc.collect()
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-        f.write("5")
-    return _status("VmRSS")
 
 
 def _llama(layers: int, hidden: int, vocab: int):
@@ -71,11 +55,11 @@ def _rank(rank: int, world: int, path: str, warmup: str, sharded: bool, dtype: s
     small = load(warmup)
     hfzero.prepare(small, torch.optim.AdamW(small.parameters()), config)
     del small
-    base = _reset_peak()
+    base = reset_peak()
     model = load(path)
-    loaded = _status("VmHWM") - base
+    loaded = status("VmHWM") - base
     model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters()), config)
-    prepared = _status("VmHWM") - base
+    prepared = status("VmHWM") - base
     roles = hfzero.get_engine(model).memory_by_role()
     states = sum(roles.get(role, 0) for role in MODEL_STATE_ROLES)
     return {"from_pretrained": loaded, "prepare": prepared, "param_shard": roles.get(MemoryRole.PARAM_SHARD, 0),

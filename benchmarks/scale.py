@@ -32,6 +32,7 @@ import torch
 import hfzero
 from hfzero.estimate import model_states_bytes
 from hfzero.testing import run_distributed
+from hfzero.testing.procmem import status
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zero_vs_ddp import _build, _step  # noqa: E402 - the peers' setup lives in one place
@@ -45,18 +46,10 @@ STAGE = {"ddp": 0, "fsdp2": 3, "deepspeed1": 1, "deepspeed2": 2, "deepspeed3": 3
          "zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 
 
-def _status(key: str, path: str = "/proc/self/status") -> int:
-    with open(path, encoding="ascii") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _peak(device: torch.device) -> dict[str, int]:
     if device.type == "cuda":
         return {"reserved": torch.cuda.max_memory_reserved(device), "allocated": torch.cuda.max_memory_allocated(device)}
-    return {"rss": _status("VmHWM")}
+    return {"rss": status("VmHWM")}
 
 
 def _reset_peak(device: torch.device) -> None:
@@ -134,7 +127,7 @@ def _fits(rows: list[dict], system: str, size: str, world: int) -> tuple[bool, f
     params = VOCAB * hidden + 128 * hidden + layers * 12 * hidden * hidden
     (x0, y0), (x1, y1) = points[-2], points[-1]
     need = world * (y1 + (y1 - y0) / (x1 - x0) * (params - x1))
-    return need < 0.9 * _status("MemAvailable", "/proc/meminfo"), need
+    return need < 0.9 * status("MemAvailable", "/proc/meminfo"), need
 
 
 def _check(rank: int, world: int, num_params: float) -> dict[str, Any]:
@@ -154,7 +147,7 @@ def _check(rank: int, world: int, num_params: float) -> dict[str, Any]:
     batch = torch.randint(0, VOCAB, (BATCH, SEQ))
     model(input_ids=batch, labels=batch).loss.backward()
     opt.step()
-    return {"num_params": hfzero.get_engine(model).num_params, "peak_rss": _status("VmHWM"),
+    return {"num_params": hfzero.get_engine(model).num_params, "peak_rss": status("VmHWM"),
             "step_s": time.perf_counter() - start}
 
 

@@ -27,20 +27,13 @@ import hfzero
 from hfzero.roles import MemoryRole
 from hfzero.testing import run_distributed
 from hfzero.testing.models import tiny_causal_lm
+from hfzero.testing.procmem import status
 
 STEPS = 12
 VOCAB = 8192
 WARM = 3
 """Growth is measured from the peak after this step: glibc's dynamic mmap threshold settles over the
 first steps (it rises as mmapped blocks are freed), as it does for DDP ([Note: host allocator])."""
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def _run(rank: int, stage: int | None, policy: str = "auto", micro: int = 1, steps: int = STEPS) -> dict:
@@ -70,7 +63,7 @@ def _run(rank: int, stage: int | None, policy: str = "auto", micro: int = 1, ste
                 opt.backward(model(input_ids=batch, labels=batch).loss / micro)
         opt.step()
         opt.zero_grad()
-        peaks.append(_status("VmHWM"))
+        peaks.append(status("VmHWM"))
         if stage is not None:
             staging.append(engine.reducer.allocations)
         if stage == 3:

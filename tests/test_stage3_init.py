@@ -4,7 +4,6 @@ model, peak RSS while loading, and bad input. One 2-rank spawn."""
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import shutil
@@ -21,6 +20,7 @@ from hfzero.runtime.stage3.init import from_pretrained_sharded, init_sharded
 from hfzero.runtime.stage3.weights import WeightLoadError
 from hfzero.testing import run_distributed
 from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
+from hfzero.testing.procmem import reset_peak, status
 
 STEPS = 3
 LR = 1e-3
@@ -58,23 +58,6 @@ def saved(tmp_path_factory):
     return dirs
 
 
-def _status(field: str) -> int:
-    """A /proc/self/status figure in bytes (VmRSS, VmHWM)."""
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _reset_peak() -> int:
-    """Reset VmHWM to the current RSS (write 5 to clear_refs) and return the current RSS."""
-    gc.collect()
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-        f.write("5")
-    return _status("VmRSS")
-
-
 def _rss_case(rank, world, path, warmup):
     """Peak RSS growth while loading sharded, then while loading whole and preparing (for contrast)."""
     from transformers import AutoModelForCausalLM
@@ -82,15 +65,15 @@ def _rss_case(rank, world, path, warmup):
     # warm up on a tiny model of the same class: lazy imports and first-use allocations are not loading
     from_pretrained_sharded(warmup, _adamw, _config())
     AutoModelForCausalLM.from_pretrained(warmup)
-    base = _reset_peak()
+    base = reset_peak()
     model, opt = from_pretrained_sharded(path, _adamw, _config())
-    sharded_peak = _status("VmHWM") - base
+    sharded_peak = status("VmHWM") - base
     roles = hfzero.get_engine(model).memory_by_role()
     del model, opt
-    base = _reset_peak()
+    base = reset_peak()
     full = AutoModelForCausalLM.from_pretrained(path)
     model, opt = hfzero.prepare(full, _adamw(full), _config())
-    full_peak = _status("VmHWM") - base
+    full_peak = status("VmHWM") - base
     return {"sharded_peak": sharded_peak, "full_peak": full_peak,
             "param_shard": roles.get(MemoryRole.PARAM_SHARD, 0), "grad_shard": roles.get(MemoryRole.GRAD_SHARD, 0)}
 
