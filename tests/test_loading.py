@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import hfzero
-from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
+from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches, train_causal_lm
 from hfzero.testing.spawn import run_distributed
 
 pytest.importorskip("peft")
@@ -186,15 +186,7 @@ def _custom(root: Path, sharded: bool, stage: int, rank: int, world: int) -> lis
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = hfzero.prepare(model, optimizer, hfzero.ZeroConfig(stage=stage, param_persistence_threshold=0,
                                                                          reduce_bucket_size=4096))
-    losses = []
-    for batch in token_batches(STEPS, 2 * world, SEQ):
-        (ids,) = micro_batches(batch, rank, world, 1)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_causal_lm(model, optimizer, rank, world, STEPS, SEQ)
 
 
 def _run(rank: int, world: int, root: str) -> dict:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import hfzero
 from hfzero.estimate import model_states_bytes, precision_bytes
 from hfzero.profiler import ZeroProfiler, load_run, summarize
-from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
+from hfzero.testing.models import tiny_causal_lm, train_causal_lm
 from hfzero.testing.spawn import run_distributed
 
 pytest.importorskip("peft")
@@ -73,15 +73,7 @@ def _sharded_construction(rank: int, world: int, root: str) -> dict:
 
 
 def _train(model: torch.nn.Module, optimizer, rank: int, world: int) -> list[float]:
-    losses = []
-    for batch in token_batches(STEPS, 2 * world, 16):
-        ids = micro_batches(batch, rank, world, 1)[0]
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_causal_lm(model, optimizer, rank, world, STEPS, 16)
 
 
 def _adapter(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -14,15 +14,16 @@ from torch import nn
 
 from hfzero.comm import Communicator
 from hfzero.config import STAGE_AUTO, ConfigError, ZeroConfig
+from hfzero.devices import collective_device
 from hfzero.logging import get_logger
 from hfzero.runtime.activations.checkpoint import CheckpointPolicy, enable_checkpointing
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.hostmem import configure_host_allocator
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.placement import check_placement
-from hfzero.runtime.stage3 import Stage3Engine
 from hfzero.runtime.pending import PendingWeights, find_pending, materialize_whole
 from hfzero.runtime.pending import release as release_pending
+from hfzero.runtime.stage3 import Stage3Engine
 from hfzero.runtime.stage3.weights import WeightSource, materialize_meta_params
 
 logger = get_logger(__name__)
@@ -203,7 +204,7 @@ def _read_pending(model: nn.Module, optimizer: torch.optim.Optimizer, config: Ze
     engine keeps whole are read whole first); stages 0-2 read every parameter whole, one at a time, and
     prepare as usual (None)."""
     distributed = dist.is_available() and dist.is_initialized()
-    device = Communicator(process_group).device if distributed else torch.device("cpu")
+    device = collective_device(process_group) if distributed else torch.device("cpu")
     for module in model.modules():
         for name, buf in module._buffers.items():
             if buf is not None and buf.device != device:

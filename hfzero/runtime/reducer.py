@@ -573,8 +573,7 @@ class GradientReducer:
 
     def staging_bytes(self) -> int:
         """Bytes of staging buffers: pooled, open and late (GRAD_BUCKET)."""
-        live = [t._base if t._base is not None else t for t in (*self._staging.values(), *self._late.values())]
-        return sum(t.numel() for t in [*self._pool, *live]) * self._element
+        return (sum(t.numel() for t in self._pool) + self._live_numel()) * self._element
 
     def accumulator_bytes(self) -> int:
         """Bytes of the full local accumulator held across micro-batches (GRAD_ACCUM), if any."""

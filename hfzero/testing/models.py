@@ -60,3 +60,18 @@ def micro_batches(batch: torch.Tensor, rank: int, world_size: int, accumulation:
         raise ValueError(f"global batch {rows} is not divisible by world {world_size} x accumulation {accumulation}")
     mine = batch.chunk(world_size)[rank]  # (B / W, T)
     return list(mine.chunk(accumulation))  # A x (B / (W * A), T)
+
+
+def train_causal_lm(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world_size: int,
+                    steps: int, seq_len: int) -> list[float]:
+    """``steps`` plain steps of a causal LM on ``token_batches`` (2 rows per rank, labels = inputs, no
+    accumulation); this rank's losses."""
+    losses = []
+    for batch in token_batches(steps, 2 * world_size, seq_len):
+        (ids,) = micro_batches(batch, rank, world_size, 1)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
