@@ -14,6 +14,12 @@ runs one step (it uses nearly all of the host's memory: run it on a machine of y
     python benchmarks/scale.py [--sizes 35M 91M] [--world 4] [--steps 8] [--systems ...] [--json OUT]
     python benchmarks/scale.py --sizes 5M --world 2        # the small-model point
     python benchmarks/scale.py --sizes 200M --systems zero3 fsdp2 deepspeed3
+    python benchmarks/scale.py --sizes 91M --systems ddp zero0 zero1 zero2 zero3 --rounds 2 --steps 5 --json M.json
+    hfzero plan --config ./gpt2-91m --cpu-ranks 4 --dtype fp32 --optimizer adamw --seq-len 64 --global-batch 8 --measured M.json
+
+``--rounds R`` runs the systems of each size in alternation R times (step time: the median of the rounds'
+medians); the JSON's "workload" is what ``hfzero plan --measured`` checks before it names the fastest
+measured configuration that fits.
 """
 
 from __future__ import annotations
@@ -74,24 +80,31 @@ def _run(rank: int, world: int, system: str, size: str, steps: int) -> dict[str,
         num_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     _reset_peak(device)
     g = torch.Generator().manual_seed(rank)
-    peaks, times = [], []
+    peaks, times, cpu_times = [], [], []
     for _ in range(steps):
         batch = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device)  # (B, T)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         _step(model, optimizer, engine, batch)
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu)
         peaks.append(_peak(device))
-    return {"num_params": num_params, "peaks": peaks, "times": times, "device": device.type}
+    return {"num_params": num_params, "peaks": peaks, "times": times, "cpu_times": cpu_times, "device": device.type}
 
 
-def _measure(system: str, size: str, world: int, steps: int) -> dict[str, Any] | None:
+def _measure(system: str, size: str, world: int, steps: int, clock: str = "wall") -> dict[str, Any] | None:
+    """One run of ``system``: the worst rank's peak by step and the median step time after the first step, by
+    ``clock``: "wall" (rank 0's wall seconds) or "cpu" (the busier rank's process CPU seconds: all its threads,
+    waits excluded; what to compare on a machine shared with other work, where wall time is the others' too)."""
     per_rank = run_distributed(_run, world, system, size, steps, timeout=1800)
     if per_rank[0] is None:
         return None
     key = "rss" if per_rank[0]["device"] == "cpu" else "reserved"
     by_step = [max(r["peaks"][i][key] for r in per_rank) for i in range(steps)]  # worst rank
+    wall = per_rank[0]["times"][1:] or per_rank[0]["times"]
+    cpu = [max(r["cpu_times"][i] for r in per_rank) for i in range(steps)][1:] or per_rank[0]["cpu_times"]
     return {"system": system, "size": size, "num_params": per_rank[0]["num_params"], "metric": key,
-            "peak_by_step": by_step, "median_step_s": statistics.median(per_rank[0]["times"][1:] or per_rank[0]["times"])}
+            "peak_by_step": by_step, "median_wall_s": statistics.median(wall), "median_cpu_s": statistics.median(cpu),
+            "median_step_s": statistics.median(cpu if clock == "cpu" else wall)}
 
 
 def _formula_saving(num_params: int, world: int, stage: int) -> float:
@@ -156,6 +169,10 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["35M", "91M"], choices=list(SIZES))
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="step time as wall seconds (default) or the busier rank's CPU seconds (a shared machine)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every system this many times per size, in alternation; step time = median of rounds")
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     parser.add_argument("--memory-gib", type=float, default=24.0, help="host memory for the largest-model table")
     parser.add_argument("--check-largest", type=float, default=0.0,
@@ -177,22 +194,38 @@ def main() -> None:
     args.sizes = list(dict.fromkeys([r["size"] for r in rows] + args.sizes))
     args.sizes.sort(key=lambda size: SIZES[size][0] ** 2 * SIZES[size][1])
     for size in args.sizes:
-        for system in args.systems:
-            if any((r["system"], r["size"]) == (system, size) for r in rows):
-                continue
-            fits, need = _fits(rows, system, size, args.world)
-            if not fits:
-                print(f"{size} {system}: skipped, predicted {need / 2**30:.1f} GiB for {args.world} ranks is more "
-                      f"than 90% of the memory available now", flush=True)
-                continue
-            row = _measure(system, size, args.world, args.steps)
-            if row is None:
-                print(f"{system}: not installed, skipped", flush=True)
-                continue
-            rows.append(row)
-            print(f"{size} {system}: peak MB by step {[round(p / 1e6) for p in row['peak_by_step']]}, "
-                  f"median step {row['median_step_s']:.3f}s", flush=True)
+        todo = [s for s in args.systems if not any((r["system"], r["size"]) == (s, size) for r in rows)]
+        runs: dict[str, list[dict]] = {}
+        for round_ in range(args.rounds):  # systems in alternation: a drift of the machine's speed hits all alike
+            for system in todo:
+                if round_ == 0:
+                    fits, need = _fits(rows, system, size, args.world)
+                    if not fits:
+                        print(f"{size} {system}: skipped, predicted {need / 2**30:.1f} GiB for {args.world} ranks is "
+                              f"more than 90% of the memory available now", flush=True)
+                        continue
+                elif system not in runs:
+                    continue
+                row = _measure(system, size, args.world, args.steps, args.clock)
+                if row is None:
+                    print(f"{system}: not installed, skipped", flush=True)
+                    continue
+                runs.setdefault(system, []).append(row)
+                print(f"{size} {system} round {round_ + 1}: peak MB by step "
+                      f"{[round(p / 1e6) for p in row['peak_by_step']]}, median step {row['median_step_s']:.3f}s",
+                      flush=True)
+        for system, measured in runs.items():
+            rows.append(_combine(measured))
     _report(rows, args)
+
+
+def _combine(rounds: list[dict]) -> dict:
+    """One row from a system's rounds: the worst peak at each step, the median of the rounds' step times."""
+    row = dict(rounds[0])
+    row["peak_by_step"] = [max(r["peak_by_step"][i] for r in rounds) for i in range(len(row["peak_by_step"]))]
+    row["step_s_by_round"] = [r["median_step_s"] for r in rounds]
+    row["median_step_s"] = statistics.median(row["step_s_by_round"])
+    return row
 
 
 def _report(rows: list[dict], args: argparse.Namespace) -> None:
@@ -234,7 +267,10 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
               f"step {check[0]['step_s']:.1f}s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "largest": largest, "check": check}, f, indent=2)
+            workload = {"world": args.world, "batch_per_rank": BATCH, "seq_len": SEQ, "dtype": "fp32",
+                        "optimizer": "adamw", "rounds": args.rounds, "clock": args.clock}  # what `hfzero plan --measured` matches
+            json.dump({"args": vars(args), "workload": workload, "rows": rows, "largest": largest, "check": check},
+                      f, indent=2)
 
 
 if __name__ == "__main__":

@@ -91,3 +91,40 @@ def test_verify_measures_what_the_plan_predicts(tmp_path) -> None:
     assert measured["model_states"] == pytest.approx(predicted["model_states"], rel=1e-3)
     assert measured["activations"] == pytest.approx(predicted["activations"], rel=0.10)
     assert verify["ratio"] == pytest.approx(1.0, abs=0.10)
+
+
+def _measured_file(tmp_path, **workload) -> str:
+    """A benchmarks/scale.py result for the 91M workload (the step times are made up: this checks the reader)."""
+    shape = {"world": 4, "batch_per_rank": 2, "seq_len": 64, "dtype": "fp32", "optimizer": "adamw", "rounds": 2,
+             **workload}
+    rows = [{"system": s, "size": "91M", "num_params": 91_578_624, "median_step_s": t}
+            for s, t in (("ddp", 3.0), ("zero0", 3.3), ("zero1", 3.1), ("zero2", 3.2), ("zero3", 3.9))]
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps({"workload": shape, "rows": rows}))
+    return str(path)
+
+
+def test_plan_names_the_fastest_measured_configuration_that_fits(tmp_path, capsys) -> None:
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=8192, n_positions=128, n_embd=768, n_layer=12, n_head=4).save_pretrained(tmp_path)
+    argv = ["--config", str(tmp_path), "--cpu-ranks", "4", "--memory", "24GiB", "--seq-len", "64",
+            "--global-batch", "8", "--dtype", "fp32", "--optimizer", "adamw", "--runtime-bytes", "3e8"]
+    result = _cli_json(*argv, "--measured", _measured_file(tmp_path))
+    measured = result["measured"]
+    assert measured["ddp_s"] == 3.0 and len(measured["by_label"]) == 4
+    assert measured["fastest"]["label"] == "stage 1, dp 4, mb 2 x 1" and measured["fastest"]["step_s"] == 3.1
+    assert measured["fastest"]["plan_rank"] > 1  # the estimate ranks stage 0 first; the measurement disagrees
+    assert main(["plan", *argv, "--measured", _measured_file(tmp_path)]) == 0
+    assert "measured fastest that fits: stage 1, dp 4, mb 2 x 1 (3.100 s/step" in capsys.readouterr().out
+    # a measurement of another workload is refused with what to change, not matched by label
+    assert main(["plan", *argv, "--measured", _measured_file(tmp_path, world=2)]) == 2
+    assert "--cpu-ranks 2" in capsys.readouterr().err
+    assert main(["plan", *argv, "--measured", _measured_file(tmp_path, seq_len=128)]) == 2
+    assert "--seq-len 128" in capsys.readouterr().err
+    assert main(["plan", *argv[:1], str(tmp_path), "--cpu-ranks", "4", "--memory", "24GiB", "--seq-len", "64",
+                 "--global-batch", "8", "--dtype", "bf16", "--measured", _measured_file(tmp_path)]) == 2
+    assert "--dtype fp32" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{not json")
+    assert main(["plan", *argv, "--measured", str(tmp_path / "bad.json")]) == 2
+    assert "cannot read it as JSON" in capsys.readouterr().err

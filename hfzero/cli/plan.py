@@ -12,6 +12,7 @@ from typing import Any
 
 from hfzero import estimate as est
 from hfzero import plan as planner
+from hfzero.plan_measured import fastest_that_fits, read_measurements
 
 _GB = 1e9
 
@@ -55,6 +56,9 @@ def register(subparsers: Any) -> None:
                         help="with --cpu-ranks and --config: run the top choice for a few steps here and print the "
                              "measured peak beside the predicted one")
     parser.add_argument("--verify-steps", metavar="N", type=int, default=3, help="steps --verify runs (default 3)")
+    parser.add_argument("--measured", metavar="FILE",
+                        help="a `benchmarks/scale.py --json FILE` result for this workload: print its measured step "
+                             "times beside the plan and name the fastest measured configuration that fits")
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
     parser.set_defaults(func=run)
 
@@ -125,10 +129,13 @@ def run(args: argparse.Namespace) -> int:
         rows = planner.plan(workload, hardware, headroom=args.headroom, max_tp=args.max_tp, max_pp=args.max_pp)
         if args.verify and not (hardware.cpu and args.config):
             raise est.EstimateError("--verify runs here: it needs --cpu-ranks and --config")
+        measured = read_measurements(args.measured, workload, hardware) if args.measured else None
     except est.EstimateError as exc:
         print(f"hfzero plan: error: {exc}", file=sys.stderr)
         return 2
     result = planner.summary(rows, workload, hardware, headroom=args.headroom)
+    if measured is not None:
+        result["measured"] = {**measured, "fastest": fastest_that_fits(measured, result["configurations"])}
     if args.verify:
         # --verify runs one data-parallel ZeRO group here: the best configuration without pp, tp or offload
         top = next((row for row in rows if row.fits and row.candidate.pp == row.candidate.tp == 1
@@ -176,9 +183,27 @@ def render(result: dict[str, Any], *, top: int = 10) -> str:
         lines.append(f"{len(rejected)} do not fit, e.g.:")
         for row in rejected[:min(top, 5)]:
             lines.append(f"  {row['label']}: {row['reason']}")
+    if "measured" in result:
+        lines += _measured_lines(result["measured"])
     if "verify" in result:
         lines += _verify_lines(result["verify"])
     return "\n".join(lines)
+
+
+def _measured_lines(measured: dict[str, Any]) -> list[str]:
+    rounds = measured["rounds"]
+    clock = "wall s" if measured["clock"] == "wall" else "CPU s of the busier rank"
+    lines = [f"measured by benchmarks/scale.py ({measured['source']}, median of {rounds} round(s), {clock} per step):"]
+    ddp = measured["ddp_s"]
+    for label, seconds in sorted(measured["by_label"].items(), key=lambda item: item[1]):
+        lines.append(f"  {label:<52}{seconds:>9.3f}" + (f"  x{seconds / ddp:.3f} of DDP's" if ddp else ""))
+    if ddp:
+        lines.append(f"  {'torch DDP (reference)':<52}{ddp:>9.3f}")
+    fastest = measured["fastest"]
+    lines.append(f"measured fastest that fits: {fastest['label']} ({fastest['step_s']:.3f} s/step; "
+                 f"#{fastest['plan_rank']} in the estimated ranking)" if fastest
+                 else "measured fastest that fits: none of the measured configurations fits")
+    return lines
 
 
 def _verify_lines(verify: dict[str, Any]) -> list[str]:
