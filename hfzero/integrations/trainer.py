@@ -360,7 +360,7 @@ class ZeroTrainer(Trainer):
             return
         decision = keep_global_batch(saved, self._trainer_batch())
         if decision.message:
-            (logger.warning if decision.warning else logger.info)("resuming from %s: %s", checkpoint, decision.message)
+            logger.warning("resuming from %s: %s", checkpoint, decision.message)
         if decision.accumulation != self.args.gradient_accumulation_steps:
             if getattr(self, "pipeline_config", None) is not None:
                 logger.warning("ZeroTrainer: under pipeline parallelism the accumulation is not rescaled (the "
@@ -478,6 +478,12 @@ class ZeroTrainer(Trainer):
         if needs_gathered_weights(model if model is not None else self.model) or self.pipeline is not None:
             logger.info("ZeroTrainer: stage-3 weights are restored from %s/%s with the optimizer shards",
                         resume_from_checkpoint, SHARD_DIR)
+            return
+        if self.args.save_on_each_node and has_shards(Path(resume_from_checkpoint) / SHARD_DIR):
+            # transformers writes the weights on global rank 0 only (save_pretrained), so other nodes' copies
+            # lack them; the shards restore the weights from their fp32 masters on every node
+            logger.info("ZeroTrainer: --save_on_each_node: the weights are restored from %s/%s with the optimizer "
+                        "shards", resume_from_checkpoint, SHARD_DIR)
             return
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
