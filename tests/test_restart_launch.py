@@ -1,12 +1,12 @@
 """`hfzero run` restarts and node-local checkpoints, end to end (tests/scripts/restart_trainer.py, a tiny Llama).
 
-Two phases of launches run side by side:
-1. "kill": `--max_restarts 1` on 2 ranks; rank 1 SIGKILLs itself at the end of step 3 (first start only).
-   torchelastic restarts both workers; ZeroTrainer resumes from checkpoint-2 on its own.
-   "nodes": two `hfzero run --nnodes 2 --node_rank k --nproc_per_node 1` launchers, each with its own
-   output directory (no directory in common) and `--save_on_each_node true`: the uninterrupted reference.
-2. "nodes" again with `--resume_from_checkpoint <its node's>/checkpoint-4`: each node resumes from its own copy.
-   "world1": the kill run's checkpoint-4 resumed on 1 rank: gradient accumulation 2 -> 4 keeps the global batch.
+Phase 1, side by side:
+- "node0"/"node1": two `hfzero run --nnodes 2 --nproc_per_node 1` launchers (c10d rendezvous, one host),
+  each with its own output directory (no directory in common) and `--save_on_each_node true`, under
+  `--max_restarts 1`; rank 1 SIGKILLs itself at the end of step 3. torchelastic restarts both nodes'
+  workers; ZeroTrainer resumes on its own from checkpoint-2, each node reading its own copy.
+- "ref": the same training on one launcher with 2 ranks, uninterrupted, in a shared directory.
+Phase 2: "world1": ref's checkpoint-4 resumed on 1 rank: gradient accumulation 2 -> 4 keeps the global batch.
 """
 
 from __future__ import annotations
@@ -54,25 +54,21 @@ def _finish(procs: list[tuple[subprocess.Popen, Path]]) -> dict[str, str]:
     return logs
 
 
-def _nodes(root: Path, phase: str, extra: list[str] = ()) -> list[tuple[subprocess.Popen, Path]]:
-    port = _free_port()
-    return [_start(root / f"{phase}{k}.log", ["--nnodes", "2", "--node_rank", str(k), "--nproc_per_node", "1",
-                                              "--master_addr", "127.0.0.1", "--master_port", str(port)],
-                   ["--output_dir", str(root / f"node{k}"), "--save_on_each_node", "true",
-                    *[a.replace("NODE", f"node{k}") for a in extra]]) for k in (0, 1)]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
     root = tmp_path_factory.mktemp("restart")
-    kill = _start(root / "kill.log", ["--standalone", "--nproc_per_node", "2", "--max_restarts", "1"],
-                  ["--output_dir", str(root / "kill"), "--kill_at_step", "3"])
-    logs = _finish([kill, *_nodes(root, "nodes")])
-    resume = _nodes(root, "resume", ["--resume_from_checkpoint", str(root / "NODE" / "checkpoint-4")])
+    port = _free_port()
+    nodes = [_start(root / f"node{k}.log",
+                    ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+                     f"127.0.0.1:{port}", "--rdzv_id", "restart", "--rdzv_conf", f"is_host={k == 0}",
+                     "--max_restarts", "1"],
+                    ["--output_dir", str(root / f"node{k}"), "--save_on_each_node", "true", "--kill_at_step", "3",
+                     "--kill_marker", str(root / "killed")]) for k in (0, 1)]
+    ref = _start(root / "ref.log", ["--standalone", "--nproc_per_node", "2"], ["--output_dir", str(root / "ref")])
+    logs = _finish([*nodes, ref])
     world1 = _start(root / "world1.log", ["--standalone", "--nproc_per_node", "1"],
-                    ["--output_dir", str(root / "world1"), "--resume_from_checkpoint",
-                     str(root / "kill" / "checkpoint-4")])
-    logs.update(_finish([*resume, world1]))
+                    ["--output_dir", str(root / "world1"), "--resume_from_checkpoint", str(root / "ref" / "checkpoint-4")])
+    logs.update(_finish([world1]))
     return root, logs
 
 
@@ -83,29 +79,33 @@ def _losses(out: Path) -> dict[int, float]:
 
 def test_kill_9_restarts_and_resumes_from_the_last_checkpoint(runs: tuple[Path, dict[str, str]]) -> None:
     root, logs = runs
-    assert "failed (exitcode: -9) local_rank: 1" in logs["kill"]  # the SIGKILL happened
-    assert "restart 1: resuming from" in logs["kill"] and "checkpoint-2, the newest complete" in logs["kill"]
-    assert "connectFullMesh" not in logs["kill"]
-    reference = _losses(root / "node0")
+    both = logs["node0"] + logs["node1"]
+    assert (root / "killed").exists() and "failed (exitcode: -9)" in both  # the SIGKILL happened
+    assert "restart 1: resuming from" in both and "checkpoint-2, the newest complete" in both
+    assert "connectFullMesh" not in both
+    reference = _losses(root / "ref")
     assert sorted(reference) == [1, 2, 3, 4, 5, 6]
-    assert _losses(root / "kill") == reference  # steps 1-2 before the kill, 3-6 after the restart: equal
+    final = [root / f"node{k}" for k in (0, 1) if (root / f"node{k}" / "trainer_state.json").exists()]
+    assert len(final) == 1  # written by global rank 0 only
+    assert _losses(final[0]) == reference  # steps 1-3 before the kill, 3-6 after the restart: equal
 
 
 def test_node_local_checkpoints_save_and_resume_without_a_shared_directory(
         runs: tuple[Path, dict[str, str]]) -> None:
-    root, logs = runs
-    for k in (0, 1):
-        held = sorted(p.name for p in (root / f"node{k}" / "checkpoint-4" / "zero_optimizer").iterdir())
-        assert f"rank0000{k}-of-00002.safetensors" in held and f"rank0000{1 - k}-of-00002.safetensors" not in held
-        assert "manifest.json" in held
-    # the resumed pair appended steps 5-6 to node 0's log history (loaded from its checkpoint-4)
-    assert _losses(root / "node0") == _losses(root / "kill")
+    root, _ = runs
+    for step in (2, 4, 6):  # 2: before the kill, read back by the restart; 4, 6: after it
+        held = [sorted(p.name for p in (root / f"node{k}" / f"checkpoint-{step}" / "zero_optimizer").iterdir())
+                for k in (0, 1)]
+        ranks = [[n for n in h if n.startswith("rank")] for h in held]
+        assert sorted(ranks) == [["rank00000-of-00002.safetensors"], ["rank00001-of-00002.safetensors"]], held
+        assert all("manifest.json" in h for h in held)
+    # resumed from node-local copies, the losses were equal (test above)
 
 
 def test_resume_on_another_world_size_keeps_the_global_batch(runs: tuple[Path, dict[str, str]]) -> None:
     root, logs = runs
     assert "gradient accumulation 2 -> 4 keeps the global batch of 8" in logs["world1"]
-    got, want = _losses(root / "world1"), _losses(root / "kill")
+    got, want = _losses(root / "world1"), _losses(root / "ref")
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     for step in (5, 6):  # the same samples per step, reduced in another order: float rounding only
         assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)

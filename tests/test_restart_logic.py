@@ -79,6 +79,11 @@ def test_auto_resume_only_after_a_restart(tmp_path: Path, monkeypatch: pytest.Mo
     assert auto_resume_checkpoint(str(tmp_path), True, comm) == str(tmp_path / "checkpoint-4")
     assert auto_resume_checkpoint(str(tmp_path), False, comm) is None  # --zero_auto_resume false
     assert auto_resume_checkpoint(str(tmp_path / "empty"), True, comm) is None
+    # a node whose agent restarted only because another node's worker failed keeps count 0: still a restart
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    peer = json.dumps({"restart": 1, "steps": [2]}).encode()
+    two_nodes = SimpleNamespace(rank=0, world_size=2, all_gather_bytes=lambda b: [b, peer])
+    assert auto_resume_checkpoint(str(tmp_path), True, two_nodes) == str(tmp_path / "checkpoint-2")  # common step
 
 
 @pytest.mark.parametrize("argv", [

@@ -18,7 +18,8 @@ rendezvous (``--standalone`` or ``--rdzv_backend c10d``) the restarted workers r
 through the agent's TCP store, which torch shares with the rendezvous by default; a re-formed gloo
 group then fails with "Gloo connectFullMesh failed ... Connection refused" (pytorch #135712).
 ``hfzero run`` therefore sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a separate store per round)
-unless the environment already sets it. A restarted worker sees ``TORCHELASTIC_RESTART_COUNT`` > 0,
+unless the environment already sets it. The static rendezvous (``--master_addr``/``--node_rank`` over
+several nodes) gives restarted workers no fresh store at all: they fail the same way, so ``plan`` warns. A restarted worker sees ``TORCHELASTIC_RESTART_COUNT`` > 0,
 and ZeroTrainer resumes from the newest complete checkpoint (hfzero/integrations/resume.py).
 Every worker writes its exception into torchelastic's error file (``TORCHELASTIC_ERROR_FILE``), so
 a failure is reported with its rank, node and first error line (``failure_message``).
@@ -166,6 +167,7 @@ def plan(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Launc
     argv = options_after_script(list(argv), parser)
     args = parser.parse_args(argv)
     _check_nproc(str(args.nproc_per_node))
+    _warn_static_restarts(args)
     script_args, flags = split_zero_options(args.training_script_args)
     from_env = options_from_env(environ)
     options = {**from_env, **flags}
@@ -222,6 +224,15 @@ def options_after_script(argv: list[str], parser: argparse.ArgumentParser) -> li
     options = [argv[j] for j in moved]
     logger.info("hfzero run: %s given before the script: taken as hfzero options", " ".join(options))
     return [t for j, t in enumerate(argv[:i]) if j not in moved] + argv[i:i + 1] + options + argv[i + 1:]
+
+
+def _warn_static_restarts(args: argparse.Namespace) -> None:
+    """``--max_restarts`` over several nodes with the static rendezvous (``--master_addr``/``--node_rank``): the
+    restarted workers get no fresh store and fail to connect (see [Note: restarts])."""
+    if int(args.max_restarts) > 0 and args.rdzv_backend == "static" and str(args.nnodes) not in ("1", "1:1"):
+        logger.warning("hfzero run: --max_restarts %s with a static rendezvous over --nnodes %s: restarted workers "
+                       "failed to re-form their group in our tests (Gloo connectFullMesh); use --rdzv_backend c10d "
+                       "--rdzv_endpoint HOST:PORT --rdzv_id ID for restarts across nodes", args.max_restarts, args.nnodes)
 
 
 def _check_mixed_precision(options: Mapping[str, str], script_args: list[str]) -> None:

@@ -97,22 +97,24 @@ def newest_common_step(per_rank: list[list[int]]) -> int | None:
 def auto_resume_checkpoint(output_dir: str, enabled: bool, comm: Any) -> str | None:
     """The checkpoint a restarted worker resumes from (see [Note: automatic resume]), or None.
 
-    A collective over ``comm`` (a hfzero Communicator over every rank) when the worker was restarted:
-    every rank calls it at the same point (the start of ``train``), with the same ``enabled``.
+    A collective over ``comm`` (a hfzero Communicator over every rank): every rank calls it at the same
+    point (the start of ``train``), restarted or not, because the restart counts of different nodes can
+    differ (torchelastic counts failures per agent: a node restarted only because another node's worker
+    failed keeps count 0). The run counts as restarted when any rank's count is above 0.
     """
-    count = restart_count()
+    mine = {"restart": restart_count(), "steps": complete_steps(output_dir)}
+    gathered = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(mine).encode())]
+    count = max(g["restart"] for g in gathered)
     if count == 0:
-        steps = complete_steps(output_dir)
-        if steps and comm.rank == 0:
+        if mine["steps"] and comm.rank == 0:
             logger.info("%s holds complete checkpoints up to checkpoint-%d; a fresh start does not resume from "
-                        "them (pass --resume_from_checkpoint to continue)", output_dir, steps[-1])
+                        "them (pass --resume_from_checkpoint to continue)", output_dir, mine["steps"][-1])
         return None
     if not enabled:
-        logger.info("restart %d: --zero_auto_resume false, training from the script's start", count)
+        if comm.rank == 0:
+            logger.warning("restart %d: --zero_auto_resume false, training from the script's start", count)
         return None
-    mine = complete_steps(output_dir)
-    gathered = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(mine).encode())]
-    step = newest_common_step(gathered)
+    step = newest_common_step([g["steps"] for g in gathered])
     if step is None:
         if comm.rank == 0:
             logger.warning("restart %d: no checkpoint in %s is complete on every rank; training from step 0",
