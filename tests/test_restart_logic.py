@@ -97,6 +97,20 @@ def test_zero_options_before_the_script_are_taken(argv: list[str]) -> None:
     assert p.torchrun_args.training_script_args == [SCRIPT, "--output_dir", "o"]
 
 
+@pytest.mark.parametrize("options, message", [
+    (["--nnodes", "2:1"], "--nnodes '2:1' is invalid"),
+    (["--nnodes", "0"], "--nnodes '0' is invalid"),
+    (["--nnodes", "1:2"], "needs a dynamic rendezvous: add --rdzv_backend c10d"),
+    (["--nnodes", "2", "--node_rank", "2"], "--node_rank 2 is outside --nnodes 2"),
+    (["--max_restarts", "-1"], "--max_restarts -1 is invalid"),
+])
+def test_bad_node_options_are_refused_before_start(options: list[str], message: str) -> None:
+    with pytest.raises(launch.ConfigError, match=message):
+        launch.plan([*options, "--nproc_per_node", "1", SCRIPT, "--output_dir", "o", "--zero_stage", "2"])
+    launch.plan(["--nnodes", "1:2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:1", "--nproc_per_node",
+                 "1", SCRIPT, "--output_dir", "o", "--zero_stage", "2"])  # elastic with c10d: fine
+
+
 def test_mixed_precision_conflict_is_refused_before_start() -> None:
     with pytest.raises(launch.ConfigError, match="--bf16 and --zero_dtype fp16 conflict"):
         launch.plan(["--nproc_per_node", "2", SCRIPT, "--bf16", "true", "--zero_dtype", "fp16", "--output_dir", "o"])

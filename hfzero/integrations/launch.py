@@ -167,6 +167,7 @@ def plan(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Launc
     argv = options_after_script(list(argv), parser)
     args = parser.parse_args(argv)
     _check_nproc(str(args.nproc_per_node))
+    _check_nodes(args)
     _warn_static_restarts(args)
     script_args, flags = split_zero_options(args.training_script_args)
     from_env = options_from_env(environ)
@@ -224,6 +225,27 @@ def options_after_script(argv: list[str], parser: argparse.ArgumentParser) -> li
     options = [argv[j] for j in moved]
     logger.info("hfzero run: %s given before the script: taken as hfzero options", " ".join(options))
     return [t for j, t in enumerate(argv[:i]) if j not in moved] + argv[i:i + 1] + options + argv[i + 1:]
+
+
+def _check_nodes(args: argparse.Namespace) -> None:
+    """``--nnodes``, ``--node_rank`` and ``--max_restarts`` before anything starts (torchrun would wait for a
+    node that never comes, or fail inside its agent)."""
+    parts = str(args.nnodes).split(":")
+    try:
+        low, high = int(parts[0]), int(parts[-1])
+        ok = len(parts) <= 2 and 1 <= low <= high
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"--nnodes {args.nnodes!r} is invalid: give a number of nodes N, or MIN:MAX with "
+                          "1 <= MIN <= MAX for an elastic run")
+    if args.rdzv_backend == "static" and not args.standalone and low != high:
+        raise ConfigError(f"--nnodes {args.nnodes} (elastic) needs a dynamic rendezvous: add --rdzv_backend c10d "
+                          "--rdzv_endpoint HOST:PORT --rdzv_id ID (the static one takes a fixed number of nodes)")
+    if args.rdzv_backend == "static" and not args.standalone and not 0 <= int(args.node_rank) < high:
+        raise ConfigError(f"--node_rank {args.node_rank} is outside --nnodes {high}: node ranks are 0 to {high - 1}")
+    if int(args.max_restarts) < 0:
+        raise ConfigError(f"--max_restarts {args.max_restarts} is invalid: give 0 (no restart) or more")
 
 
 def _warn_static_restarts(args: argparse.Namespace) -> None:
