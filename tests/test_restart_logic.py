@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from hfzero.integrations import launch
-from hfzero.integrations.resume import (BatchDecision, TrainerBatch, auto_resume_checkpoint, complete_steps,
-                                       keep_global_batch, newest_common_step, restart_count)
+from hfzero.integrations.resume import (BatchDecision, TrainerBatch, complete_steps, keep_global_batch,
+                                       newest_common_step, restart_count, resume_checkpoint)
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "examples" / "train_clm.py")
 
@@ -74,16 +74,22 @@ def test_auto_resume_only_after_a_restart(tmp_path: Path, monkeypatch: pytest.Mo
     _checkpoint(tmp_path, 2)
     _checkpoint(tmp_path, 4)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    assert restart_count() == 0 and auto_resume_checkpoint(str(tmp_path), True, comm) is None  # fresh start
+    assert restart_count() == 0 and resume_checkpoint(str(tmp_path), None, True, comm) is None  # fresh start
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert auto_resume_checkpoint(str(tmp_path), True, comm) == str(tmp_path / "checkpoint-4")
-    assert auto_resume_checkpoint(str(tmp_path), False, comm) is None  # --zero_auto_resume false
-    assert auto_resume_checkpoint(str(tmp_path / "empty"), True, comm) is None
+    assert resume_checkpoint(str(tmp_path), None, True, comm) == str(tmp_path / "checkpoint-4")
+    assert resume_checkpoint(str(tmp_path), None, False, comm) is None  # --zero_auto_resume false
+    assert resume_checkpoint(str(tmp_path / "empty"), None, True, comm) is None
+    # resume_from_checkpoint=True: the newest complete one, not checkpoint-6 whose save was killed; a path: as given
+    _checkpoint(tmp_path, 6, manifest=False)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert resume_checkpoint(str(tmp_path), True, True, comm) == str(tmp_path / "checkpoint-4")
+    assert resume_checkpoint(str(tmp_path / "empty"), True, True, comm) is True  # the Trainer reports "none"
+    assert resume_checkpoint(str(tmp_path), "elsewhere", True, comm) == "elsewhere"
     # a node whose agent restarted only because another node's worker failed keeps count 0: still a restart
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     peer = json.dumps({"restart": 1, "steps": [2]}).encode()
     two_nodes = SimpleNamespace(rank=0, world_size=2, all_gather_bytes=lambda b: [b, peer])
-    assert auto_resume_checkpoint(str(tmp_path), True, two_nodes) == str(tmp_path / "checkpoint-2")  # common step
+    assert resume_checkpoint(str(tmp_path), None, True, two_nodes) == str(tmp_path / "checkpoint-2")  # common step
 
 
 @pytest.mark.parametrize("argv", [

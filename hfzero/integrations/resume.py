@@ -6,7 +6,7 @@ torchelastic (``hfzero run --max_restarts N``, torchrun) restarts every worker w
 as it did the first time, so without help it retrains from step 0. ZeroTrainer.train therefore, when
 ``TORCHELASTIC_RESTART_COUNT`` > 0, ``ZeroConfig.auto_resume`` is true (the default) and the script
 passed no ``resume_from_checkpoint``, resumes from the newest *complete* ``checkpoint-N`` in
-``output_dir``:
+``output_dir`` (and ``resume_from_checkpoint=True`` means that checkpoint too, not the newest by name):
 - complete: its ``zero_optimizer/`` resolves to a directory with ``manifest.json`` (written last, then
   swapped in by rename: see [Note: atomic checkpoint]; a save killed between its renames leaves a
   complete ``.zero_optimizer.previous``, which counts), and its ``trainer_state.json`` (the Trainer
@@ -94,8 +94,11 @@ def newest_common_step(per_rank: list[list[int]]) -> int | None:
     return max(common) if common else None
 
 
-def auto_resume_checkpoint(output_dir: str, enabled: bool, comm: Any) -> str | None:
-    """The checkpoint a restarted worker resumes from (see [Note: automatic resume]), or None.
+def resume_checkpoint(output_dir: str, requested: str | bool | None, enabled: bool, comm: Any) -> str | bool | None:
+    """What ``train`` resumes from: ``requested`` when it names a checkpoint; for ``True`` (the Trainer's "the
+    last checkpoint") the newest *complete* one (the Trainer would take the newest by name, even one whose
+    save was killed); for None after a restart, see [Note: automatic resume]. Returns None (train from
+    the start), a path, or ``True`` when no checkpoint is complete (the Trainer then reports it).
 
     A collective over ``comm`` (a hfzero Communicator over every rank): every rank calls it at the same
     point (the start of ``train``), restarted or not, because the restart counts of different nodes can
@@ -104,6 +107,12 @@ def auto_resume_checkpoint(output_dir: str, enabled: bool, comm: Any) -> str | N
     """
     mine = {"restart": restart_count(), "steps": complete_steps(output_dir)}
     gathered = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(mine).encode())]
+    step = newest_common_step([g["steps"] for g in gathered])
+    path = str(Path(output_dir) / f"checkpoint-{step}") if step is not None else None
+    if requested is True:
+        return path or True
+    if requested:
+        return requested
     count = max(g["restart"] for g in gathered)
     if count == 0:
         if mine["steps"] and comm.rank == 0:
@@ -114,16 +123,13 @@ def auto_resume_checkpoint(output_dir: str, enabled: bool, comm: Any) -> str | N
         if comm.rank == 0:
             logger.warning("restart %d: --zero_auto_resume false, training from the script's start", count)
         return None
-    step = newest_common_step([g["steps"] for g in gathered])
-    if step is None:
-        if comm.rank == 0:
+    if comm.rank == 0:
+        if path is None:
             logger.warning("restart %d: no checkpoint in %s is complete on every rank; training from step 0",
                            count, output_dir)
-        return None
-    path = str(Path(output_dir) / f"checkpoint-{step}")
-    if comm.rank == 0:
-        logger.warning("restart %d: resuming from %s, the newest complete checkpoint (--zero_auto_resume false "
-                       "turns this off)", count, path)
+        else:
+            logger.warning("restart %d: resuming from %s, the newest complete checkpoint (--zero_auto_resume "
+                           "false turns this off)", count, path)
     return path
 
 

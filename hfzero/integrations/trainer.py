@@ -54,8 +54,7 @@ from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.accelerate import ZeroAccelerator, apply_mixed_precision
 from hfzero.integrations.env import config_strings_from_env, pipeline_strings_from_env, profile_dir_from_env
 from hfzero.integrations.gpus import check_ranks_fit_devices, cpu_requested, local_world_size
-from hfzero.integrations.resume import (BATCH_KEY, TrainerBatch, auto_resume_checkpoint, keep_global_batch,
-                                       saved_batch)
+from hfzero.integrations.resume import BATCH_KEY, TrainerBatch, keep_global_batch, resume_checkpoint, saved_batch
 from hfzero.integrations.state import (has_shards, is_partitioned, load_optimizer_shards, model_param_count,
                                       needs_gathered_weights, save_optimizer_shards, saving_gathered,
                                       scheduler_state_for_stage, scheduler_state_for_user_groups, unwrap_optimizer)
@@ -338,9 +337,8 @@ class ZeroTrainer(Trainer):
             seq = _first_example_length(self.train_dataset) or default_seq_len(self.model)
             if seq:  # stage="auto": the activation estimate's batch
                 self.accelerator.zero_auto_batch = (self.args.per_device_train_batch_size, seq)
-        if not resume_from_checkpoint:
-            resume_from_checkpoint = auto_resume_checkpoint(self.args.output_dir, self.zero_config.auto_resume,
-                                                            Communicator()) or resume_from_checkpoint
+        resume_from_checkpoint = resume_checkpoint(self.args.output_dir, resume_from_checkpoint or None,
+                                                   self.zero_config.auto_resume, Communicator())
         if resume_from_checkpoint:
             self._keep_global_batch(resume_from_checkpoint)
         with _in_trainer_module("get_model_param_count", model_param_count):
