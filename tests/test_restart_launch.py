@@ -1,12 +1,13 @@
 """`hfzero run` restarts and node-local checkpoints, end to end (tests/scripts/restart_trainer.py, a tiny Llama).
 
-Phase 1, side by side:
+Side by side:
 - "node0"/"node1": two `hfzero run --nnodes 2 --nproc_per_node 1` launchers (c10d rendezvous, one host),
   each with its own output directory (no directory in common) and `--save_on_each_node true`, under
   `--max_restarts 1`; rank 1 SIGKILLs itself at the end of step 3. torchelastic restarts both nodes'
   workers; ZeroTrainer resumes on its own from checkpoint-2, each node reading its own copy.
 - "ref": the same training on one launcher with 2 ranks, uninterrupted, in a shared directory.
-Phase 2: "world1": ref's checkpoint-4 resumed on 1 rank: gradient accumulation 2 -> 4 keeps the global batch.
+- "world1", started once ref's checkpoint-4 is complete: that checkpoint resumed on 1 rank; gradient
+  accumulation 2 -> 4 keeps the global batch.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from hfzero.integrations.resume import checkpoint_problem
 from test_integration_common import LAUNCH_TIMEOUT_S, launch_env
 
 SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "restart_trainer.py")
@@ -65,11 +68,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]
                     ["--output_dir", str(root / f"node{k}"), "--save_on_each_node", "true", "--kill_at_step", "3",
                      "--kill_marker", str(root / "killed")]) for k in (0, 1)]
     ref = _start(root / "ref.log", ["--standalone", "--nproc_per_node", "2"], ["--output_dir", str(root / "ref")])
-    logs = _finish([*nodes, ref])
+    checkpoint = root / "ref" / "checkpoint-4"
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while checkpoint_problem(checkpoint) is not None and ref[0].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)  # start the world-1 resume as soon as the reference's checkpoint-4 is complete
     world1 = _start(root / "world1.log", ["--standalone", "--nproc_per_node", "1"],
-                    ["--output_dir", str(root / "world1"), "--resume_from_checkpoint", str(root / "ref" / "checkpoint-4")])
-    logs.update(_finish([world1]))
-    return root, logs
+                    ["--output_dir", str(root / "world1"), "--resume_from_checkpoint", str(checkpoint)])
+    return root, _finish([*nodes, ref, world1])
 
 
 def _losses(out: Path) -> dict[int, float]:
