@@ -8,6 +8,7 @@ Side by side:
 - "ref": the same training on one launcher with 2 ranks, uninterrupted, in a shared directory.
 - "world1", started once ref's checkpoint-4 is complete: that checkpoint resumed on 1 rank; gradient
   accumulation 2 -> 4 keeps the global batch.
+- "fail": arguments TrainingArguments refuses in every worker: the launcher names the rank, node and error.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def _start(log: Path, launcher: list[str], script_args: list[str]) -> tuple[subp
     return proc, log
 
 
-def _finish(procs: list[tuple[subprocess.Popen, Path]]) -> dict[str, str]:
+def _finish(procs: list[tuple[subprocess.Popen, Path]], failing: str = "") -> dict[str, str]:
+    """Wait for the launches; each must succeed except ``failing``, which must exit 1."""
     logs = {}
     for proc, log in procs:
         try:
@@ -53,7 +55,7 @@ def _finish(procs: list[tuple[subprocess.Popen, Path]]) -> dict[str, str]:
         except subprocess.TimeoutExpired:
             proc.kill()
         logs[log.stem] = log.read_text()
-        assert proc.returncode == 0, f"{log.stem}:\n{logs[log.stem][-6000:]}"
+        assert proc.returncode == (1 if log.stem == failing else 0), f"{log.stem}:\n{logs[log.stem][-6000:]}"
     return logs
 
 
@@ -74,7 +76,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]
         time.sleep(0.5)  # start the world-1 resume as soon as the reference's checkpoint-4 is complete
     world1 = _start(root / "world1.log", ["--standalone", "--nproc_per_node", "1"],
                     ["--output_dir", str(root / "world1"), "--resume_from_checkpoint", str(checkpoint)])
-    return root, _finish([*nodes, ref, world1])
+    fail = _start(root / "fail.log", ["--standalone", "--nproc_per_node", "2"],
+                  ["--output_dir", str(root / "fail"), "--eval_strategy", "no", "--load_best_model_at_end", "true"])
+    return root, _finish([*nodes, ref, world1, fail], failing="fail")
 
 
 def _losses(out: Path) -> dict[int, float]:
@@ -114,3 +118,11 @@ def test_resume_on_another_world_size_keeps_the_global_batch(runs: tuple[Path, d
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     for step in (5, 6):  # the same samples per step, reduced in another order: float rounding only
         assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got, want)
+
+
+def test_a_failed_worker_is_named_with_its_first_error_line(runs: tuple[Path, dict[str, str]]) -> None:
+    _, logs = runs
+    line = next(x for x in logs["fail"].splitlines() if "ERROR hfzero.integrations.launch" in x)
+    assert "worker rank " in line and " on node 0 (" in line and "exited with code 1: ValueError: " \
+        "--load_best_model_at_end requires the save and eval strategy to match" in line, line
+    assert "failed too" in line and "To enable traceback" not in line
