@@ -13,14 +13,15 @@ Two halves:
 Without ``--zero_*`` options nothing is patched: it behaves like torchrun.
 
 [Note: restarts]
-``--max_restarts N`` restarts every worker of a node when one fails (torchelastic). With a c10d
-rendezvous (``--standalone`` or ``--rdzv_backend c10d``) the restarted workers re-form their group
-through the agent's TCP store, which torch shares with the rendezvous by default; a re-formed gloo
-group then fails with "Gloo connectFullMesh failed ... Connection refused" (pytorch #135712).
-``hfzero run`` therefore sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a separate store per round)
-unless the environment already sets it. The static rendezvous (``--master_addr``/``--node_rank`` over
-several nodes) gives restarted workers no fresh store at all: they fail the same way, so ``plan`` warns. A restarted worker sees ``TORCHELASTIC_RESTART_COUNT`` > 0,
-and ZeroTrainer resumes from the newest complete checkpoint (hfzero/integrations/resume.py).
+``--max_restarts N`` restarts every worker of a node when one fails (torchelastic). By default torch
+shares the c10d rendezvous' TCP store with the workers; after a restart on one launcher
+(``--standalone``) the re-formed gloo group then fails with "Gloo connectFullMesh failed ... Connection
+refused" (pytorch #135712; measured here, and passing with the variable below). ``hfzero run``
+therefore sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (the workers get a store of their own each
+round) unless the environment already sets it. The static rendezvous (``--master_addr``/``--node_rank``
+over several nodes) gives restarted workers no fresh store at all and they fail the same way, so
+``plan`` warns. A restarted worker sees ``TORCHELASTIC_RESTART_COUNT`` > 0 (per node: see
+hfzero/integrations/resume.py), and ZeroTrainer resumes from the newest complete checkpoint.
 Every worker writes its exception into torchelastic's error file (``TORCHELASTIC_ERROR_FILE``), so
 a failure is reported with its rank, node and first error line (``failure_message``).
 

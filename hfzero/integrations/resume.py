@@ -4,7 +4,9 @@
 torchelastic (``hfzero run --max_restarts N``, torchrun) restarts every worker when one fails and sets
 ``TORCHELASTIC_RESTART_COUNT`` (0 on the first start). A restarted script calls ``trainer.train()``
 as it did the first time, so without help it retrains from step 0. ZeroTrainer.train therefore, when
-``TORCHELASTIC_RESTART_COUNT`` > 0, ``ZeroConfig.auto_resume`` is true (the default) and the script
+``TORCHELASTIC_RESTART_COUNT`` > 0 on any rank (torchelastic counts failures per node: a node restarted
+only because another node's worker failed keeps 0, so the ranks decide together, in one all-gather
+every ``train`` makes), ``ZeroConfig.auto_resume`` is true (the default) and the script
 passed no ``resume_from_checkpoint``, resumes from the newest *complete* ``checkpoint-N`` in
 ``output_dir`` (and ``resume_from_checkpoint=True`` means that checkpoint too, not the newest by name):
 - complete: its ``zero_optimizer/`` resolves to a directory with ``manifest.json`` (written last, then
