@@ -117,6 +117,11 @@ def test_bad_node_options_are_refused_before_start(options: list[str], message: 
                  "1", SCRIPT, "--output_dir", "o", "--zero_stage", "2"])  # elastic with c10d: fine
 
 
+def test_zero_options_without_a_script_say_so() -> None:
+    with pytest.raises(launch.ConfigError, match="--zero_stage 2 but no script"):
+        launch.plan(["--nproc_per_node", "2", "--zero_stage", "2"])
+
+
 def test_mixed_precision_conflict_is_refused_before_start() -> None:
     with pytest.raises(launch.ConfigError, match="--bf16 and --zero_dtype fp16 conflict"):
         launch.plan(["--nproc_per_node", "2", SCRIPT, "--bf16", "true", "--zero_dtype", "fp16", "--output_dir", "o"])

@@ -224,6 +224,9 @@ def options_after_script(argv: list[str], parser: argparse.ArgumentParser) -> li
     if not moved:
         return argv
     options = [argv[j] for j in moved]
+    if i >= len(argv):
+        raise ConfigError(f"{' '.join(options)} but no script: hfzero run [torchrun options] SCRIPT "
+                          "[script args] [--zero_* options]")
     logger.info("hfzero run: %s given before the script: taken as hfzero options", " ".join(options))
     return [t for j, t in enumerate(argv[:i]) if j not in moved] + argv[i:i + 1] + options + argv[i + 1:]
 
