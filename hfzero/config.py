@@ -153,6 +153,12 @@ class ZeroConfig:
     contiguous_checkpoints: bool = False
     """ZeRO-R MD: copy activation checkpoints into per-layer buffers allocated once and reused every step."""
 
+    auto_resume: bool = True
+    """ZeroTrainer only: when torchelastic restarted the workers (``TORCHELASTIC_RESTART_COUNT`` > 0, e.g.
+    ``hfzero run --max_restarts 1`` after a rank died), resume from the newest complete ``checkpoint-N``
+    in ``output_dir`` if the script passed no ``resume_from_checkpoint``. A fresh start never resumes
+    on its own. false: restarted workers train from step 0 as the script says (docs/integrations.md)."""
+
     def __post_init__(self) -> None:
         _check((_is_int(self.stage) and self.stage in (0, 1, 2, 3)) or self.stage == STAGE_AUTO, "stage", self.stage,
                'must be 0, 1, 2, 3 or "auto"')
@@ -188,7 +194,7 @@ class ZeroConfig:
         _check(self.loss_scale >= 0, "loss_scale", self.loss_scale, "must be >= 0 (0 = dynamic)")
         _check(self.initial_loss_scale > 0, "initial_loss_scale", self.initial_loss_scale, "must be > 0")
         _check(self.min_loss_scale > 0, "min_loss_scale", self.min_loss_scale, "must be > 0")
-        for name in ("partition_activations", "cpu_checkpointing", "contiguous_checkpoints"):
+        for name in ("partition_activations", "cpu_checkpointing", "contiguous_checkpoints", "auto_resume"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be true or false")
         _check(_is_int(self.tp_size) and self.tp_size > 0, "tp_size", self.tp_size, "must be a positive integer")
         _check(not self.partition_activations or self.tp_size > 1, "partition_activations", True,

@@ -12,7 +12,8 @@ A save into ``DIR`` happens in ``.DIR.partial`` next to it:
 A kill before the first rename leaves ``DIR`` untouched (and a ``.partial`` without a manifest, or
 not yet swapped in, which the next save replaces); a kill between the renames leaves no ``DIR``
 but a complete ``.DIR.previous``, which ``load_checkpoint(DIR)`` finds and loads. A directory
-without ``manifest.json`` is never loaded. ``DIR`` must be on a file system every rank sees.
+without ``manifest.json`` is never loaded. ``DIR`` must be on a file system every rank sees (else see
+node_local.py).
 
 Test hook: with ``HFZERO_CHECKPOINT_PAUSE_AT=<phase>`` in the environment a rank reaching that
 phase writes the path in ``HFZERO_CHECKPOINT_PAUSE_SIGNAL`` (suffixed ``.rank<r>``) and sleeps, so a

@@ -12,6 +12,19 @@ Two halves:
   an unmodified Trainer or accelerate script trains with ZeRO.
 Without ``--zero_*`` options nothing is patched: it behaves like torchrun.
 
+[Note: restarts]
+``--max_restarts N`` restarts every worker of a node when one fails (torchelastic). By default torch
+shares the c10d rendezvous' TCP store with the workers; after a restart on one launcher
+(``--standalone``) the re-formed gloo group then fails with "Gloo connectFullMesh failed ... Connection
+refused" (pytorch #135712; measured here, and passing with the variable below). ``hfzero run``
+therefore sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (the workers get a store of their own each
+round) unless the environment already sets it. The static rendezvous (``--master_addr``/``--node_rank``
+over several nodes) gives restarted workers no fresh store at all and they fail the same way, so
+``plan`` warns. A restarted worker sees ``TORCHELASTIC_RESTART_COUNT`` > 0 (per node: see
+hfzero/integrations/resume.py), and ZeroTrainer resumes from the newest complete checkpoint.
+Every worker writes its exception into torchelastic's error file (``TORCHELASTIC_ERROR_FILE``), so
+a failure is reported with its rank, node and first error line (``failure_message``).
+
 [Note: ZeRO not applied]
 The ``--zero_*`` options are never ignored silently: a worker whose script ends without any model
 prepared by hfzero (a plain torch loop, a custom trainer that builds its own DDP) logs an error
@@ -26,12 +39,14 @@ import argparse
 import dataclasses
 import os
 import runpy
+import socket
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.env import (PROFILE_DIR_ENV, config_strings_from_env, config_to_env, env_name,
-                                    pipeline_strings_from_env)
+                                    pipeline_strings_from_env, split_pipeline_options)
 from hfzero.logging import get_logger
 from hfzero.parallel.pipeline.config import PipelineConfig
 
@@ -45,6 +60,8 @@ NOT_APPLIED_EXIT = 3
 _TP_WITH_PP = ("--zero_tp_size and --zero_pp_size cannot be combined yet (pipeline x tensor parallelism is not "
                "built); use one of them")
 """Exit status of a worker (and of ``hfzero run``) whose script prepared no model with hfzero."""
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""Set by ``hfzero run`` unless already in the environment; see [Note: restarts]."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,8 +165,11 @@ def plan(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Launc
 
     parser = get_args_parser()
     parser.prog = "hfzero run"
-    args = parser.parse_args(list(argv))
+    argv = options_after_script(list(argv), parser)
+    args = parser.parse_args(argv)
     _check_nproc(str(args.nproc_per_node))
+    _check_nodes(args)
+    _warn_static_restarts(args)
     script_args, flags = split_zero_options(args.training_script_args)
     from_env = options_from_env(environ)
     options = {**from_env, **flags}
@@ -162,6 +182,7 @@ def plan(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Launc
     profile_dir = options.pop("profile_dir", None)
     env = config_to_env(options)  # validates: raises ConfigError naming the field and the rule
     _check_tp_size(options, args)
+    _check_mixed_precision(options, script_args)
     if profile_dir is not None:
         env[PROFILE_DIR_ENV] = profile_dir
     if not args.module and not os.path.isfile(args.training_script):
@@ -175,6 +196,84 @@ def plan(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Launc
     args.module = True
     return LaunchPlan(torchrun_args=args, env=env, zero_options={**options, **(
         {"profile_dir": profile_dir} if profile_dir is not None else {})})
+
+
+def options_after_script(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``hfzero run --zero_stage 2 [torchrun options] SCRIPT ...``: move ``--zero_*`` options given before the
+    script to just after it, where ``split_zero_options`` takes them (torchrun's parser would stop at them
+    with a bare "unrecognized arguments"). The script is the first token that is neither a torchrun option
+    (with its value) nor a ``--zero_*`` option (with its value: a boolean option takes one only when it
+    reads as true/false, so ``--zero_overlap_comm train.py`` is the flag and then the script)."""
+    takes_value = {s: a.nargs != 0 for a in parser._actions for s in a.option_strings}
+    bools = {f.name for f in dataclasses.fields(ZeroConfig) if isinstance(f.default, bool)}
+    moved: list[int] = []  # indices of the --zero_* tokens before the script
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name, eq, _ = token.partition("=")
+        if token.startswith(_PREFIX):
+            field = name[len(_PREFIX):].replace("-", "_")
+            value_next = not eq and i + 1 < len(argv) and (
+                field not in bools or argv[i + 1].lower() in ("true", "false", "1", "0", "yes", "no"))
+            moved += range(i, i + 1 + value_next)
+            i += 1 + value_next
+        elif name in takes_value:
+            i += 1 + (takes_value[name] and not eq)
+        else:
+            break  # the script (or "--" / an unknown option torchrun's parser reports itself)
+    if not moved:
+        return argv
+    options = [argv[j] for j in moved]
+    if i >= len(argv):
+        raise ConfigError(f"{' '.join(options)} but no script: hfzero run [torchrun options] SCRIPT "
+                          "[script args] [--zero_* options]")
+    logger.info("hfzero run: %s given before the script: taken as hfzero options", " ".join(options))
+    return [t for j, t in enumerate(argv[:i]) if j not in moved] + argv[i:i + 1] + options + argv[i + 1:]
+
+
+def _check_nodes(args: argparse.Namespace) -> None:
+    """``--nnodes``, ``--node_rank`` and ``--max_restarts`` before anything starts (torchrun would wait for a
+    node that never comes, or fail inside its agent)."""
+    parts = str(args.nnodes).split(":")
+    try:
+        low, high = int(parts[0]), int(parts[-1])
+        ok = len(parts) <= 2 and 1 <= low <= high
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"--nnodes {args.nnodes!r} is invalid: give a number of nodes N, or MIN:MAX with "
+                          "1 <= MIN <= MAX for an elastic run")
+    if args.rdzv_backend == "static" and not args.standalone and low != high:
+        raise ConfigError(f"--nnodes {args.nnodes} (elastic) needs a dynamic rendezvous: add --rdzv_backend c10d "
+                          "--rdzv_endpoint HOST:PORT --rdzv_id ID (the static one takes a fixed number of nodes)")
+    if args.rdzv_backend == "static" and not args.standalone and not 0 <= int(args.node_rank) < high:
+        raise ConfigError(f"--node_rank {args.node_rank} is outside --nnodes {high}: node ranks are 0 to {high - 1}")
+    if int(args.max_restarts) < 0:
+        raise ConfigError(f"--max_restarts {args.max_restarts} is invalid: give 0 (no restart) or more")
+
+
+def _warn_static_restarts(args: argparse.Namespace) -> None:
+    """``--max_restarts`` over several nodes with the static rendezvous (``--master_addr``/``--node_rank``): the
+    restarted workers get no fresh store and fail to connect (see [Note: restarts])."""
+    if int(args.max_restarts) > 0 and args.rdzv_backend == "static" and str(args.nnodes) not in ("1", "1:1"):
+        logger.warning("hfzero run: --max_restarts %s with a static rendezvous over --nnodes %s: restarted workers "
+                       "failed to re-form their group in our tests (Gloo connectFullMesh); use --rdzv_backend c10d "
+                       "--rdzv_endpoint HOST:PORT --rdzv_id ID for restarts across nodes", args.max_restarts, args.nnodes)
+
+
+def _check_mixed_precision(options: Mapping[str, str], script_args: list[str]) -> None:
+    """The script's ``--bf16``/``--fp16`` against ``--zero_dtype``, before any process starts (the Trainer
+    would refuse the pair in every worker, after start-up)."""
+    from hfzero.integrations.accelerate import apply_mixed_precision
+
+    mixed = "fp16" if _flag_true(script_args, "--fp16") else "bf16" if _flag_true(script_args, "--bf16") else None
+    if mixed is None or "dtype" not in options:
+        return
+    zero, _ = split_pipeline_options({k: v for k, v in options.items() if k != "profile_dir"})
+    try:
+        apply_mixed_precision(ZeroConfig.from_strings(zero), mixed)
+    except ConfigError as error:
+        raise ConfigError(f"the script's --{mixed} and --zero_dtype {options['dtype']} conflict: {error}") from None
 
 
 def _check_tp_size(options: Mapping[str, str], args: argparse.Namespace) -> None:
@@ -200,6 +299,8 @@ def launch(argv: Sequence[str]) -> int:
     launch_plan = plan(argv)
     _check_devices(launch_plan.torchrun_args)  # before anything starts: one rank per GPU
     os.environ.update(launch_plan.env)  # the environment's HFZERO_* with the flags applied over them
+    for name, value in RESTART_ENV.items():  # see [Note: restarts]; a user's own setting wins
+        os.environ.setdefault(name, value)
     if accelerator_count() == 0:
         # transformers/accelerate treat a torchrun worker on a host without an accelerator as a
         # single process unless told it is a CPU run: each rank would train alone on all the data.
@@ -213,9 +314,30 @@ def launch(argv: Sequence[str]) -> int:
         if any(f.exitcode == NOT_APPLIED_EXIT for f in error.failures.values()):
             logger.error("%s", _not_applied_message(launch_plan.zero_options))
             return NOT_APPLIED_EXIT
-        logger.error("a worker failed: %s", error.get_first_failure()[1].message)
+        logger.error("%s", failure_message(error, launch_plan.torchrun_args))
         return 1
     return 0
+
+
+def failure_message(error: Any, args: argparse.Namespace) -> str:
+    """Which worker failed first, where, and its first error line (from the error file every hfzero worker
+    writes: see ``main``), then how many others failed. ``error`` is torchelastic's ChildFailedError."""
+    rank, first = error.get_first_failure()
+    node = f"node {args.node_rank} ({socket.gethostname()})"
+    if first.exitcode < 0:
+        what = f"was killed by signal {-first.exitcode} ({first.signal_name()})"
+    else:
+        what = f"exited with code {first.exitcode}"
+    message = first.message.get("message", "") if isinstance(first.message, dict) else first.message
+    text = str(message).strip().splitlines()[0] if str(message or "").strip() else ""
+    if not text or text.startswith(("To enable traceback", "Signal ")):  # torchelastic's texts: no report
+        detail = "; it left no error report (see its output above)" if first.exitcode >= 0 else ""
+    else:
+        detail = f": {text}"
+    others = sorted(r for r in error.failures if r != rank)
+    also = f" (rank(s) {', '.join(map(str, others))} on this node failed too)" if others else ""
+    return (f"worker rank {rank} (local rank {first.local_rank}) on {node} {what}{detail}{also}. The run stopped"
+            f"{'' if int(args.max_restarts) == 0 else ' after ' + str(args.max_restarts) + ' restart(s)'}")
 
 
 def _check_devices(args: argparse.Namespace) -> None:
@@ -292,11 +414,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     except SystemExit as exit_:
         if exit_.code not in (None, 0):
             _report_if_not_applied(zero)
+            _record_failure(exit_)
             raise  # the script's own failure: exit as Python would, with its message and code
-    except BaseException:
+    except BaseException as error:
         _report_if_not_applied(zero)
+        _record_failure(error)
         raise
     _exit_cleanly(NOT_APPLIED_EXIT if _report_if_not_applied(zero) else 0)
+
+
+def _record_failure(error: BaseException) -> None:
+    """Write the worker's exception into torchelastic's error file (``TORCHELASTIC_ERROR_FILE``, set by the
+    launcher), which the launcher reads to name the failure (``failure_message``); what torchelastic's
+    ``@record`` does, for SystemExit too. Nothing happens outside torchelastic."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    if isinstance(error, SystemExit):
+        error = RuntimeError(f"the script exited with {error.code!r}" if not isinstance(error.code, str)
+                             else error.code)
+    try:
+        get_error_handler().record_exception(error)
+    except OSError:
+        logger.warning("could not write the error file %s", os.environ["TORCHELASTIC_ERROR_FILE"])
 
 
 def _load_through_hfzero() -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from hfzero.checkpoint import load_checkpoint, save_checkpoint
+from hfzero.checkpoint import load_checkpoint, load_checkpoint_node_local, save_checkpoint, save_checkpoint_node_local
 from hfzero.checkpoint.format import MANIFEST, previous_dir
 from hfzero.config import ConfigError
 from hfzero.logging import get_logger
@@ -108,18 +108,23 @@ def has_shards(directory: str | os.PathLike[str]) -> bool:
     return directory.is_dir() or (previous_dir(directory) / MANIFEST).is_file()
 
 
-def save_optimizer_shards(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any) -> Path:
+def save_optimizer_shards(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any, *,
+                          extra: dict[str, Any] | None = None, node_local: bool = False) -> Path:
     """Save the model's ZeRO training state (every rank's optimizer shard) into ``directory`` (collective).
-    Under pipeline parallelism (``optimizer`` a pipeline stage's) every rank of the world writes its stage's."""
+    Under pipeline parallelism (``optimizer`` a pipeline stage's) every rank of the world writes its stage's.
+    ``node_local``: ranks need not share ``directory``'s file system (see [Note: node-local checkpoints])."""
     zero = _require_zero(optimizer, "save_optimizer_shards")
-    return save_checkpoint(directory, pipeline_of(zero) or model, zero)
+    save = save_checkpoint_node_local if node_local else save_checkpoint
+    return save(directory, pipeline_of(zero) or model, zero, extra=extra)
 
 
-def load_optimizer_shards(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any) -> None:
+def load_optimizer_shards(directory: str | os.PathLike[str], model: nn.Module, optimizer: Any, *,
+                          node_local: bool = False) -> None:
     """Load ZeRO training state saved by save_optimizer_shards, at any world size, stage or pipeline size
-    (collective)."""
+    (collective); ``node_local`` as for ``save_optimizer_shards``."""
     zero = _require_zero(optimizer, "load_optimizer_shards")
-    load_checkpoint(directory, pipeline_of(zero) or model, zero)
+    load = load_checkpoint_node_local if node_local else load_checkpoint
+    load(directory, pipeline_of(zero) or model, zero)
 
 
 def scheduler_state_for_user_groups(state: dict[str, Any], optimizer: Any) -> dict[str, Any]:

@@ -18,6 +18,10 @@ ZeRO enters through these hook points:
 - ``get_tp_size``: ``--zero_tp_size`` (the accelerator builds the dp x tp mesh and shards the model over
   tp); the Trainer's batch arithmetic, token counts and loss scale then count dp = world / tp replicas,
   and saving gathers the TP shards (``full_state_dict``, on every rank) into whole tensors;
+- ``train``: after a torchelastic restart, resumes from the newest complete checkpoint, and on a resume at
+  another world size keeps the global batch (hfzero/integrations/resume.py);
+- ``--save_on_each_node``: the ZeRO shards are saved and loaded node-locally (no shared file system;
+  see [Note: node-local checkpoints]);
 - a ``ZeroProfilerCallback`` when ``zero_profile_dir`` (or ``HFZERO_PROFILE_DIR``) is set.
 ``--bf16``/``--fp16`` become ZeRO's dtype (16-bit parameters and gradients + fp32 master shards),
 not autocast over fp32 parameters. Evaluation and prediction run the model's own forward (stage 3
@@ -41,13 +45,16 @@ import torch
 import torch.distributed as dist
 import transformers.trainer as _trainer_module
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
 from hfzero.autostage import default_seq_len
 from hfzero.checkpoint.format import TRAINER_SHARD_DIR as SHARD_DIR
+from hfzero.comm import Communicator
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.accelerate import ZeroAccelerator, apply_mixed_precision
 from hfzero.integrations.env import config_strings_from_env, pipeline_strings_from_env, profile_dir_from_env
 from hfzero.integrations.gpus import check_ranks_fit_devices, cpu_requested, local_world_size
+from hfzero.integrations.resume import BATCH_KEY, TrainerBatch, keep_global_batch, resume_checkpoint, saved_batch
 from hfzero.integrations.state import (has_shards, is_partitioned, load_optimizer_shards, model_param_count,
                                       needs_gathered_weights, save_optimizer_shards, saving_gathered,
                                       scheduler_state_for_stage, scheduler_state_for_user_groups, unwrap_optimizer)
@@ -320,14 +327,45 @@ class ZeroTrainer(Trainer):
                         n_micro, self.args.per_device_train_batch_size * accumulated, n_micro)
         return dataclasses.replace(config, n_microbatches=n_micro)
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's training; its "Number of trainable parameters" counts partitioned parameters whole."""
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's training; its "Number of trainable parameters" counts partitioned parameters whole.
+
+        After a torchelastic restart, with no ``resume_from_checkpoint``, resumes from the newest complete
+        checkpoint in ``output_dir`` (see [Note: automatic resume]); on any resume, keeps the global batch
+        when the world size changed (see [Note: global batch on a world change])."""
         if isinstance(self.accelerator, ZeroAccelerator) and self.accelerator.zero_auto_batch is None:
             seq = _first_example_length(self.train_dataset) or default_seq_len(self.model)
             if seq:  # stage="auto": the activation estimate's batch
                 self.accelerator.zero_auto_batch = (self.args.per_device_train_batch_size, seq)
+        resume_from_checkpoint = resume_checkpoint(self.args.output_dir, resume_from_checkpoint or None,
+                                                   self.zero_config.auto_resume, Communicator())
+        if resume_from_checkpoint:
+            self._keep_global_batch(resume_from_checkpoint)
         with _in_trainer_module("get_model_param_count", model_param_count):
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _trainer_batch(self) -> TrainerBatch:
+        """This run's global batch factors (data-parallel replicas: world / (tp x pp))."""
+        pp = self.pipeline_config.pp_size if getattr(self, "pipeline_config", None) is not None else 1
+        return TrainerBatch(per_device=self._train_batch_size, accumulation=int(self.args.gradient_accumulation_steps),
+                            replicas=max(1, self.args.world_size // (self.get_tp_size() * pp)))
+
+    def _keep_global_batch(self, checkpoint: str | bool) -> None:
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        saved = saved_batch(checkpoint) if checkpoint else None
+        if saved is None:
+            return
+        decision = keep_global_batch(saved, self._trainer_batch())
+        if decision.message:
+            logger.warning("resuming from %s: %s", checkpoint, decision.message)
+        if decision.accumulation != self.args.gradient_accumulation_steps:
+            if getattr(self, "pipeline_config", None) is not None:
+                logger.warning("ZeroTrainer: under pipeline parallelism the accumulation is not rescaled (the "
+                               "schedule's micro-batches were fixed when the model was prepared); set "
+                               "--gradient_accumulation_steps %d to keep the global batch", decision.accumulation)
+                return
+            self.args.gradient_accumulation_steps = decision.accumulation
 
     def get_total_train_batch_size(self, args: TrainingArguments) -> int:
         """The Trainer's global batch (per-device batch x accumulation x data-parallel replicas); under
@@ -439,6 +477,12 @@ class ZeroTrainer(Trainer):
             logger.info("ZeroTrainer: stage-3 weights are restored from %s/%s with the optimizer shards",
                         resume_from_checkpoint, SHARD_DIR)
             return
+        if self.args.save_on_each_node and has_shards(Path(resume_from_checkpoint) / SHARD_DIR):
+            # transformers writes the weights on global rank 0 only (save_pretrained), so other nodes' copies
+            # lack them; the shards restore the weights from their fp32 masters on every node
+            logger.info("ZeroTrainer: --save_on_each_node: the weights are restored from %s/%s with the optimizer "
+                        "shards", resume_from_checkpoint, SHARD_DIR)
+            return
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_best_model(self) -> None:
@@ -454,7 +498,7 @@ class ZeroTrainer(Trainer):
         if has_shards(best / SHARD_DIR):
             logger.info("ZeroTrainer: loading the best model from %s (score %s)", best / SHARD_DIR,
                         self.state.best_metric)
-            load_optimizer_shards(best / SHARD_DIR, self.model, self.optimizer)
+            load_optimizer_shards(best / SHARD_DIR, self.model, self.optimizer, node_local=self.args.save_on_each_node)
             return
         if needs_gathered_weights(self.model) or self.pipeline is not None:
             raise ConfigError(f"load_best_model_at_end at ZeRO stage 3 (or with pipeline parallelism) needs the "
@@ -467,7 +511,9 @@ class ZeroTrainer(Trainer):
         """Every rank writes its optimizer shard; rank 0 writes the scheduler, as the Trainer does."""
         if unwrap_optimizer(self.optimizer) is None:
             return super()._save_optimizer_and_scheduler(output_dir)
-        save_optimizer_shards(Path(output_dir) / SHARD_DIR, self.model, self.optimizer)
+        save_optimizer_shards(Path(output_dir) / SHARD_DIR, self.model, self.optimizer,
+                              extra={BATCH_KEY: self._trainer_batch().to_dict()},
+                              node_local=self.args.save_on_each_node)
         if self.args.should_save and self.lr_scheduler is not None:
             state = scheduler_state_for_user_groups(self.lr_scheduler.state_dict(), self.optimizer)
             torch.save(state, os.path.join(output_dir, SCHEDULER_NAME))
@@ -483,7 +529,7 @@ class ZeroTrainer(Trainer):
             raise ConfigError(f"{checkpoint} holds no hfzero optimizer shards ({SHARD_DIR}/ is missing): it was not "
                               "saved by a ZeroTrainer. Resume it without ZeRO, or start from its weights with "
                               "--model_name_or_path and a fresh optimizer")
-        load_optimizer_shards(shards, self.model, self.optimizer)
+        load_optimizer_shards(shards, self.model, self.optimizer, node_local=self.args.save_on_each_node)
         scheduler = Path(checkpoint) / SCHEDULER_NAME
         if scheduler.is_file() and self.lr_scheduler is not None:
             state = torch.load(scheduler, map_location="cpu", weights_only=True)
