@@ -154,6 +154,11 @@ def check_expert_parallel(model: nn.Module, config: ZeroConfig, world_size: int)
     check_ep_size(world_size, config.ep_size)
     plan = expand_plan(model, ep_plan(model))
     check_experts(model, plan, config.ep_size)
+    from hfzero.runtime.pending import find_pending
+
+    if find_pending(model) is not None:
+        raise ConfigError("hfzero expert parallelism: the model was loaded under hfzero's sharded loading (its "
+                          "weights are not read yet); load it with a plain from_pretrained before splitting experts")
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ConfigError("hfzero expert parallelism: the model already has DTensor parameters (sharded by "
                           "another parallelism); pass an unsharded model")
