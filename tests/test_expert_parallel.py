@@ -74,20 +74,31 @@ def _train(rank: int, world: int, stage: int, ep: int, accumulation: int, policy
     experts = model.model.layers[0].mlp.experts
     return {"losses": losses, "norms": norms, "params": params, "edp": mesh.edp_size,
             "local_experts": experts.gate_up_proj.to_local().shape[0] if stage < 3 else experts.num_experts,
-            "num_params": engine.num_params, "engine_world": engine.world_size, "average_over": engine.average_over}
+            "num_params": engine.num_params, "engine_world": engine.world_size, "average_over": engine.average_over,
+            "model_states": engine.model_state_bytes(), "padded": engine.num_params_padded}
 
 
 def _aux_loss(rank: int, world: int) -> dict:
-    """The first forward's loss with the router's auxiliary loss, on this rank's rows."""
+    """The first forward's loss with the router's auxiliary loss, on this rank's rows; the all-to-all bytes the
+    engine's statistics counted; whether a sharded checkpoint is refused."""
     import hfzero
     from hfzero.parallel.expert import prepare_expert_parallel
 
     config = hfzero.ZeroConfig(stage=2, ep_size=2)
-    model, _, _ = prepare_expert_parallel(tiny_moe_lm(router_logits=True), lambda p: torch.optim.AdamW(p, lr=LR),
-                                          config)
+    model, optimizer, _ = prepare_expert_parallel(tiny_moe_lm(router_logits=True),
+                                                  lambda p: torch.optim.AdamW(p, lr=LR), config)
+    from hfzero.checkpoint import CheckpointError, save_checkpoint
+
     mine = _batches()[0].chunk(world)[rank]
     out = model(input_ids=mine, labels=mine)
-    return {"loss": out.loss.item(), "aux": out.aux_loss.item()}
+    a2a = hfzero.get_engine(model).comm.stats()["all_to_all"]
+    try:
+        save_checkpoint(f"/tmp/hfzero-ep-never-{rank}", model, optimizer)
+        refused = ""
+    except CheckpointError as exc:
+        refused = str(exc)
+    return {"loss": out.loss.item(), "aux": out.aux_loss.item(), "a2a_calls": a2a.calls, "a2a_bytes": a2a.bytes,
+            "refused": refused}
 
 
 def _starved(rank: int, world: int) -> dict:
@@ -152,6 +163,8 @@ def test_expert_parallel_zero_matches_single_process(results, case: str) -> None
 
 
 def test_experts_are_split_and_zero_spans_the_expert_data_parallel_group(results) -> None:
+    from hfzero.estimate import expert_parallel_bytes
+
     ranks, _ = results
     model = tiny_moe_lm()
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
@@ -163,6 +176,12 @@ def test_experts_are_split_and_zero_spans_the_expert_data_parallel_group(results
             assert got["edp"] == got["engine_world"] == WORLD // ep
             assert got["average_over"] == WORLD  # summed over edp (and dense over ep), divided by the world
             assert got["num_params"] == dense + experts // ep  # each rank lays out its E / ep experts
+            # fp32 AdamW after a step: parameters 4, gradients 4 (zeroed, kept), K = 8 bytes per element,
+            # laid out with padding (num_params_padded); the estimator's formula on the padded count
+            estimate = expert_parallel_bytes(dense * got["padded"] / got["num_params"],
+                                             experts * got["padded"] / got["num_params"], WORLD, ep, stage,
+                                             param_bytes=4, grad_bytes=4, optimizer_k=8).total
+            assert got["model_states"] == pytest.approx(estimate, rel=0.01)
 
 
 def test_router_aux_loss_is_the_models_own(results) -> None:
@@ -175,6 +194,15 @@ def test_router_aux_loss_is_the_models_own(results) -> None:
         assert out.aux_loss.item() > 0
         assert got["aux"]["aux"] == pytest.approx(out.aux_loss.item(), abs=1e-6)
         assert got["aux"]["loss"] == pytest.approx(out.loss.item(), abs=1e-5)
+
+
+def test_all_to_all_bytes_are_counted_and_sharded_checkpoints_refused(results) -> None:
+    """Each MoE layer's exchange is counted under its own comm kind (one dispatch per layer per forward; a
+    rank sends at least one row: 16 rows x top-2 over 2 EP ranks); saving a sharded checkpoint is refused."""
+    for got in results[0]:
+        assert got["aux"]["a2a_calls"] == 2
+        assert got["aux"]["a2a_bytes"] >= 2 * 32 * 4  # both ways (forward + backward counted), 32 fp32 per row
+        assert "expert-parallel model (ep_size > 1) are not built yet" in got["aux"]["refused"]
 
 
 def test_a_rank_without_tokens_for_its_experts_keeps_step(results) -> None:

@@ -173,6 +173,11 @@ def scope_of(model: Any, optimizer: torch.optim.Optimizer) -> tuple[ZeroEngine, 
     """The engine and the checkpoint scope of ``model``: a prepared model or a ``hfzero.pipeline`` Pipeline."""
     engine = engine_of(model, optimizer)
     groups = list(range(len(engine.optimizer.param_groups)))
+    if engine.replica_comm is not None and engine.replica_comm.world_size > 1:
+        # the engine's group is one edp group of several: its rank files would collide with the other EP ranks'
+        raise CheckpointError("sharded checkpoints of an expert-parallel model (ep_size > 1) are not built yet; "
+                              "save the whole model with hfzero.full_state_dict(model) (every rank calls it) and "
+                              "save_pretrained, or train with ep_size=1 where you need resumable checkpoints")
     if _is_pipeline(model):
         return engine, _pipeline_scope(model, engine, groups)
     if tp_info(model) is not None:

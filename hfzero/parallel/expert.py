@@ -48,6 +48,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from hfzero.comm import Communicator
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.logging import get_logger
 from hfzero.parallel.mesh import initialized_world_size, world_mesh
@@ -173,13 +174,53 @@ def _sync_from_rank0(model: nn.Module) -> None:
             dist.broadcast(tensor.data, src=0)
 
 
-def apply_expert_parallel(model: nn.Module, mesh: ExpertMesh, plan: dict[str, str]) -> nn.Module:
+class AllToAllLedger:
+    """Where the expert all-to-alls are counted: ``comm`` (a Communicator over the EP group sharing the
+    engine's statistics, set once the model is prepared; nothing is counted before) under the kind
+    "all_to_all", so profiles and benchmarks see the token exchange beside ZeRO's own collectives."""
+
+    def __init__(self) -> None:
+        self.comm: Communicator | None = None
+
+    def count(self, send_sizes: list[int], recv_sizes: list[int], hidden: torch.Tensor) -> None:
+        """One dispatch and its combine: the rows this rank sends to other ranks, both ways (and again in
+        backward, whose exchanges mirror them, when gradients flow), counted when the forward runs."""
+        if self.comm is None:
+            return
+        rank = self.comm.rank
+        rows = sum(send_sizes) - send_sizes[rank] + sum(recv_sizes) - recv_sizes[rank]
+        passes = 2 if torch.is_grad_enabled() and hidden.requires_grad else 1
+        self.comm.account("all_to_all", passes * rows * hidden.shape[-1], hidden.element_size())
+
+
+def _counted_all_to_all(ledger: AllToAllLedger) -> type:
+    """transformers' ``AllToAllEP`` (its dispatch and combine unchanged) with each exchange counted in ``ledger``."""
+    from transformers.distributed.expert_parallel import AllToAllEP
+
+    class CountedAllToAll(AllToAllEP):
+        def _dispatch_tokens(self, hidden_states, top_k_index, top_k_weights):
+            out = super()._dispatch_tokens(hidden_states, top_k_index, top_k_weights)
+            state = out[3]
+            ledger.count(state.send_sizes, state.recv_sizes, hidden_states)
+            return out
+
+    return CountedAllToAll
+
+
+_IMPLEMENTATION = "hfzero_all_to_all"
+
+
+def apply_expert_parallel(model: nn.Module, mesh: ExpertMesh, plan: dict[str, str]) -> AllToAllLedger:
     """Split ``model``'s experts over ``mesh``'s "ep" dimension by its expanded EP ``plan`` with transformers'
-    ``apply_expert_parallelism`` and the all-to-all dispatch (in place; returns it)."""
-    from transformers.distributed.expert_parallel import apply_expert_parallelism
+    ``apply_expert_parallelism`` and its all-to-all dispatch (in place); returns the ledger its exchanges are
+    counted in."""
+    from transformers.distributed.expert_parallel import EPImplementationInterface, apply_expert_parallelism
 
     _sync_from_rank0(model)
-    return apply_expert_parallelism(model, mesh.mesh["ep"], mesh.mesh["tp"], plan, ep_implementation="all_to_all")
+    ledger = AllToAllLedger()
+    EPImplementationInterface.register(_IMPLEMENTATION, _counted_all_to_all(ledger))  # instantiated right below
+    apply_expert_parallelism(model, mesh.mesh["ep"], mesh.mesh["tp"], plan, ep_implementation=_IMPLEMENTATION)
+    return ledger
 
 
 def prepare_expert_parallel(
@@ -200,13 +241,14 @@ def prepare_expert_parallel(
     plan = check_expert_parallel(model, config, initialized_world_size("expert parallelism"))
     mesh = build_ep_mesh(config.ep_size)
     before = {id(p): name for name, p in model.named_parameters()}
-    apply_expert_parallel(model, mesh, plan)
+    ledger = apply_expert_parallel(model, mesh, plan)
     if isinstance(optimizer_factory, torch.optim.Optimizer):
         optimizer = optimizer_factory
         repoint_optimizer(optimizer, before, model)
     else:
         optimizer = optimizer_factory(model.parameters())
     model, optimizer = hfzero.prepare(model, optimizer, config, process_group=mesh.edp_group, ep_group=mesh.ep_group)
+    ledger.comm = hfzero.get_engine(model).comm.on_group(mesh.ep_group)  # counts into the engine's statistics
     experts = sum(isinstance(p, DTensor) for p in model.parameters())
     logger.info("expert parallelism: edp=%d x ep=%d, %d expert parameter(s) split over ep, ZeRO stage %s over edp "
                 "(gradients averaged over the world of %d)", mesh.edp_size, mesh.ep_size, experts, config.stage,
