@@ -52,6 +52,7 @@ from hfzero.comm import Communicator
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.logging import get_logger
 from hfzero.parallel.mesh import initialized_world_size, world_mesh
+from hfzero.runtime.pending import find_pending
 
 if TYPE_CHECKING:
     from hfzero.runtime.optimizer import ZeroOptimizer
@@ -155,8 +156,6 @@ def check_expert_parallel(model: nn.Module, config: ZeroConfig, world_size: int)
     check_ep_size(world_size, config.ep_size)
     plan = expand_plan(model, ep_plan(model))
     check_experts(model, plan, config.ep_size)
-    from hfzero.runtime.pending import find_pending
-
     if find_pending(model) is not None:
         raise ConfigError("hfzero expert parallelism: the model was loaded under hfzero's sharded loading (its "
                           "weights are not read yet); load it with a plain from_pretrained before splitting experts")
@@ -169,9 +168,10 @@ def check_expert_parallel(model: nn.Module, config: ZeroConfig, world_size: int)
 def _sync_from_rank0(model: nn.Module) -> None:
     """Start every rank from world rank 0's weights and buffers (the engine's own broadcast runs over edp only,
     and expert sharding keeps each rank's own slice of its full expert tensors)."""
+    world = Communicator(None)
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=0)
+            world.broadcast(tensor.data)
 
 
 class AllToAllLedger:

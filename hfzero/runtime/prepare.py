@@ -96,8 +96,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
                           "hfzero.parallel.tensor.prepare_tensor_parallel(model, optimizer, config)")
     ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
     if config.ep_size != ep_size:
-        raise ConfigError(f"hfzero.prepare: config.ep_size={config.ep_size} but the expert-parallel group has {ep_size} "
-                          "rank(s); build the edp x ep mesh and the expert-parallel model with "
+        raise ConfigError(f"hfzero.prepare: config.ep_size={config.ep_size} but the expert-parallel group has "
+                          f"{ep_size} rank(s); build the edp x ep mesh and the expert-parallel model with "
                           "hfzero.parallel.expert.prepare_expert_parallel(model, optimizer, config)")
     if average_over is not None and (not isinstance(average_over, int) or average_over < 1):
         raise ConfigError(f"hfzero.prepare: average_over={average_over!r} must be a positive integer")
