@@ -124,12 +124,15 @@ def _starved(rank: int, world: int) -> dict:
         received.append(int(out[0].shape[0]))
         return out
 
-    AllToAllEP._dispatch_tokens = counted  # this spawned process only
-    for ids in _batches()[:2]:
-        mine = ids.chunk(world)[rank]
-        model(input_ids=mine, labels=mine).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    AllToAllEP._dispatch_tokens = counted  # this spawned process only, until the steps below are done
+    try:
+        for ids in _batches()[:2]:
+            mine = ids.chunk(world)[rank]
+            model(input_ids=mine, labels=mine).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        AllToAllEP._dispatch_tokens = dispatch
     whole = hfzero.full_state_dict(model, rank0_only=False)
     name = "model.layers.0.mlp.experts.gate_up_proj"
     return {"received": received, "experts": whole[name], "ep_rank": mesh.ep_rank}
