@@ -5,7 +5,8 @@ per optimizer step (all of the engine's collectives, the all-to-all token exchan
 kind), the median step time (variants interleaved in rounds, so machine noise hits each alike), the
 per-rank model-state bytes beside ``hfzero.estimate`` (``expert_parallel_bytes``), and the losses against
 the plain stage-3 run (every variant is data-parallel on the same global batch, so losses agree to fp32
-rounding). The issue's model: ``--experts 32 --top-k 4 --hidden 512 --expert-hidden 384 --layers 4``
+rounding). With ep = world (4) the expert-data-parallel group is one rank, so stages 1-3 + EP shard nothing:
+their model states are each rank's dense parameters and E / 4 experts, whole. The issue's model: ``--experts 32 --top-k 4 --hidden 512 --expert-hidden 384 --layers 4``
 (~104M parameters, 96% in experts); the default is a quick small one.
 
     python benchmarks/moe.py [--steps 4] [--rounds 2] [--experts 16] [--json OUT]
@@ -40,7 +41,8 @@ def _model(args: argparse.Namespace) -> torch.nn.Module:
 def _build(stage: int, ep: int, args: argparse.Namespace):
     from hfzero.parallel.expert import prepare_expert_parallel
 
-    config = hfzero.ZeroConfig(stage=stage, ep_size=ep, dtype=args.dtype)
+    # threshold 0: every parameter partitioned at stage 3 (none kept whole), as the estimator's formula counts
+    config = hfzero.ZeroConfig(stage=stage, ep_size=ep, dtype=args.dtype, param_persistence_threshold=0)
     factory = lambda params: torch.optim.AdamW(params, lr=1e-4)  # noqa: E731
     if ep > 1:
         model, optimizer, _ = prepare_expert_parallel(_model(args), factory, config)
