@@ -183,6 +183,11 @@ class Communicator:
         s.impl_calls[impl] = s.impl_calls.get(impl, 0) + 1
         return s
 
+    def account(self, kind: str, elements: int, element_size: int) -> None:
+        """Count a collective over this group that ran outside this communicator (transformers' expert
+        all-to-all: hfzero/parallel/expert.py) under ``kind``: ``elements`` this rank sent to other ranks."""
+        self._account(kind, kind, elements, element_size)
+
     def all_reduce(self, tensor: torch.Tensor, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                    async_op: bool = False) -> Handle:
         """Reduce ``tensor`` in place across the group."""

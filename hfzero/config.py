@@ -143,6 +143,13 @@ class ZeroConfig:
     mesh; the model's parameters are sharded over the TP group by transformers' tp_plan or
     parallelize_module (see hfzero/parallel/tensor.py). 1: data parallelism alone."""
 
+    ep_size: int = 1
+    """Expert-parallel degree for mixture-of-experts models: each MoE layer's experts are split over groups of
+    ep_size ranks by the model's transformers ``base_model_ep_plan``, tokens travel to their experts by
+    all-to-all, and every rank still reads its own batch; dense parameters are ZeRO-sharded over the world /
+    ep_size ranks holding the same experts, experts over the same group (see hfzero/parallel/expert.py,
+    docs/moe.md). 1: no expert parallelism."""
+
     partition_activations: bool = False
     """ZeRO-R P_a: keep each activation checkpoint as a 1/tp_size slice on each TP rank and all-gather it
     for the recomputation in backward (needs tp_size > 1 and activation checkpointing)."""
@@ -197,6 +204,15 @@ class ZeroConfig:
         for name in ("partition_activations", "cpu_checkpointing", "contiguous_checkpoints", "auto_resume"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be true or false")
         _check(_is_int(self.tp_size) and self.tp_size > 0, "tp_size", self.tp_size, "must be a positive integer")
+        _check(_is_int(self.ep_size) and self.ep_size > 0, "ep_size", self.ep_size, "must be a positive integer")
+        _check(self.ep_size == 1 or self.tp_size == 1, "ep_size", self.ep_size,
+               "cannot be combined with tp_size > 1 yet (expert x tensor parallelism is not built); use one of them")
+        _check(self.ep_size == 1 or self.dtype != "fp16", "ep_size", self.ep_size,
+               'cannot be combined with dtype="fp16" (its overflow check does not see the dense gradients\' sum '
+               'over the EP group); use dtype="bf16" or "fp32"')
+        _check(self.ep_size == 1 or not self.offload_optimizer, "ep_size", self.ep_size,
+               "cannot be combined with offload_optimizer yet (the dense gradients' EP sum runs on the device "
+               "shard); drop one of them")
         _check(not self.partition_activations or self.tp_size > 1, "partition_activations", True,
                "partitions activation checkpoints over the tensor-parallel group, where every rank holds the same "
                "checkpoint; with tp_size=1 (data parallelism alone) each rank's checkpoints are of its own batch, "

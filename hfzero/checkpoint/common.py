@@ -145,6 +145,8 @@ class Scope:
             sizes, schedule, ``stages`` (the stage indices it runs).
         tensor_parallel: tp and dp sizes for the manifest under tensor parallelism (None without); see
             [Note: tensor-parallel checkpoints] in tensor_parallel.py.
+        expert_parallel: ep and edp sizes for the manifest under expert parallelism (None without); see
+            ``_expert_parallel_scope``.
     """
 
     module: nn.Module
@@ -162,6 +164,7 @@ class Scope:
     configs: Any = None
     pipeline: dict[str, Any] | None = None
     tensor_parallel: dict[str, int] | None = None
+    expert_parallel: dict[str, int] | None = None
 
     @property
     def spans_stages(self) -> bool:
@@ -173,6 +176,8 @@ def scope_of(model: Any, optimizer: torch.optim.Optimizer) -> tuple[ZeroEngine, 
     """The engine and the checkpoint scope of ``model``: a prepared model or a ``hfzero.pipeline`` Pipeline."""
     engine = engine_of(model, optimizer)
     groups = list(range(len(engine.optimizer.param_groups)))
+    if engine.replica_comm is not None and engine.replica_comm.world_size > 1:
+        return engine, _expert_parallel_scope(model, engine, groups)
     if _is_pipeline(model):
         return engine, _pipeline_scope(model, engine, groups)
     if tp_info(model) is not None:
@@ -192,6 +197,23 @@ def _tensor_parallel_scope(model: nn.Module, engine: ZeroEngine, groups: list[in
     skip = frozenset(replicated_names(engine)) if tp_rank > 0 else frozenset()
     return Scope(model, world, dist.get_rank(), dist.get_world_size(), lambda n: n, groups, len(groups), skip=skip,
                  writes_frozen=dist.get_rank() == 0, configs=model, tensor_parallel={"tp_size": tp, "dp_size": dp})
+
+
+def _expert_parallel_scope(model: nn.Module, engine: ZeroEngine, groups: list[int]) -> Scope:
+    """An edp x ep model (hfzero/parallel/expert.py) is checkpointed as a TP one is ([Note: tensor-parallel
+    checkpoints] in tensor_parallel.py): every rank of the world writes a file; the experts are DTensors sharded
+    on dim 0 over the 1-D EP mesh, so each rank's ranges map to whole-parameter ranges the same way; the dense
+    parameters, equal on every EP rank, are written by EP rank 0's ranks only. Loading maps the pieces to any
+    layout (another ep size, no EP, any stage) and ``hfzero consolidate`` writes whole experts."""
+    import torch.distributed as dist
+
+    ep = engine.replica_comm
+    refuse_sharded_frozen(model)
+    world = engine.comm.on_group(dist.group.WORLD, share_stats=False)
+    skip = frozenset(replicated_names(engine)) if ep.rank > 0 else frozenset()
+    return Scope(model, world, dist.get_rank(), dist.get_world_size(), lambda n: n, groups, len(groups), skip=skip,
+                 writes_frozen=dist.get_rank() == 0, configs=model,
+                 expert_parallel={"ep_size": ep.world_size, "edp_size": engine.world_size})
 
 
 def _pipeline_scope(pipe: Any, engine: ZeroEngine, groups: list[int]) -> Scope:

@@ -291,6 +291,8 @@ def _manifest(engine: ZeroEngine, optimizer: ZeroOptimizer, scope: Scope, report
     }
     if scope.tensor_parallel is not None:
         manifest["tensor_parallel"] = dict(scope.tensor_parallel)
+    if scope.expert_parallel is not None:
+        manifest["expert_parallel"] = dict(scope.expert_parallel)
     if scope.pipeline is not None:
         manifest["pipeline"] = {**{k: v for k, v in scope.pipeline.items() if k != "stages"},
                                 "stages_of_rank": [r["stages"] for r in reports]}

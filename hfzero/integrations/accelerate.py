@@ -53,6 +53,7 @@ from hfzero.integrations.state import (load_optimizer_shards, needs_gathered_wei
 from hfzero.logging import get_logger
 from hfzero.parallel.mesh import check_sizes
 from hfzero.parallel.pipeline import Pipeline, PipelineConfig, pipeline
+from hfzero.parallel.expert import prepare_expert_parallel
 from hfzero.parallel.tensor import check_tp_size, prepare_tensor_parallel
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.prepare import get_engine, prepare as zero_prepare
@@ -160,6 +161,9 @@ class ZeroAccelerator(Accelerator):
         if self.pipeline_config is not None and self.zero_config.tp_size > 1:
             raise ConfigError("ZeroAccelerator: tensor parallelism (tp_size > 1) and pipeline parallelism "
                               "(pp_size > 1) cannot be combined yet; use one of them")
+        if self.pipeline_config is not None and self.zero_config.ep_size > 1:
+            raise ConfigError("ZeroAccelerator: expert parallelism (ep_size > 1) and pipeline parallelism "
+                              "(pp_size > 1) cannot be combined yet; use one of them")
         self.pipeline: Pipeline | None = None
         """The Pipeline of this rank, once prepare built it (with ``pipeline_config``)."""
         self._data_parallel_view = False
@@ -207,7 +211,7 @@ class ZeroAccelerator(Accelerator):
 
     def _partitions_frozen_models(self) -> bool:
         config = self.zero_config
-        return config.stage == 3 and config.tp_size == 1 and self.pipeline_config is None
+        return config.stage == 3 and config.tp_size == 1 and config.ep_size == 1 and self.pipeline_config is None
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
         """Shard ``optimizer`` with ``hfzero.prepare`` over the prepared model that owns its parameters."""
@@ -227,6 +231,8 @@ class ZeroAccelerator(Accelerator):
             zero = self.pipeline.optimizer
         elif self.zero_config.tp_size > 1:
             model, zero, _ = prepare_tensor_parallel(model, optimizer, self.zero_config)
+        elif self.zero_config.ep_size > 1:  # every rank reads its own batch: data as under plain data parallelism
+            model, zero, _ = prepare_expert_parallel(model, optimizer, self.zero_config)
         else:
             model, zero = zero_prepare(model, optimizer, self.zero_config)
         self._zero_pairs.append((model, zero))

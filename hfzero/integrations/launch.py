@@ -59,6 +59,8 @@ _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 NOT_APPLIED_EXIT = 3
 _TP_WITH_PP = ("--zero_tp_size and --zero_pp_size cannot be combined yet (pipeline x tensor parallelism is not "
                "built); use one of them")
+_EP_WITH_PP = ("--zero_ep_size and --zero_pp_size cannot be combined yet (pipeline x expert parallelism is not "
+               "built); use one of them")
 """Exit status of a worker (and of ``hfzero run``) whose script prepared no model with hfzero."""
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 """Set by ``hfzero run`` unless already in the environment; see [Note: restarts]."""
@@ -277,16 +279,24 @@ def _check_mixed_precision(options: Mapping[str, str], script_args: list[str]) -
 
 
 def _check_tp_size(options: Mapping[str, str], args: argparse.Namespace) -> None:
-    """``--zero_tp_size`` must divide the world (nproc_per_node x nnodes), checked before any process starts
-    when both are plain numbers (``auto`` or an elastic ``1:4`` is checked by the workers instead)."""
+    """``--zero_tp_size`` and ``--zero_ep_size`` must divide the world (nproc_per_node x nnodes), checked
+    before any process starts when both are plain numbers (``auto`` or an elastic ``1:4`` is checked by the
+    workers instead); neither combines with ``--zero_pp_size`` yet."""
+    from hfzero.parallel.expert import check_ep_size
     from hfzero.parallel.tensor import check_tp_size
 
-    tp = int(options.get("tp_size", "1"))
-    if tp > 1 and int(options.get("pp_size", "1")) > 1:
+    tp, ep = int(options.get("tp_size", "1")), int(options.get("ep_size", "1"))
+    pp = int(options.get("pp_size", "1"))
+    if tp > 1 and pp > 1:
         raise ConfigError(_TP_WITH_PP)
+    if ep > 1 and pp > 1:
+        raise ConfigError(_EP_WITH_PP)
     nproc, nnodes = str(args.nproc_per_node), str(args.nnodes).split(":")  # nnodes: "2" or "MIN:MAX"
-    if tp > 1 and nproc.isdigit() and len(set(nnodes)) == 1 and nnodes[0].isdigit():
-        check_tp_size(int(nproc) * int(nnodes[0]), tp)
+    if nproc.isdigit() and len(set(nnodes)) == 1 and nnodes[0].isdigit():
+        if tp > 1:
+            check_tp_size(int(nproc) * int(nnodes[0]), tp)
+        if ep > 1:
+            check_ep_size(int(nproc) * int(nnodes[0]), ep)
 
 
 def launch(argv: Sequence[str]) -> int:
@@ -449,7 +459,7 @@ def _load_through_hfzero() -> None:
         config = ZeroConfig.from_strings(options)
     except ConfigError:
         return  # validated by plan(); the Trainer or accelerator reports it
-    if wanted(config.stage, config.tp_size, bool(pipeline_strings_from_env())):
+    if wanted(config.stage, config.tp_size, bool(pipeline_strings_from_env()), config.ep_size):
         enable()
 
 

@@ -56,6 +56,15 @@ def is_tensor_parallel(model: Any) -> bool:
     return group is not None and group.world_size > 1
 
 
+def is_expert_parallel(model: Any) -> bool:
+    """True for a model prepared over the edp group of an edp x ep mesh (experts are DTensor shards over ep)."""
+    try:
+        group = get_engine(model).replica_comm
+    except ValueError:
+        return False
+    return group is not None and group.world_size > 1
+
+
 @contextlib.contextmanager
 def saving_gathered(model: Any) -> Iterator[None]:
     """While a save writes a gathered state dict (``full_state_dict``): a wrapper may call ``state_dict()``
@@ -76,9 +85,9 @@ def saving_gathered(model: Any) -> Iterator[None]:
 
 
 def needs_gathered_weights(model: Any) -> bool:
-    """True when ``model.state_dict()`` is not the whole model on a rank (stage 3, or tensor parallelism):
+    """True when ``model.state_dict()`` is not the whole model on a rank (stage 3, tensor or expert parallelism):
     saving it takes ``full_state_dict`` on every rank (a collective) first."""
-    return is_partitioned(model) or is_tensor_parallel(model)
+    return is_partitioned(model) or is_tensor_parallel(model) or is_expert_parallel(model)
 
 
 def model_param_count(model: nn.Module, trainable_only: bool = False, exclude_embeddings: bool = False) -> int:

@@ -144,7 +144,7 @@ def _load_through_hfzero(args: Any) -> None:
         pipelined = resolve_pipeline_config(args) is not None
     except ConfigError:
         return  # the Trainer reports it
-    if wanted(config.stage, config.tp_size, pipelined):
+    if wanted(config.stage, config.tp_size, pipelined, config.ep_size):
         enable_while(args)
 
 

@@ -92,12 +92,12 @@ def enable_while(owner: object) -> None:
     weakref.finalize(owner, disable)
 
 
-def wanted(stage: object, tp_size: int = 1, pipeline: bool = False) -> bool:
+def wanted(stage: object, tp_size: int = 1, pipeline: bool = False, ep_size: int = 1) -> bool:
     """Whether a run with these settings loads through the hook: stage 3 (each rank reads its shard) and
     stages 0-2 (each parameter read whole at prepare, one at a time: no second copy, no fp32 copy beside a
-    bf16 one); not under tensor or pipeline parallelism (they build their own per-rank models) nor with
-    stage "auto" (decided after loading, from the model)."""
-    return stage in (0, 1, 2, 3) and tp_size == 1 and not pipeline
+    bf16 one); not under tensor, expert or pipeline parallelism (they build their own per-rank models) nor
+    with stage "auto" (decided after loading, from the model)."""
+    return stage in (0, 1, 2, 3) and tp_size == 1 and ep_size == 1 and not pipeline
 
 
 def is_enabled() -> bool:

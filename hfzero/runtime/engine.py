@@ -13,6 +13,19 @@ Memory held (bf16 + Adam, Ψ trainable parameters, N ranks), matching the paper:
 - with ``offload_optimizer`` on an accelerator (``offload``): master weights, optimizer states and the
   slice's fp32 gradients live in (pinned) host memory, and stages 2-3 keep no gradient shard on the
   device; see runtime/offload.py and [Note: offload copies]. ``host_memory_by_role`` says which bytes.
+
+[Note: average_over]
+The reducer stores gradient SUMS over the engine's group ([Note: gradient sums] in reducer.py); the step
+divides them by ``average_over``, the number of data-parallel ranks whose batches the step averages. By
+default that is the group's size. It differs when the group the engine shards over is not the whole
+data-parallel world: under expert parallelism (hfzero/parallel/expert.py) the engine shards over the
+expert-data-parallel group (the ranks holding the same experts, world / ep of them) while every rank reads
+its own batch, so the divisor is the world size. The gradients of the parameters every rank holds alike
+(the dense ones) are then summed over ``replica_comm`` (the EP group) too, once per step, after the
+group's reduction: the sum over edp ranks, then over ep ranks, is the sum over the world. An expert's
+gradient already is the sum over the world of its tokens' contributions: the all-to-all brought it the
+tokens of the EP group's ranks and the edp reduction adds the other EP groups'. HSDP (a shard group and a
+replicate group) is the same pattern with every parameter replicated.
 """
 
 from __future__ import annotations
@@ -47,7 +60,9 @@ class ZeroEngine:
     """Flattens, shards and updates the trainable parameters of ``model`` over ``comm``'s group."""
 
     def __init__(self, model: nn.Module, param_groups: list[list[nn.Parameter]], config: ZeroConfig,
-                 comm: Communicator, device: torch.device, *, bucket_units: Sequence[str] | None = None):
+                 comm: Communicator, device: torch.device, *, bucket_units: Sequence[str] | None = None,
+                 average_over: int | None = None, replica_comm: Communicator | None = None,
+                 check_comm: Communicator | None = None):
         self.model = model
         self._bucket_units = bucket_units
         """Stages 0-2: module names whose parameters never share a bucket with another's (prepare's ``units=``)."""
@@ -68,6 +83,16 @@ class ZeroEngine:
         self.unused_ranges: list[tuple[int, int, int]] = []
         self.norm_group: Communicator | None = None
         """The tensor-parallel group (set by prepare with a dp x tp mesh): the gradient norm spans it too."""
+        self.average_over = comm.world_size if average_over is None else average_over
+        """How many data-parallel ranks' summed gradients the step averages: the divisor of the gradient sums
+        (default: the group's size). See [Note: average_over]."""
+        self.replica_comm = replica_comm
+        """A second group over which the parameters replicated on it (plain tensors, not DTensor shards) have
+        their gradients summed as well, once per step (expert parallelism: the EP group). See [Note: average_over]."""
+        self.check_comm = check_comm or comm
+        """The group whose ranks must agree on every step (step agreement, stage 3's step check, fp16's
+        overflow flag): the engine's own group, or the whole world when ``replica_comm`` is set."""
+        self._replica_ranges: list[tuple[int, list[tuple[int, int]]]] | None = None
 
         self.layout = self._build_layout(param_groups)
         self.num_params = self.layout.num_params
@@ -102,8 +127,8 @@ class ZeroEngine:
         # an eager hook: a graph boundary under torch.compile (See [Note: compiled regions] in runtime/compile.py)
         self._forward_hook = model.register_forward_hook(eager_hook(lambda m, a, out: self.reducer.record_graph_roots(out)))
         self.agreement: StepAgreement | None = None
-        if self.stage < 3 and self.world_size > 1:  # See [Note: step agreement] in agreement.py
-            self.agreement = StepAgreement(model, comm.on_group(comm.group, share_stats=False))
+        if self.stage < 3 and self.check_comm.world_size > 1:  # See [Note: step agreement] in agreement.py
+            self.agreement = StepAgreement(model, self.check_comm.on_group(self.check_comm.group, share_stats=False))
             self.reducer.on_step_begin = self.agreement.launch
         logger.info("stage %d over %d rank(s): %d trainable parameters in %d bucket(s) of <= %d elements, %d padded, "
                     "dtype %s, accumulation %s", self.stage, self.world_size, self.num_params, len(self.layout.buckets),
@@ -263,9 +288,10 @@ class ZeroEngine:
             return
         self.reducer.reduce_pending()
         self.overflow = self._check_step(self._overflow_flag())
+        self._reduce_over_replicas()
         if self.offload is not None:  # the host writes master weights next: See [Note: offload copies]
             self.offload.wait_uploads()
-        factor = 1.0 / (self.world_size * self.scaler.scale)
+        factor = 1.0 / (self.average_over * self.scaler.scale)
         if self.policy.separate_master and self.offload is None:
             self.master_grad_flat = torch.empty_like(self.master_flat)
         for bucket, master in zip(self.layout.buckets, self.master_views):
@@ -276,6 +302,35 @@ class ZeroEngine:
             master.grad = grad.mul_(factor)
         self._materialized = True
         self.unused_ranges = self._find_unused_ranges() if self.config.find_unused_parameters else []
+
+    def _reduce_over_replicas(self) -> None:
+        """Sum the owned gradient slices of the parameters replicated over ``replica_comm`` across it (one
+        all-reduce of their concatenation per bucket that has any; none without ``replica_comm``). Every rank
+        of the group holds the same layout, so the slices line up. See [Note: average_over]."""
+        if self.replica_comm is None or self.replica_comm.world_size == 1:
+            return
+        if self._replica_ranges is None:
+            self._replica_ranges = [(bucket.index, ranges) for bucket in self.layout.buckets
+                                    if (ranges := self._owned_ranges(bucket, is_replicated_over_tp))]
+        for index, ranges in self._replica_ranges:
+            grad = self.reducer.owned_grad(self.layout.buckets[index])
+            parts = torch.cat([grad[start:end] for start, end in ranges])  # (replicated owned elements,)
+            self.replica_comm.all_reduce(parts)
+            offset = 0
+            for start, end in ranges:
+                grad[start:end].copy_(parts[offset: offset + end - start])
+                offset += end - start
+
+    def _owned_ranges(self, bucket, keep: Callable[[torch.Tensor], bool]) -> list[tuple[int, int]]:
+        """(start, end) ranges, relative to this rank's owned slice of ``bucket``, of the parameters ``keep``
+        accepts."""
+        lo, hi = bucket.owned(self.rank) if self.layout.shard_world > 1 else (0, bucket.padded)
+        ranges = []
+        for slot in bucket.slots:
+            start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
+            if start < end and keep(slot.param):
+                ranges.append((start - lo, end - lo))
+        return ranges
 
     def _overflow_flag(self) -> torch.Tensor | None:
         """fp16: a 1-element float32 tensor on the communication device, 1 where a reduced gradient sum this
@@ -295,7 +350,7 @@ class ZeroEngine:
         [Note: step agreement]) and, with fp16, the overflow flag all-reduced (MAX) over the group. Returns
         whether any rank's gradients overflowed, the same answer on every rank."""
         if overflow is not None:
-            self.comm.all_reduce(overflow, op=torch.distributed.ReduceOp.MAX)
+            self.check_comm.all_reduce(overflow, op=torch.distributed.ReduceOp.MAX)
         if self.agreement is not None:
             return self.agreement.check(overflow)
         return bool(overflow.item() > 0) if overflow is not None else False  # world 1: the flag alone
@@ -351,31 +406,33 @@ class ZeroEngine:
         Equal to ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradient: each rank sums
         its slice and one small all-reduce combines them (none at stage 0, where slices are whole).
         With tensor parallelism (``norm_group``) the sum also spans the TP group, each parameter
-        replicated over it counted once (by TP rank 0).
+        replicated over it counted once (by TP rank 0); with expert parallelism (``replica_comm``) it spans
+        the EP group the same way: each expert once, each dense parameter once.
         """
         self.materialize_grads()
         grads = [m.grad for m in self.master_views]
         norm_type = float(norm_type)
         device = grads[0].device if grads else self.policy.master_device
-        tp = self.norm_group is not None and self.norm_group.world_size > 1
+        # the TP group (tensor parallelism) or the replica group (expert parallelism): never both
+        outer = next((g for g in (self.norm_group, self.replica_comm) if g is not None and g.world_size > 1), None)
         if norm_type == float("inf"):
             local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
             total = local.to(self.comm_device, torch.float32).reshape(1)
             if self.layout.shard_world > 1:
                 self.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
-            if tp:
-                self.norm_group.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
+            if outer is not None:
+                outer.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
             total = total[0]
         else:
             local = sum((torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type for g in grads),
                         torch.zeros((), device=device))
-            if tp and self.norm_group.rank > 0:
+            if outer is not None and outer.rank > 0:  # replicated over ``outer``: counted once, by its rank 0
                 local = local - self._replicated_norm_power(norm_type, device)
             total = local.to(self.comm_device, torch.float32).reshape(1)
             if self.layout.shard_world > 1:
                 self.comm.all_reduce(total)
-            if tp:
-                self.norm_group.all_reduce(total)
+            if outer is not None:
+                outer.all_reduce(total)
             total = total[0].pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:

@@ -41,7 +41,8 @@ def prepared_count() -> int:
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
             process_group: dist.ProcessGroup | None = None, *, units: Sequence[str] | None = None,
             verify_gather_order: bool = True, weights: WeightSource | None = None,
-            tp_group: dist.ProcessGroup | None = None) -> tuple[nn.Module, ZeroOptimizer]:
+            tp_group: dist.ProcessGroup | None = None, ep_group: dist.ProcessGroup | None = None,
+            average_over: int | None = None) -> tuple[nn.Module, ZeroOptimizer]:
     """Apply ZeRO to ``model`` and ``optimizer`` over ``process_group`` (default: the world group).
 
     The model keeps its class; its trainable parameters become views into one flat buffer (cast to
@@ -58,6 +59,12 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     parameters are on the meta device (see stage3/init.py, ``from_pretrained_sharded``).
     ``tp_group``: the tensor-parallel group of a dp x tp mesh (``process_group`` is then its dp group);
     build both with ``hfzero.parallel.tensor.prepare_tensor_parallel`` rather than by hand.
+    ``ep_group``: the expert-parallel group of an edp x ep mesh (``process_group`` is then its
+    expert-data-parallel group): gradients of the parameters that are not DTensor shards (the dense ones)
+    are summed over it as well, and the step checks span the world; build both with
+    ``hfzero.parallel.expert.prepare_expert_parallel``. ``average_over``: how many data-parallel ranks'
+    gradient sums the step averages (default: the group's size; with ``ep_group``, the world size); see
+    [Note: average_over] in engine.py.
 
     A transformers model's activation checkpointing (enabled before or after this call) runs through
     hfzero's checkpoint function, which measures the checkpoints and applies ``partition_activations``,
@@ -87,6 +94,13 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         raise ConfigError(f"hfzero.prepare: config.tp_size={config.tp_size} but the tensor-parallel group has {tp_size} "
                           "rank(s); build the dp x tp mesh and the TP model with "
                           "hfzero.parallel.tensor.prepare_tensor_parallel(model, optimizer, config)")
+    ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
+    if config.ep_size != ep_size:
+        raise ConfigError(f"hfzero.prepare: config.ep_size={config.ep_size} but the expert-parallel group has "
+                          f"{ep_size} rank(s); build the edp x ep mesh and the expert-parallel model with "
+                          "hfzero.parallel.expert.prepare_expert_parallel(model, optimizer, config)")
+    if average_over is not None and (not isinstance(average_over, int) or average_over < 1):
+        raise ConfigError(f"hfzero.prepare: average_over={average_over!r} must be a positive integer")
     pending = find_pending(model) if weights is None else None
     if pending is not None:  # See [Note: pending weights] in runtime/pending.py
         weights = _read_pending(model, optimizer, config, process_group, pending)
@@ -106,15 +120,19 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         configure_host_allocator(config.host_mmap_threshold, top_trim=not by_growth)  # See [Note: host allocator]
     comm = Communicator(process_group, config.reduce_scatter_impl, device=device)
     _check_ranks_agree(comm, config, model, optimizer, groups)
+    groups_kw = {"average_over": average_over}
+    if ep_group is not None:  # See [Note: average_over] in engine.py
+        groups_kw = {"average_over": average_over or dist.get_world_size(), "check_comm": comm.on_group(None),
+                     "replica_comm": comm.on_group(ep_group)}
     if config.stage == 3:
         try:
             engine = Stage3Engine(model, groups, config, comm, device, units=units,
-                                  verify_gather_order=verify_gather_order, weights=weights)
+                                  verify_gather_order=verify_gather_order, weights=weights, **groups_kw)
         finally:
             if pending is not None:
                 weights.close()
     else:
-        engine = ZeroEngine(model, groups, config, comm, device, bucket_units=units)
+        engine = ZeroEngine(model, groups, config, comm, device, bucket_units=units, **groups_kw)
     if tp_group is not None:
         engine.norm_group = Communicator(tp_group, device=device)
     if hasattr(model, "_set_gradient_checkpointing"):

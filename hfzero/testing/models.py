@@ -32,6 +32,27 @@ def tiny_causal_lm(kind: str = "gpt2", *, seed: int = 0, hidden: int = 32, layer
     return model.float()
 
 
+def tiny_moe_lm(*, seed: int = 0, hidden: int = 32, layers: int = 2, experts: int = 8, top_k: int = 2,
+                expert_hidden: int = 16, vocab: int = VOCAB, positions: int = 64,
+                router_logits: bool = False, implementation: str = "eager") -> nn.Module:
+    """A deterministic Qwen3-MoE causal LM (``experts`` experts per layer, ``top_k`` per token, fused 3-D expert
+    parameters, the config's ``base_model_ep_plan``); ``router_logits``: the loss includes the router's
+    auxiliary load-balancing loss (``output_router_logits``); ``implementation``: transformers' experts
+    implementation ("eager" runs in float64 too, for parity references; "grouped_mm" is faster)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                            moe_intermediate_size=expert_hidden, num_hidden_layers=layers, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=hidden // 4, num_experts=experts,
+                            num_experts_per_tok=top_k, max_position_embeddings=positions, tie_word_embeddings=False,
+                            output_router_logits=router_logits)
+    model = Qwen3MoeForCausalLM(config)
+    model.set_experts_implementation(implementation)
+    model.config.use_cache = False
+    return model.float()
+
+
 def tiny_seq2seq(*, seed: int = 0, hidden: int = 32, layers: int = 2, vocab: int = VOCAB,
                  positions: int = 64) -> nn.Module:
     """A deterministic, dropout-free BART encoder-decoder (shared embeddings tied to lm_head)."""

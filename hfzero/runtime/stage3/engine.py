@@ -84,7 +84,9 @@ class Stage3Engine(ZeroEngine):
 
     def __init__(self, model: nn.Module, param_groups: list[list[nn.Parameter]], config: ZeroConfig,
                  comm: Communicator, device: torch.device, *, units: Sequence[str] | None = None,
-                 verify_gather_order: bool = True, weights: WeightSource | None = None):
+                 verify_gather_order: bool = True, weights: WeightSource | None = None,
+                 average_over: int | None = None, replica_comm: Communicator | None = None,
+                 check_comm: Communicator | None = None):
         self._weights = weights  # see [Note: stage-3 sharded construction] in weights.py
         trainable = {p for group in param_groups for p in group if p.requires_grad}
         # See [Note: stage-3 frozen parameters]
@@ -97,7 +99,8 @@ class Stage3Engine(ZeroEngine):
                 self._unit_of[p] = _PERSISTENT if persistent else spec.index
         self.gather_comm, verify_comm = _gather_group_comms(comm)
         self._verify_gather_order = verify_gather_order
-        super().__init__(model, param_groups, config, comm, device)
+        super().__init__(model, param_groups, config, comm, device, average_over=average_over,
+                         replica_comm=replica_comm, check_comm=check_comm)
         self.gather_pool = GatherBufferPool(self.policy.param_dtype, device)
         self.units = [self._make_unit(spec) for spec in self.unit_specs]
         partitioned_frozen = set(self.frozen_layout.slots)
@@ -115,8 +118,9 @@ class Stage3Engine(ZeroEngine):
         self.scheduler = UnitScheduler(self.units, verify_comm if verify_gather_order else None, self.prefetch_numel)
         # See [Note: collective order across ranks] in reducer.py
         self.reducer.launch_on_fill = False
-        self.step_check = None if comm.world_size == 1 else StepCheck(comm.on_group(comm.group, share_stats=False),
-                                                                      len(self.layout.buckets))
+        check = self.check_comm
+        self.step_check = None if check.world_size == 1 else StepCheck(check.on_group(check.group, share_stats=False),
+                                                                       len(self.layout.buckets))
         """The step's one check collective (gather order, late gradients): See [Note: stage-3 step check]."""
         self.scheduler.on_unit_done = lambda unit: self.reducer.force_ready(unit.buckets)
         self._partitioned = {p for p, unit in self._unit_of.items() if unit != _PERSISTENT}
