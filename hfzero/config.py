@@ -143,6 +143,12 @@ class ZeroConfig:
     mesh; the model's parameters are sharded over the TP group by transformers' tp_plan or
     parallelize_module (see hfzero/parallel/tensor.py). 1: data parallelism alone."""
 
+    sp_size: int = 1
+    """Sequence-parallel degree (Ulysses-style): each sequence is split over sp_size ranks and attention
+    runs on all heads of the whole sequence through an all-to-all; ZeRO shards the model states over all
+    world ranks (dp x sp) and averages gradients over the world / sp_size data-parallel replicas (see
+    hfzero/parallel/sequence/). 1: no sequence parallelism. Not combined with tp_size or pipelines yet."""
+
     partition_activations: bool = False
     """ZeRO-R P_a: keep each activation checkpoint as a 1/tp_size slice on each TP rank and all-gather it
     for the recomputation in backward (needs tp_size > 1 and activation checkpointing)."""
@@ -191,6 +197,9 @@ class ZeroConfig:
         for name in ("partition_activations", "cpu_checkpointing", "contiguous_checkpoints"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be true or false")
         _check(_is_int(self.tp_size) and self.tp_size > 0, "tp_size", self.tp_size, "must be a positive integer")
+        _check(_is_int(self.sp_size) and self.sp_size > 0, "sp_size", self.sp_size, "must be a positive integer")
+        _check(self.sp_size == 1 or self.tp_size == 1, "sp_size", self.sp_size,
+               "cannot be combined with tp_size > 1 yet (tensor x sequence parallelism is not built); use one of them")
         _check(not self.partition_activations or self.tp_size > 1, "partition_activations", True,
                "partitions activation checkpoints over the tensor-parallel group, where every rank holds the same "
                "checkpoint; with tp_size=1 (data parallelism alone) each rank's checkpoints are of its own batch, "

@@ -66,6 +66,11 @@ class ZeroEngine:
         self.overflow = False
         self._untracked_param_bytes: int | None = None
         self.unused_ranges: list[tuple[int, int, int]] = []
+        self.average_over = self.world_size
+        """How many data-parallel ranks' summed gradients are averaged: the step divides the reduced sums by it.
+        The group size by default; fewer where ranks of the group train on the same samples (sequence
+        parallelism: the S ranks of an SP group hold parts of one sequence, so the average is over world / S
+        replicas; see hfzero/parallel/sequence/__init__.py). Set by prepare."""
         self.norm_group: Communicator | None = None
         """The tensor-parallel group (set by prepare with a dp x tp mesh): the gradient norm spans it too."""
 
@@ -265,7 +270,7 @@ class ZeroEngine:
         self.overflow = self._check_step(self._overflow_flag())
         if self.offload is not None:  # the host writes master weights next: See [Note: offload copies]
             self.offload.wait_uploads()
-        factor = 1.0 / (self.world_size * self.scaler.scale)
+        factor = 1.0 / (self.average_over * self.scaler.scale)
         if self.policy.separate_master and self.offload is None:
             self.master_grad_flat = torch.empty_like(self.master_flat)
         for bucket, master in zip(self.layout.buckets, self.master_views):

@@ -41,7 +41,8 @@ def prepared_count() -> int:
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
             process_group: dist.ProcessGroup | None = None, *, units: Sequence[str] | None = None,
             verify_gather_order: bool = True, weights: WeightSource | None = None,
-            tp_group: dist.ProcessGroup | None = None) -> tuple[nn.Module, ZeroOptimizer]:
+            tp_group: dist.ProcessGroup | None = None,
+            average_over: int | None = None) -> tuple[nn.Module, ZeroOptimizer]:
     """Apply ZeRO to ``model`` and ``optimizer`` over ``process_group`` (default: the world group).
 
     The model keeps its class; its trainable parameters become views into one flat buffer (cast to
@@ -58,6 +59,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     parameters are on the meta device (see stage3/init.py, ``from_pretrained_sharded``).
     ``tp_group``: the tensor-parallel group of a dp x tp mesh (``process_group`` is then its dp group);
     build both with ``hfzero.parallel.tensor.prepare_tensor_parallel`` rather than by hand.
+    ``average_over``: how many data-parallel ranks' summed gradients are averaged (default: the group's
+    size); sequence parallelism passes world / sp_size, as an SP group's ranks train on the same samples
+    (build it with ``hfzero.parallel.sequence.prepare_sequence_parallel``; [Note: sequence-parallel gradients]).
 
     A transformers model's activation checkpointing (enabled before or after this call) runs through
     hfzero's checkpoint function, which measures the checkpoints and applies ``partition_activations``,
@@ -87,6 +91,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         raise ConfigError(f"hfzero.prepare: config.tp_size={config.tp_size} but the tensor-parallel group has {tp_size} "
                           "rank(s); build the dp x tp mesh and the TP model with "
                           "hfzero.parallel.tensor.prepare_tensor_parallel(model, optimizer, config)")
+    _check_sequence_parallel(model, config, process_group, average_over)
     pending = find_pending(model) if weights is None else None
     if pending is not None:  # See [Note: pending weights] in runtime/pending.py
         weights = _read_pending(model, optimizer, config, process_group, pending)
@@ -117,6 +122,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         engine = ZeroEngine(model, groups, config, comm, device, bucket_units=units)
     if tp_group is not None:
         engine.norm_group = Communicator(tp_group, device=device)
+    if average_over is not None:
+        engine.average_over = average_over
     if hasattr(model, "_set_gradient_checkpointing"):
         policy = CheckpointPolicy(partition=config.partition_activations, cpu=config.cpu_checkpointing,
                                   contiguous=config.contiguous_checkpoints)
@@ -157,6 +164,23 @@ def get_engine(obj: nn.Module | torch.optim.Optimizer) -> ZeroEngine:
     if not isinstance(engine, ZeroEngine):
         raise ValueError(f"{type(obj).__name__} was not prepared by hfzero.prepare")
     return engine
+
+
+def _check_sequence_parallel(model: nn.Module, config: ZeroConfig, group: dist.ProcessGroup | None,
+                              average_over: int | None) -> None:
+    """sp_size > 1: ZeRO over the whole world, gradients averaged over its world / sp_size dp replicas."""
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if average_over is not None and not (_is_positive_int(average_over) and world % average_over == 0):
+        raise ConfigError(f"hfzero.prepare: average_over={average_over!r} must be a positive divisor of the group "
+                          f"size {world}")
+    if config.sp_size > 1 and (group is not None or average_over != world // config.sp_size):
+        raise ConfigError(f"hfzero.prepare: config.sp_size={config.sp_size} needs the model switched to sequence-"
+                          "parallel attention and ZeRO over the whole world averaging over the dp replicas; use "
+                          "hfzero.parallel.sequence.prepare_sequence_parallel(model, optimizer, config)")
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _check_process_group(group: dist.ProcessGroup | None) -> None:
