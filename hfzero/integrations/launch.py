@@ -45,6 +45,8 @@ NOT_APPLIED_EXIT = 3
 _TP_WITH_PP = ("--zero_tp_size and --zero_pp_size cannot be combined yet (pipeline x tensor parallelism is not "
                "built); use one of them")
 """Exit status of a worker (and of ``hfzero run``) whose script prepared no model with hfzero."""
+_SP_WITH_PP = ("--zero_sp_size and --zero_pp_size cannot be combined yet (pipeline x sequence parallelism is not "
+               "built); use one of them")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -178,16 +180,23 @@ def plan(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Launc
 
 
 def _check_tp_size(options: Mapping[str, str], args: argparse.Namespace) -> None:
-    """``--zero_tp_size`` must divide the world (nproc_per_node x nnodes), checked before any process starts
+    """``--zero_tp_size`` and ``--zero_sp_size`` must divide the world (nproc_per_node x nnodes), checked before any process starts
     when both are plain numbers (``auto`` or an elastic ``1:4`` is checked by the workers instead)."""
     from hfzero.parallel.tensor import check_tp_size
 
-    tp = int(options.get("tp_size", "1"))
+    from hfzero.parallel.sequence.mesh import check_sp_size
+
+    tp, sp = int(options.get("tp_size", "1")), int(options.get("sp_size", "1"))
     if tp > 1 and int(options.get("pp_size", "1")) > 1:
         raise ConfigError(_TP_WITH_PP)
+    if sp > 1 and int(options.get("pp_size", "1")) > 1:
+        raise ConfigError(_SP_WITH_PP)
     nproc, nnodes = str(args.nproc_per_node), str(args.nnodes).split(":")  # nnodes: "2" or "MIN:MAX"
-    if tp > 1 and nproc.isdigit() and len(set(nnodes)) == 1 and nnodes[0].isdigit():
-        check_tp_size(int(nproc) * int(nnodes[0]), tp)
+    if nproc.isdigit() and len(set(nnodes)) == 1 and nnodes[0].isdigit():
+        if tp > 1:
+            check_tp_size(int(nproc) * int(nnodes[0]), tp)
+        if sp > 1:
+            check_sp_size(int(nproc) * int(nnodes[0]), sp)
 
 
 def launch(argv: Sequence[str]) -> int:

@@ -33,14 +33,12 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Non
                           "the right and let split_batch / SequenceCollator turn padding into ignored labels")
 
 
-def install_sequence_parallel(model: nn.Module, mesh: SequenceMesh, device: torch.device | None = None) -> None:
+def install_sequence_parallel(model: nn.Module, mesh: SequenceMesh) -> None:
     """Ulysses attention over ``mesh``'s SP group and the model hooks (inputs checked, loss reported as the
     group's: loss.py), in place; then ``hfzero.prepare(..., average_over=mesh.dp_size)`` applies ZeRO."""
     if getattr(model, MESH_ATTR, None) is not None:
         raise ConfigError("hfzero sequence parallelism: this model is already set up for it")
-    if device is None:
-        device = next(model.parameters()).device
-    comm = Communicator(mesh.sp_group, device=device)
+    comm = Communicator(mesh.sp_group)  # on the backend's device (parameters may still be on meta: sharded loading)
     apply_sequence_attention(model, comm)
 
     def report_group_loss(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:

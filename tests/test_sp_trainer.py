@@ -1,0 +1,87 @@
+"""An unmodified Trainer script (tests/scripts/llama_trainer.py, tiny Llama from config) under
+`hfzero run --nproc_per_node 4 ... --zero_stage 3 --zero_sp_size 2 --gradient_checkpointing` (dp=2 x sp=2:
+ZeroTrainer's data loader shards over the dp replicas and splits each sequence with SequenceCollator, the
+token count and loss scale follow [Note: sequence-parallel gradients]) against the same script under plain
+torchrun DDP on 2 ranks: equal per-step training losses, gradient norms and evaluation losses. Two launches.
+accelerate's ParallelismConfig (TrainingArguments.parallelism_config, Accelerator(parallelism_config=...)) is
+read into ZeroConfig, in this process: sp_size / tp_size mapped, the rest refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_integration_common import hfzero_run, torchrun
+
+from hfzero.config import ConfigError, ZeroConfig
+from hfzero.integrations.parallelism import zero_config_from_parallelism
+
+SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "llama_trainer.py")
+STEPS = 4
+
+
+def _args(out: Path) -> list[str]:
+    return [SCRIPT, "--output_dir", str(out), "--max_steps", str(STEPS), "--per_device_train_batch_size", "2",
+            "--gradient_accumulation_steps", "2", "--learning_rate", "1e-3", "--logging_steps", "1",
+            "--eval_strategy", "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "4",
+            "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true", "--seed", "0",
+            "--seq_len", "15"]  # not a multiple of sp: padded by SequenceCollator, the loss unchanged
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("sp_trainer")
+    torchrun(2, _args(root / "ddp"))
+    hfzero_run(4, [*_args(root / "sp"), "--zero_stage", "3", "--zero_sp_size", "2",
+                   "--zero_param_persistence_threshold", "0", "--gradient_checkpointing", "true",
+                   "--gradient_checkpointing_kwargs", '{"use_reentrant": false}'])
+    return root / "ddp", root / "sp"
+
+
+def _history(out: Path, key: str) -> list[tuple[int, float, float]]:
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return [(h["step"], h[key], h.get("epoch")) for h in history if key in h]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["loss", "grad_norm", "eval_loss"])
+def test_sp2_trainer_matches_ddp_on_two_ranks(runs: tuple[Path, Path], key: str) -> None:
+    ddp, sp = runs
+    want, got = _history(ddp, key), _history(sp, key)
+    assert len(want) == (STEPS if key != "eval_loss" else STEPS // 2) and len(got) == len(want)
+    for (step, value, epoch), (step_sp, value_sp, epoch_sp) in zip(want, got):
+        assert (step_sp, epoch_sp) == (step, epoch)  # dp = world / sp replicas: the same samples per step
+        assert value_sp == pytest.approx(value, abs=1e-5), (key, step)
+
+
+def test_parallelism_config_is_mapped_or_refused() -> None:
+    from accelerate import ParallelismConfig
+
+    assert zero_config_from_parallelism(ParallelismConfig(sp_size=2, sp_backend="deepspeed"), ZeroConfig()).sp_size == 2
+    assert zero_config_from_parallelism(ParallelismConfig(tp_size=2), ZeroConfig()).tp_size == 2
+    assert zero_config_from_parallelism(None, ZeroConfig(stage=2)) == ZeroConfig(stage=2)
+    for name in ("dp_shard_size", "dp_replicate_size", "cp_size"):
+        with pytest.raises(ConfigError, match=f"ParallelismConfig.{name}=2 is not supported"):
+            zero_config_from_parallelism(ParallelismConfig(**{name: 2}), ZeroConfig())
+    with pytest.raises(ConfigError, match="contradicts ZeroConfig.sp_size=4"):
+        zero_config_from_parallelism(ParallelismConfig(sp_size=2), ZeroConfig(sp_size=4))
+    with pytest.raises(ConfigError, match="tensor x sequence"):
+        zero_config_from_parallelism(ParallelismConfig(sp_size=2, tp_size=2), ZeroConfig())
+
+
+def test_trainer_reads_training_arguments_parallelism_config(tmp_path) -> None:
+    from accelerate import ParallelismConfig
+
+    import hfzero
+    from hfzero.testing.models import tiny_causal_lm
+
+    args = hfzero.ZeroTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, zero_stage=2,
+                                        parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed"))
+    trainer = hfzero.ZeroTrainer(model=tiny_causal_lm("llama"), args=args)
+    assert trainer.zero_config.sp_size == 2 and trainer.accelerator.zero_config.sp_size == 2
+    assert trainer.accelerator.parallelism_config is None  # accelerate built no mesh (nor DeepSpeed's SP) of its own
+    assert trainer.get_tp_size() == 2 and trainer.get_sp_size() == 1
+    with pytest.raises(ConfigError, match="dp_shard_size"):
+        hfzero.ZeroAccelerator(parallelism_config=ParallelismConfig(dp_shard_size=2), cpu=True)
