@@ -85,3 +85,15 @@ def test_trainer_reads_training_arguments_parallelism_config(tmp_path) -> None:
     assert trainer.get_tp_size() == 2 and trainer.get_sp_size() == 1
     with pytest.raises(ConfigError, match="dp_shard_size"):
         hfzero.ZeroAccelerator(parallelism_config=ParallelismConfig(dp_shard_size=2), cpu=True)
+
+
+def test_launch_refuses_bad_sp_sizes() -> None:
+    from hfzero.integrations.launch import plan
+
+    assert plan(["--nproc_per_node", "4", SCRIPT, "--zero_sp_size", "2"], environ={}).env["HFZERO_SP_SIZE"] == "2"
+    with pytest.raises(ConfigError, match="sp_size=3 does not divide the world size 4"):
+        plan(["--nproc_per_node", "4", SCRIPT, "--zero_sp_size", "3"], environ={})
+    with pytest.raises(ConfigError, match="--zero_sp_size and --zero_pp_size cannot be combined yet"):
+        plan(["--nproc_per_node", "4", SCRIPT, "--zero_sp_size", "2", "--zero_pp_size", "2"], environ={})
+    with pytest.raises(ConfigError, match="tensor x sequence"):
+        plan(["--nproc_per_node", "4", SCRIPT, "--zero_sp_size", "2", "--zero_tp_size", "2"], environ={})
