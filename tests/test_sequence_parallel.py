@@ -2,8 +2,8 @@
 reference of DDP on 2 ranks with the same global batch (each dp replica's mean loss, gradients averaged over
 the 2 replicas). Losses and parameters after SGD(lr=1) steps (so parameter differences are gradient
 differences) within 1e-5, stages 0-3, with activation checkpointing, with key/value heads replicated
-(1 kv head over 2 ranks) and with a sequence length not divisible by sp (padded, loss unchanged). One spawn;
-the bad-input cases run in this process.
+(1 kv head over 2 ranks) and with a sequence length not divisible by sp (padded, loss unchanged); each rank's
+measured activations against the estimator's sp model. One spawn; the bad-input cases run in this process.
 """
 
 from __future__ import annotations
@@ -85,13 +85,40 @@ def _sequence_parallel(rank: int, stage: int, checkpointing: bool, kv_heads: int
             "all_to_alls": attention.comm.stats()["all_to_all"].calls}
 
 
-def _worker(rank: int, world_size: int) -> dict:
-    return {name: _sequence_parallel(rank, *case) for name, case in CASES.items()}
+def _measured_activations(rank: int, root: str) -> dict:
+    """One profiled step of a Llama (h=128, 2 kv heads) at seq 15 (padded to 16), without and with
+    checkpointing: this rank's saved-tensor roles."""
+    from hfzero.profiler import ZeroProfiler, load_run
+    from hfzero.testing.models import tiny_causal_lm
+
+    out = {}
+    for checkpointing in (False, True):
+        model = tiny_causal_lm("llama", hidden=128, layers=2, vocab=VOCAB).train()
+        model.set_attn_implementation("sdpa")
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model, optimizer, mesh = prepare_sequence_parallel(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                                           hfzero.ZeroConfig(stage=0, sp_size=2))
+        ids = _batches(15)[0].chunk(mesh.dp_size)[mesh.dp_rank]
+        with ZeroProfiler(model, optimizer, f"{root}/{checkpointing}"):
+            optimizer.backward(model(**split_batch({"input_ids": ids}, mesh.sp_rank, mesh.sp_size)).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.distributed.barrier()  # every rank's file is complete
+        out[checkpointing] = load_run(f"{root}/{checkpointing}").ranks[rank].of_kind("step")[0]["roles"]
+        out["config"] = model.config.to_dict()
+    return out
+
+
+def _worker(rank: int, world_size: int, root: str) -> dict:
+    runs = {name: _sequence_parallel(rank, *case) for name, case in CASES.items()}
+    runs["activations"] = _measured_activations(rank, root)
+    return runs
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    return run_distributed(_worker, 4)
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_distributed(_worker, 4, str(tmp_path_factory.mktemp("sp_profiles")))
 
 
 @pytest.mark.slow
@@ -112,13 +139,32 @@ def test_sp2_dp2_matches_ddp_on_two_ranks(runs: list[dict], name: str) -> None:
                                            msg=f"{name} rank {rank} step {step} {param}")
 
 
+@pytest.mark.slow
+def test_measured_activations_match_the_estimator_with_sp(runs: list[dict]) -> None:
+    """Each rank saves what the decoder activation model predicts for sp=2 (its 8 of 16 positions; attention
+    on 2 of 4 heads of all 16): exact without checkpointing; with it, checkpoints + the rest within 10% (the
+    tolerance tests/test_activations.py gives the unsplit model)."""
+    from transformers import LlamaConfig
+
+    from hfzero import estimate as est
+
+    for run in runs:
+        measured = run["activations"]
+        shape = est.DecoderShape.from_hf_config(LlamaConfig(**measured["config"]))
+        plain, ckpt = (est.decoder_activation_bytes(shape, 15, ROWS, dtype="fp32", attention="sdpa", device="cpu",
+                                                    sp=2, checkpointing=c) for c in (False, True))
+        assert measured[False]["activations"] == plain.saved
+        assert measured[True]["activations"] + measured[True]["act_checkpoint"] == pytest.approx(ckpt.saved, rel=0.10)
+        assert measured[True]["activations"] == ckpt.head
+
+
 def test_split_batch_shifts_on_the_whole_sequence_and_pads() -> None:
     ids = torch.arange(1, 8).reshape(1, 7)  # T = 7, sp = 2: padded to 8
     parts = [split_batch({"input_ids": ids}, r, 2, pad_token_id=0) for r in range(2)]
     assert torch.equal(torch.cat([p["input_ids"] for p in parts], 1), torch.tensor([[1, 2, 3, 4, 5, 6, 7, 0]]))
     assert torch.equal(torch.cat([p["shift_labels"] for p in parts], 1),
                        torch.tensor([[2, 3, 4, 5, 6, 7, -100, -100]]))  # boundary target 5 kept on rank 0
-    assert torch.equal(torch.cat([p["position_ids"] for p in parts], 1), torch.arange(8).reshape(1, 8))
+    assert torch.equal(torch.cat([p["position_ids"] for p in parts], 1), torch.arange(8).reshape(1, 8))  # (1, T)
     assert all(int(p["num_items_in_batch"]) == 6 for p in parts)
     right = shift_labels(ids, torch.tensor([[1, 1, 1, 1, 1, 0, 0]]))
     assert torch.equal(right, torch.tensor([[2, 3, 4, 5, -100, -100, -100]]))
@@ -141,3 +187,22 @@ def test_bad_sequence_parallel_configs_are_refused() -> None:
     model = _llama(2)
     with pytest.raises(ConfigError, match="prepare_sequence_parallel"):
         hfzero.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0), hfzero.ZeroConfig(sp_size=2))
+
+
+def test_estimate_cli_sp(tmp_path, capsys) -> None:
+    """`hfzero estimate --sp S`: one rank's activations of a sequence split over S ranks (decoders only)."""
+    import json
+
+    from transformers import LlamaConfig
+
+    from hfzero.cli import main
+
+    LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                num_key_value_heads=2).save_pretrained(tmp_path)
+    figures = {}
+    for sp in ("1", "4"):
+        assert main(["estimate", "--config", str(tmp_path), "--seq-len", "4096", "--batch-size", "1",
+                     "--checkpointing", "--sp", sp, "--json"]) == 0
+        figures[sp] = json.loads(capsys.readouterr().out)["activations"]
+    assert figures["4"]["sp"] == 4 and figures["4"]["checkpoint_bytes"] < figures["1"]["checkpoint_bytes"] / 3.9
+    assert figures["4"]["head_bytes"] < figures["1"]["head_bytes"] / 3.9  # the logits of 1/4 of the positions

@@ -10,7 +10,8 @@ rounded up to a multiple of S:
   padding on the right changes no earlier position, so the loss is unchanged. Left or inner padding is
   refused (it needs a mask, which is not built for a split sequence: attention.py);
 - T' - T extra positions are padded with ``pad_token_id`` and label -100: the loss is unchanged;
-- ``position_ids`` are the global ones (the user's, else 0..T'-1), so RoPE sees the whole sequence;
+- ``position_ids`` are the global ones (the user's, else 0..T'-1 as one (1, T') row shared by the batch),
+  so RoPE sees the whole sequence;
 - ``num_items_in_batch`` counts the targets of the whole batch (every rank of the group computes the
   same count from the same samples, no collective), so each rank's loss is its chunk's sum over the
   group's count: the token-weighted mean over the SP group (see loss.py).
@@ -56,8 +57,8 @@ def split_batch(batch: Mapping[str, Any], sp_rank: int, sp_size: int, *, pad_tok
     labels = batch.get("labels")
     targets = shift_labels(ids if labels is None else labels, batch.get("attention_mask"))
     positions = batch.get("position_ids")
-    if positions is None:
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    if positions is None:  # (1, T): the rotary tables are computed once, not once per row
+        positions = torch.arange(ids.shape[1], device=ids.device)[None]
     pad = -ids.shape[1] % sp_size
     if pad:
         ids = torch.nn.functional.pad(ids, (0, pad), value=pad_token_id)
