@@ -301,8 +301,11 @@ class ZeroTrainer(Trainer):
                                     pipeline_config=self.pipeline_config)
         with _in_trainer_module("Accelerator", factory):
             super().create_accelerator_and_postprocess()
-        if isinstance(self.accelerator, ZeroAccelerator):  # with TrainingArguments.parallelism_config's sizes
-            self.zero_config = self.accelerator.zero_config
+        sizes = {name: getattr(self.accelerator.zero_config, name) for name in ("sp_size", "tp_size")} \
+            if isinstance(self.accelerator, ZeroAccelerator) else {}
+        if any(getattr(self.zero_config, name) != size for name, size in sizes.items()):
+            # TrainingArguments.parallelism_config's sizes, read by the accelerator (integrations/parallelism.py)
+            self.zero_config = dataclasses.replace(self.zero_config, **sizes)
         logger.info("ZeroTrainer: ZeRO stage %s, dtype %s", self.zero_config.stage, self.zero_config.dtype)
 
     def _check_microbatches(self, config: PipelineConfig) -> PipelineConfig:
