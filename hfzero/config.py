@@ -149,6 +149,12 @@ class ZeroConfig:
     world ranks (dp x sp) and averages gradients over the world / sp_size data-parallel replicas (see
     hfzero/parallel/sequence/). 1: no sequence parallelism. Not combined with tp_size or pipelines yet."""
 
+    loss_tiles: int = 1
+    """Tiled logits + loss: a causal LM's vocabulary projection and cross entropy run over this many slices of
+    the sequence, each recomputed in backward, so one slice's logits are alive instead of the sequence's
+    (hfzero/parallel/sequence/tiled_loss.py). Applied by prepare_sequence_parallel, ZeroTrainer and
+    ZeroAccelerator; by hand: hfzero.parallel.sequence.enable_tiled_loss. 1: the model's own loss."""
+
     partition_activations: bool = False
     """ZeRO-R P_a: keep each activation checkpoint as a 1/tp_size slice on each TP rank and all-gather it
     for the recomputation in backward (needs tp_size > 1 and activation checkpointing)."""
@@ -198,6 +204,8 @@ class ZeroConfig:
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be true or false")
         _check(_is_int(self.tp_size) and self.tp_size > 0, "tp_size", self.tp_size, "must be a positive integer")
         _check(_is_int(self.sp_size) and self.sp_size > 0, "sp_size", self.sp_size, "must be a positive integer")
+        _check(_is_int(self.loss_tiles) and self.loss_tiles > 0, "loss_tiles", self.loss_tiles,
+               "must be a positive integer (1: untiled)")
         _check(self.sp_size == 1 or self.tp_size == 1, "sp_size", self.sp_size,
                "cannot be combined with tp_size > 1 yet (tensor x sequence parallelism is not built); use one of them")
         _check(not self.partition_activations or self.tp_size > 1, "partition_activations", True,

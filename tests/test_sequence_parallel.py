@@ -2,7 +2,8 @@
 reference of DDP on 2 ranks with the same global batch (each dp replica's mean loss, gradients averaged over
 the 2 replicas). Losses and parameters after SGD(lr=1) steps (so parameter differences are gradient
 differences) within 1e-5, stages 0-3, with activation checkpointing, with key/value heads replicated
-(1 kv head over 2 ranks) and with a sequence length not divisible by sp (padded, loss unchanged); each rank's
+(1 kv head over 2 ranks), with tiled logits + loss (3 tiles of each rank's 8 positions, stage 3) and with a
+sequence length not divisible by sp (padded, loss unchanged); each rank's
 measured activations against the estimator's sp model. One spawn; the bad-input cases run in this process.
 """
 
@@ -18,13 +19,13 @@ from hfzero.testing import run_distributed
 from hfzero.testing.workloads import _full_params
 
 STEPS, ROWS, VOCAB = 3, 2, 128  # ROWS: samples per dp replica
-CASES = {  # name: (stage, checkpointing, kv heads, sequence length)
-    "stage0": (0, False, 2, 16),
-    "stage1": (1, False, 2, 16),
-    "stage2": (2, False, 2, 16),
-    "stage3": (3, False, 2, 16),
-    "stage3_checkpointing": (3, True, 2, 16),
-    "stage2_kv1_odd_length": (2, False, 1, 15),
+CASES = {  # name: (stage, checkpointing, kv heads, sequence length, loss tiles)
+    "stage0": (0, False, 2, 16, 1),
+    "stage1": (1, False, 2, 16, 1),
+    "stage2": (2, False, 2, 16, 1),
+    "stage3": (3, False, 2, 16, 1),
+    "stage3_checkpointing_tiled_loss": (3, True, 2, 16, 3),
+    "stage2_kv1_odd_length": (2, False, 1, 15, 1),
 }
 
 
@@ -63,11 +64,11 @@ def _reference(kv_heads: int, seq: int) -> tuple[list[list[float]], list[dict[st
     return losses, params
 
 
-def _sequence_parallel(rank: int, stage: int, checkpointing: bool, kv_heads: int, seq: int):
+def _sequence_parallel(rank: int, stage: int, checkpointing: bool, kv_heads: int, seq: int, tiles: int):
     model = _llama(kv_heads)
     if checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    config = hfzero.ZeroConfig(stage=stage, sp_size=2, param_persistence_threshold=0)
+    config = hfzero.ZeroConfig(stage=stage, sp_size=2, param_persistence_threshold=0, loss_tiles=tiles)
     model, optimizer, mesh = prepare_sequence_parallel(model, torch.optim.SGD(model.parameters(), lr=1.0), config)
     assert (mesh.dp_rank, mesh.sp_rank) == divmod(rank, 2)
     engine = hfzero.get_engine(model)
@@ -124,7 +125,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_sp2_dp2_matches_ddp_on_two_ranks(runs: list[dict], name: str) -> None:
-    _, _, kv_heads, seq = CASES[name]
+    _, _, kv_heads, seq, _ = CASES[name]
     want_losses, want_params = _reference(kv_heads, seq)
     for rank, run in enumerate(runs):
         got = run[name]
@@ -206,3 +207,28 @@ def test_estimate_cli_sp(tmp_path, capsys) -> None:
         figures[sp] = json.loads(capsys.readouterr().out)["activations"]
     assert figures["4"]["sp"] == 4 and figures["4"]["checkpoint_bytes"] < figures["1"]["checkpoint_bytes"] / 3.9
     assert figures["4"]["head_bytes"] < figures["1"]["head_bytes"] / 3.9  # the logits of 1/4 of the positions
+
+
+def test_tiled_loss_matches_the_model_loss() -> None:
+    """One process, no SP: the loss and gradients of 4 tiles (of 15 positions: uneven) equal the model's own;
+    a forward without labels is the model's (logits); loss_tiles must match the model at prepare."""
+    from hfzero.parallel.sequence import enable_tiled_loss
+
+    ids = _batches(15)[0]
+    reference = _llama(2)
+    want = reference(input_ids=ids, labels=ids).loss
+    want.backward()
+    model = _llama(2)
+    enable_tiled_loss(model, 4)
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits is None
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, want, atol=1e-6, rtol=0)
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, atol=1e-6, rtol=0, msg=name)
+    assert model(input_ids=ids).logits.shape == (ids.shape[0], 15, VOCAB)
+    with pytest.raises(ConfigError, match="loss_tiles=1 but the model's loss is tiled in 4"):
+        hfzero.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0), hfzero.ZeroConfig())
+    with pytest.raises(ConfigError, match="enable_tiled_loss"):
+        plain = _llama(2)
+        hfzero.prepare(plain, torch.optim.SGD(plain.parameters(), lr=1.0), hfzero.ZeroConfig(loss_tiles=2))

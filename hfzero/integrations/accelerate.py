@@ -59,7 +59,8 @@ from hfzero.integrations.state import (load_optimizer_shards, needs_gathered_wei
 from hfzero.logging import get_logger
 from hfzero.parallel.mesh import check_sizes
 from hfzero.parallel.pipeline import Pipeline, PipelineConfig, pipeline
-from hfzero.parallel.sequence import SequenceCollator, check_sp_size, prepare_sequence_parallel
+from hfzero.parallel.sequence import (SequenceCollator, check_sp_size, enable_tiled_loss,
+                                     prepare_sequence_parallel)
 from hfzero.parallel.tensor import check_tp_size, prepare_tensor_parallel
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.prepare import get_engine, prepare as zero_prepare
@@ -215,7 +216,8 @@ class ZeroAccelerator(Accelerator):
         if evaluation_mode and self._partitions_frozen_models() and not _is_zero_model(model):
             model.requires_grad_(False)
             nothing = torch.optim.SGD([{"params": []}], lr=0.0)  # no state, no step: the engine needs no optimizer
-            model, _ = zero_prepare(model, nothing, self.zero_config)
+            untiled = dataclasses.replace(self.zero_config, loss_tiles=1)  # a reference model computes no loss tiled
+            model, _ = zero_prepare(model, nothing, untiled)
             logger.info("ZeroAccelerator: %s prepared for evaluation only: frozen and partitioned (stage 3)",
                         type(model).__name__)
         return model
@@ -229,6 +231,10 @@ class ZeroAccelerator(Accelerator):
         if getattr(optimizer, "_is_accelerate_prepared", False) or unwrap_optimizer(optimizer) is not None:
             return super().prepare_optimizer(optimizer, device_placement=False)
         model = self._owner_of(optimizer)
+        if self.zero_config.loss_tiles > 1 and getattr(model, "hfzero_loss_tiles", 1) == 1:
+            if self.pipeline_config is not None:
+                raise ConfigError("ZeroAccelerator: loss_tiles > 1 with pipeline parallelism is not supported")
+            enable_tiled_loss(model, self.zero_config.loss_tiles)
         world = self.num_processes // self.zero_config.tp_size  # data-parallel replicas
         self.zero_config = resolve_auto_stage(self.zero_config, model, optimizer, world_size=world,
                                               accumulation_steps=self.gradient_accumulation_steps,

@@ -173,6 +173,12 @@ def _check_sequence_parallel(model: nn.Module, config: ZeroConfig, group: dist.P
     if average_over is not None and not (_is_positive_int(average_over) and world % average_over == 0):
         raise ConfigError(f"hfzero.prepare: average_over={average_over!r} must be a positive divisor of the group "
                           f"size {world}")
+    tiles = getattr(model, "hfzero_loss_tiles", 1)  # set by hfzero.parallel.sequence.enable_tiled_loss
+    if config.loss_tiles != tiles:
+        raise ConfigError(f"hfzero.prepare: config.loss_tiles={config.loss_tiles} but the model's loss is "
+                          f"{'tiled in ' + str(tiles) if tiles > 1 else 'not tiled'}; call "
+                          "hfzero.parallel.sequence.enable_tiled_loss(model, config.loss_tiles) first (ZeroTrainer, "
+                          "ZeroAccelerator and prepare_sequence_parallel do it)")
     if config.sp_size > 1 and (group is not None or average_over != world // config.sp_size):
         raise ConfigError(f"hfzero.prepare: config.sp_size={config.sp_size} needs the model switched to sequence-"
                           "parallel attention and ZeRO over the whole world averaging over the dp replicas; use "

@@ -13,6 +13,7 @@ from hfzero.logging import get_logger
 from hfzero.parallel.sequence.attention import apply_sequence_attention
 from hfzero.parallel.sequence.loss import group_loss
 from hfzero.parallel.sequence.mesh import SequenceMesh, build_sp_mesh
+from hfzero.parallel.sequence.tiled_loss import enable_tiled_loss
 
 if TYPE_CHECKING:
     from hfzero.runtime.optimizer import ZeroOptimizer
@@ -54,7 +55,8 @@ def install_sequence_parallel(model: nn.Module, mesh: SequenceMesh) -> None:
 
 def prepare_sequence_parallel(model: nn.Module, optimizer: torch.optim.Optimizer,
                               config: ZeroConfig) -> tuple[nn.Module, ZeroOptimizer, SequenceMesh]:
-    """Build the dp x sp mesh, switch ``model`` to Ulysses attention and prepare ZeRO over every rank
+    """Build the dp x sp mesh, switch ``model`` to Ulysses attention (and tiled loss with ``config.loss_tiles``)
+    and prepare ZeRO over every rank
     (stages 0-3, model states sharded over dp x sp, gradients averaged over the dp replicas). Returns
     (model, optimizer, mesh); feed each rank ``split_batch(batch, mesh.sp_rank, mesh.sp_size)`` of the
     same whole batch within an SP group (its dp replica's samples)."""
@@ -64,6 +66,8 @@ def prepare_sequence_parallel(model: nn.Module, optimizer: torch.optim.Optimizer
         raise ConfigError("prepare_sequence_parallel: config.sp_size must be > 1")
     mesh = build_sp_mesh(config.sp_size)
     install_sequence_parallel(model, mesh)
+    if config.loss_tiles > 1 and getattr(model, "hfzero_loss_tiles", 1) == 1:
+        enable_tiled_loss(model, config.loss_tiles)
     model, zero = hfzero.prepare(model, optimizer, config, average_over=mesh.dp_size)
     logger.info("sequence parallelism: dp=%d x sp=%d, Ulysses attention, ZeRO stage %s over all %d ranks",
                 mesh.dp_size, mesh.sp_size, config.stage, mesh.dp_size * mesh.sp_size)
