@@ -232,3 +232,24 @@ def test_tiled_loss_matches_the_model_loss() -> None:
     with pytest.raises(ConfigError, match="enable_tiled_loss"):
         plain = _llama(2)
         hfzero.prepare(plain, torch.optim.SGD(plain.parameters(), lr=1.0), hfzero.ZeroConfig(loss_tiles=2))
+
+
+def test_tiled_loss_saves_no_logits(tmp_path) -> None:
+    """Measured (the profiler's saved-tensor role): the untiled loss keeps the fp32 log-softmax of every
+    position's logits (4 x B x T x V bytes) for backward; 4 tiles keep none of it across the forward."""
+    from hfzero.profiler import ZeroProfiler, load_run
+    from hfzero.parallel.sequence import enable_tiled_loss
+
+    ids = _batches(15)[0]
+    saved = {}
+    for tiles in (1, 4):
+        model = _llama(2)
+        if tiles > 1:
+            enable_tiled_loss(model, tiles)
+        model, optimizer = hfzero.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0),
+                                          hfzero.ZeroConfig(loss_tiles=tiles))
+        with ZeroProfiler(model, optimizer, tmp_path / str(tiles)):
+            optimizer.backward(model(input_ids=ids, labels=ids).loss)
+            optimizer.step()
+        saved[tiles] = load_run(tmp_path / str(tiles)).ranks[0].of_kind("step")[0]["roles"]["activations"]
+    assert saved[1] - saved[4] >= 4 * ids.numel() * VOCAB - 16  # tiled keeps a scalar or two instead (the count)
