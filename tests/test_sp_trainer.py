@@ -97,3 +97,15 @@ def test_launch_refuses_bad_sp_sizes() -> None:
         plan(["--nproc_per_node", "4", SCRIPT, "--zero_sp_size", "2", "--zero_pp_size", "2"], environ={})
     with pytest.raises(ConfigError, match="tensor x sequence"):
         plan(["--nproc_per_node", "4", SCRIPT, "--zero_sp_size", "2", "--zero_tp_size", "2"], environ={})
+
+
+@pytest.mark.slow
+def test_sp2_trainer_saves_ddps_model(runs: tuple[Path, Path]) -> None:
+    """save_model under dp x sp ZeRO-3 writes a whole Hugging Face model equal to DDP's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ddp, sp = (AutoModelForCausalLM.from_pretrained(out).state_dict() for out in runs)
+    assert ddp.keys() == sp.keys()
+    for name in ddp:
+        torch.testing.assert_close(sp[name], ddp[name], atol=1e-5, rtol=0, msg=name)
