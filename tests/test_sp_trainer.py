@@ -2,7 +2,8 @@
 `hfzero run --nproc_per_node 4 ... --zero_stage 3 --zero_sp_size 2 --zero_loss_tiles 2 --gradient_checkpointing`
 (dp=2 x sp=2, tiled logits + loss: ZeroTrainer's data loader shards over the dp replicas and splits each
 sequence with SequenceCollator, the token count and loss scale follow [Note: sequence-parallel gradients]) against the same script under plain
-torchrun DDP on 2 ranks: equal per-step training losses, gradient norms and evaluation losses. Two launches.
+torchrun DDP on 2 ranks: equal per-step training losses, gradient norms, evaluation losses and saved models;
+its checkpoint-2 resumes on 2 ranks without SP (ZeRO-2) with the same next losses. Three launches.
 accelerate's ParallelismConfig (TrainingArguments.parallelism_config, Accelerator(parallelism_config=...)) is
 read into ZeroConfig, in this process: sp_size / tp_size mapped, the rest refused by name.
 """
@@ -36,7 +37,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     torchrun(2, _args(root / "ddp"))
     hfzero_run(4, [*_args(root / "sp"), "--zero_stage", "3", "--zero_sp_size", "2",
                    "--zero_param_persistence_threshold", "0", "--zero_loss_tiles", "2", "--gradient_checkpointing", "true",
-                   "--gradient_checkpointing_kwargs", '{"use_reentrant": false}'])
+                   "--gradient_checkpointing_kwargs", '{"use_reentrant": false}',
+                   "--save_strategy", "steps", "--save_steps", "2"])
     return root / "ddp", root / "sp"
 
 
@@ -109,3 +111,18 @@ def test_sp2_trainer_saves_ddps_model(runs: tuple[Path, Path]) -> None:
     assert ddp.keys() == sp.keys()
     for name in ddp:
         torch.testing.assert_close(sp[name], ddp[name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_sp2_checkpoint_resumes_without_sp(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    """checkpoint-2 of the dp x sp ZeRO-3 run (ZeRO shards over 4 ranks) resumes on 2 ranks without SP at
+    ZeRO-2 (resharded to another world size and stage): steps 3-4 equal the SP run's."""
+    _, sp = runs
+    manifest = json.loads((sp / "checkpoint-2" / "zero_optimizer" / "manifest.json").read_text())
+    assert manifest["world_size"] == 4
+    out = tmp_path / "resumed"
+    hfzero_run(2, [*_args(out), "--zero_stage", "2", "--resume_from_checkpoint", str(sp / "checkpoint-2")])
+    resumed = {step: value for step, value, _ in _history(out, "loss")}
+    original = {step: value for step, value, _ in _history(sp, "loss")}
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(original[step], abs=1e-5), (step, resumed, original)
