@@ -106,7 +106,9 @@ def _measured_activations(rank: int, root: str) -> dict:
             optimizer.step()
             optimizer.zero_grad()
         torch.distributed.barrier()  # every rank's file is complete
-        out[checkpointing] = load_run(f"{root}/{checkpointing}").ranks[rank].of_kind("step")[0]["roles"]
+        step = load_run(f"{root}/{checkpointing}").ranks[rank].of_kind("step")[0]
+        out[checkpointing] = step["roles"]
+        out["coords"] = (step["dp_rank"], step["sp_rank"], "all_to_all" in step["comm"])
         out["config"] = model.config.to_dict()
     return out
 
@@ -157,6 +159,8 @@ def test_measured_activations_match_the_estimator_with_sp(runs: list[dict]) -> N
         assert measured[False]["activations"] == plain.saved
         assert measured[True]["activations"] + measured[True]["act_checkpoint"] == pytest.approx(ckpt.saved, rel=0.10)
         assert measured[True]["activations"] == ckpt.head
+    # the records carry the sp coordinate, and the SP all-to-alls count in the engine's comm statistics
+    assert [run["activations"]["coords"] for run in runs] == [(r // 2, r % 2, True) for r in range(4)]
 
 
 def test_split_batch_shifts_on_the_whole_sequence_and_pads() -> None:

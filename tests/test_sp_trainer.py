@@ -1,9 +1,9 @@
 """An unmodified Trainer script (tests/scripts/llama_trainer.py, tiny Llama from config) under
 `hfzero run --nproc_per_node 4 ... --zero_stage 3 --zero_sp_size 2 --zero_loss_tiles 2 --gradient_checkpointing`
 (dp=2 x sp=2, tiled logits + loss: ZeroTrainer's data loader shards over the dp replicas and splits each
-sequence with SequenceCollator, the token count and loss scale follow [Note: sequence-parallel gradients]) against the same script under plain
-torchrun DDP on 2 ranks: equal per-step training losses, gradient norms, evaluation losses and saved models;
-its checkpoint-2 resumes on 2 ranks without SP (ZeRO-2) with the same next losses. Three launches.
+sequence with SequenceCollator, the token count and loss scale follow [Note: sequence-parallel gradients])
+against the same script under plain torchrun DDP on 2 ranks: equal per-step training losses, gradient norms,
+evaluation losses and saved models; its checkpoint-2 resumes on 2 ranks without SP (ZeRO-2) with the same next losses. Three launches.
 accelerate's ParallelismConfig (TrainingArguments.parallelism_config, Accelerator(parallelism_config=...)) is
 read into ZeroConfig, in this process: sp_size / tp_size mapped, the rest refused by name.
 """
@@ -36,7 +36,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("sp_trainer")
     torchrun(2, _args(root / "ddp"))
     hfzero_run(4, [*_args(root / "sp"), "--zero_stage", "3", "--zero_sp_size", "2",
-                   "--zero_param_persistence_threshold", "0", "--zero_loss_tiles", "2", "--gradient_checkpointing", "true",
+                   "--zero_param_persistence_threshold", "0", "--zero_loss_tiles", "2",
+                   "--gradient_checkpointing", "true",
                    "--gradient_checkpointing_kwargs", '{"use_reentrant": false}',
                    "--save_strategy", "steps", "--save_steps", "2"])
     return root / "ddp", root / "sp"

@@ -34,12 +34,14 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Non
                           "the right and let split_batch / SequenceCollator turn padding into ignored labels")
 
 
-def install_sequence_parallel(model: nn.Module, mesh: SequenceMesh) -> None:
+def install_sequence_parallel(model: nn.Module, mesh: SequenceMesh, comm: Communicator | None = None) -> None:
     """Ulysses attention over ``mesh``'s SP group and the model hooks (inputs checked, loss reported as the
-    group's: loss.py), in place; then ``hfzero.prepare(..., average_over=mesh.dp_size)`` applies ZeRO."""
+    group's: loss.py), in place, before or after ``hfzero.prepare(..., average_over=mesh.dp_size)``.
+    ``comm``: the SP group's communicator (default a new one; prepare_sequence_parallel passes one that
+    counts into the engine's statistics, so profiles show the all-to-all volume)."""
     if getattr(model, MESH_ATTR, None) is not None:
         raise ConfigError("hfzero sequence parallelism: this model is already set up for it")
-    comm = Communicator(mesh.sp_group)  # on the backend's device (parameters may still be on meta: sharded loading)
+    comm = comm or Communicator(mesh.sp_group)  # on the backend's device
     apply_sequence_attention(model, comm)
 
     def report_group_loss(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -65,10 +67,10 @@ def prepare_sequence_parallel(model: nn.Module, optimizer: torch.optim.Optimizer
     if config.sp_size < 2:
         raise ConfigError("prepare_sequence_parallel: config.sp_size must be > 1")
     mesh = build_sp_mesh(config.sp_size)
-    install_sequence_parallel(model, mesh)
     if config.loss_tiles > 1 and getattr(model, "hfzero_loss_tiles", 1) == 1:
         enable_tiled_loss(model, config.loss_tiles)
     model, zero = hfzero.prepare(model, optimizer, config, average_over=mesh.dp_size)
+    install_sequence_parallel(model, mesh, hfzero.get_engine(model).comm.on_group(mesh.sp_group))
     logger.info("sequence parallelism: dp=%d x sp=%d, Ulysses attention, ZeRO stage %s over all %d ranks",
                 mesh.dp_size, mesh.sp_size, config.stage, mesh.dp_size * mesh.sp_size)
     return model, zero, mesh
