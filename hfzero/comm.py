@@ -261,6 +261,21 @@ class Communicator:
             handle.wait()
         return handle
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Equal-split all-to-all along dim 0: chunk j of ``input`` goes to rank j, chunk i of ``output``
+        comes from rank i (both contiguous, ``world`` chunks each)."""
+        if output.shape != input.shape or input.shape[0] % self.world_size:
+            raise ValueError(f"all_to_all: input {tuple(input.shape)} and output {tuple(output.shape)} must have "
+                             f"the same shape, dim 0 a multiple of {self.world_size}")
+        stats = self._account("all_to_all", "all_to_all", input.numel(), input.element_size())
+        started = self._mark()
+        if self.world_size == 1:
+            output.copy_(input)
+        else:
+            with record_function("hfzero::all_to_all"):
+                dist.all_to_all_single(output, input, group=self.group)
+        _add_seconds(self.timer, stats, started)
+
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         """Broadcast ``tensor`` from group rank ``src_rank`` (in place)."""
         stats = self._account("broadcast", "broadcast", tensor.numel(), tensor.element_size())

@@ -150,6 +150,18 @@ class ZeroConfig:
     ep_size ranks holding the same experts, experts over the same group (see hfzero/parallel/expert.py,
     docs/moe.md). 1: no expert parallelism."""
 
+    sp_size: int = 1
+    """Sequence-parallel degree (Ulysses-style): each sequence is split over sp_size ranks and attention
+    runs on all heads of the whole sequence through an all-to-all; ZeRO shards the model states over all
+    world ranks (dp x sp) and averages gradients over the world / sp_size data-parallel replicas (see
+    hfzero/parallel/sequence/). 1: no sequence parallelism. Not combined with tp_size or pipelines yet."""
+
+    loss_tiles: int = 1
+    """Tiled logits + loss: a causal LM's vocabulary projection and cross entropy run over this many slices of
+    the sequence, each recomputed in backward, so one slice's logits are alive instead of the sequence's
+    (hfzero/parallel/sequence/tiled_loss.py). Applied by prepare_sequence_parallel, ZeroTrainer and
+    ZeroAccelerator; by hand: hfzero.parallel.sequence.enable_tiled_loss. 1: the model's own loss."""
+
     partition_activations: bool = False
     """ZeRO-R P_a: keep each activation checkpoint as a 1/tp_size slice on each TP rank and all-gather it
     for the recomputation in backward (needs tp_size > 1 and activation checkpointing)."""
@@ -213,6 +225,11 @@ class ZeroConfig:
         _check(self.ep_size == 1 or not self.offload_optimizer, "ep_size", self.ep_size,
                "cannot be combined with offload_optimizer yet (the dense gradients' EP sum runs on the device "
                "shard); drop one of them")
+        _check(_is_int(self.sp_size) and self.sp_size > 0, "sp_size", self.sp_size, "must be a positive integer")
+        _check(_is_int(self.loss_tiles) and self.loss_tiles > 0, "loss_tiles", self.loss_tiles,
+               "must be a positive integer (1: untiled)")
+        _check(self.sp_size == 1 or self.tp_size == 1, "sp_size", self.sp_size,
+               "cannot be combined with tp_size > 1 yet (tensor x sequence parallelism is not built); use one of them")
         _check(not self.partition_activations or self.tp_size > 1, "partition_activations", True,
                "partitions activation checkpoints over the tensor-parallel group, where every rank holds the same "
                "checkpoint; with tp_size=1 (data parallelism alone) each rank's checkpoints are of its own batch, "

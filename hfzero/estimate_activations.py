@@ -39,6 +39,13 @@ per-head and f-sized terms by t; norms, residuals and the head stay whole. Check
 per checkpoint keeps the layer inputs (e*sbh each; with P_a a ceil(sbh/t)-element slice; with P_a+cpu
 in host memory) plus the inputs every layer shares that need no gradient (the eager attention mask,
 the rotary tables), and during backward one layer's saved set is rebuilt by its recomputation.
+Sequence parallelism over S ranks (Ulysses, hfzero/parallel/sequence/) gives each rank s' = ceil(s/S)
+positions: every term above is taken at s' (norms, MLP, head, checkpoints), except fused attention, which
+runs on the whole sequence at a/S heads after the all-to-all: its Q, output and log-sum-exp are of s x a/S
+= s' x a, its K and V of kv*r heads (replicated r = S / gcd(kv, S) times when kv does not split over S),
+and the output projection's input is a copy of the all-to-all's result rather than a view of the kernel's
+output: e*s'b*d*(3a + 2kv*r) + 4*a*s'b; the loss keeps its divisor (the group's target count, 8 bytes). Eager attention under SP runs as sdpa (attention.py); attention
+dropout under SP is not modelled.
 The model counts no kernel workspace, no gradients of activations and no allocator overhead.
 """
 
@@ -200,18 +207,36 @@ def _mlp_bytes(shape: DecoderShape, sb: int, e: int, tp: int) -> float:
 
 
 def decoder_layer_bytes(shape: DecoderShape, seq_len: int, batch_size: int, *, dtype: str | int = "bf16",
-                        attention: str | None = None, tp: int = 1, device: str = "cuda") -> float:
+                        attention: str | None = None, tp: int = 1, device: str = "cuda", sp: int = 1) -> float:
     """Bytes one decoder layer saves for backward (see [Note: decoder activation model]).
 
     ``attention`` defaults to the shape's (the config's ``_attn_implementation``), else "sdpa"
     (transformers' default); ``device`` sets the dropout mask width (1 byte on "cuda", e elsewhere).
+    ``sp`` > 1: one rank's share of a sequence split over sp ranks (``seq_len`` is still the whole length).
     """
-    e, sb = _dtype_bytes(dtype), seq_len * batch_size
+    e = _dtype_bytes(dtype)
+    local = -(-seq_len // sp)
+    sb = local * batch_size
     mask = 1 if device == "cuda" else e
-    fused = _fused(shape, attention, device)
+    fused = _fused(shape, "sdpa" if sp > 1 and attention == "eager" else attention, device)
     dropout = 2 * mask * sb * shape.hidden_size if shape.residual_dropout else 0
-    return (2 * _norm_bytes(shape, sb, e) + _attention_bytes(shape, seq_len, batch_size, e, fused, mask, tp)
-            + _mlp_bytes(shape, sb, e, tp) + dropout)
+    if sp > 1:
+        attn = _sequence_attention_bytes(shape, local, batch_size, e, fused, sp)
+    else:
+        attn = _attention_bytes(shape, seq_len, batch_size, e, fused, mask, tp)
+    return 2 * _norm_bytes(shape, sb, e) + attn + _mlp_bytes(shape, sb, e, tp) + dropout
+
+
+def _sequence_attention_bytes(shape: DecoderShape, local: int, b: int, e: int, fused: bool, sp: int) -> float:
+    """Fused attention after the Ulysses all-to-all, per rank (see the note's sequence-parallel paragraph)."""
+    from hfzero.estimate import EstimateError
+
+    if not fused:
+        raise EstimateError("sequence parallelism with attention dropout (torch's math attention) is not modelled")
+    a, kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    replicated = kv * (sp // math.gcd(kv, sp))
+    sb = local * b
+    return e * sb * d * (3 * a + 2 * replicated) + 4 * a * sb
 
 
 def _fused(shape: DecoderShape, attention: str | None, device: str) -> bool:
@@ -242,7 +267,7 @@ def decoder_head_bytes(shape: DecoderShape, seq_len: int, batch_size: int, *, dt
 def decoder_activation_bytes(shape: DecoderShape, seq_len: int, batch_size: int, *, dtype: str | int = "bf16",
                              attention: str | None = None, checkpointing: bool = False, tp: int = 1,
                              partition: bool = False, cpu: bool = False,
-                             device: str = "cuda") -> DecoderActivationEstimate:
+                             device: str = "cuda", sp: int = 1) -> DecoderActivationEstimate:
     """ESTIMATE of one micro-batch's activation bytes per device (see [Note: decoder activation model]).
 
     Args:
@@ -255,13 +280,15 @@ def decoder_activation_bytes(shape: DecoderShape, seq_len: int, batch_size: int,
         partition: P_a: each checkpoint kept as a 1/t slice (needs checkpointing and t > 1).
         cpu: P_a+cpu: checkpoints kept in host memory (needs checkpointing).
         device: "cuda" or "cpu" (dropout masks are 1 byte on CUDA, e bytes on CPU).
+        sp: sequence-parallel degree S: the figures are one rank's, holding ceil(seq_len / S) positions.
 
     Raises:
-        EstimateError: non-positive sizes, or P_a / cpu without checkpointing, or P_a without tp > 1.
+        EstimateError: non-positive sizes, or P_a / cpu without checkpointing, or P_a without tp > 1, or
+            sp > 1 with tp > 1.
     """
     from hfzero.estimate import EstimateError
 
-    for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("tp", tp)):
+    for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("tp", tp), ("sp", sp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise EstimateError(f"{name} must be a positive integer, got {value!r}")
     if (partition or cpu) and not checkpointing:
@@ -270,24 +297,32 @@ def decoder_activation_bytes(shape: DecoderShape, seq_len: int, batch_size: int,
     if partition and tp == 1:
         raise EstimateError("partition_activations (P_a) needs tp > 1: with data parallelism alone there is "
                             "nothing to partition")
+    if sp > 1 and tp > 1:
+        raise EstimateError("sequence parallelism (sp > 1) is not combined with tensor parallelism (tp > 1)")
     e = _dtype_bytes(dtype)
     attention = attention or shape.attention or "sdpa"
+    if sp > 1 and attention == "eager":
+        attention = "sdpa"  # See the note: eager runs as sdpa under SP
     fused = _fused(shape, attention, device)
-    per_layer = decoder_layer_bytes(shape, seq_len, batch_size, dtype=e, attention=attention, tp=tp, device=device)
-    head = decoder_head_bytes(shape, seq_len, batch_size, dtype=e, device=device)
-    shared = _shared_inputs(shape, seq_len, batch_size, e, fused)
+    per_layer = decoder_layer_bytes(shape, seq_len, batch_size, dtype=e, attention=attention, tp=tp, device=device,
+                                    sp=sp)
+    local = -(-seq_len // sp)  # this rank's positions
+    head = decoder_head_bytes(shape, local, batch_size, dtype=e, device=device)
+    if sp > 1:
+        head += 8  # the loss's divisor: the whole sequences' target count (int64), saved by the division
+    shared = _shared_inputs(shape, local, batch_size, e, fused)
     layers, stored, recompute = shape.num_layers * per_layer, 0.0, 0.0
     if checkpointing:
-        elements = seq_len * batch_size * shape.hidden_size
+        elements = local * batch_size * shape.hidden_size
         one = math.ceil(elements / tp) * e if partition else elements * e
         stored, layers, recompute = shape.num_layers * one + shared, 0.0, per_layer
-        head -= 2 * seq_len * shape.head_dim * e if shape.rotary else 0  # the rotary tables are checkpoint inputs
+        head -= 2 * local * shape.head_dim * e if shape.rotary else 0  # the rotary tables are checkpoint inputs
     host = stored if cpu else 0.0
     device_ckpt = 0.0 if cpu else stored
     saved = layers + stored + head
     inputs = {"seq_len": seq_len, "batch_size": batch_size, "dtype_bytes": e, "attention": attention,
               "checkpointing": checkpointing, "tp": tp, "partition": partition, "cpu": cpu, "device": device,
-              "shape": dataclasses.asdict(shape)}
+              "shape": dataclasses.asdict(shape), **({"sp": sp} if sp > 1 else {})}
     return DecoderActivationEstimate(per_layer=per_layer, layers=layers, checkpoints=device_ckpt,
                                      checkpoints_host=host, head=head, saved=saved, recompute=recompute,
                                      total=saved - host + recompute, inputs=inputs)

@@ -39,6 +39,7 @@ class _Request:
     fused_attention: bool
     attention: str | None
     tp: int
+    sp: int
     partition_activations: bool
     cpu_checkpointing: bool
     device: str
@@ -86,6 +87,8 @@ def register(subparsers: Any) -> None:
                       help="eager | sdpa | flash_attention_2 ... (default: the config's, else sdpa); eager stores the "
                            "(b, a, s, s) attention probabilities")
     acts.add_argument("--tp", metavar="N", help="tensor-parallel degree for the activations (default: --mp)")
+    acts.add_argument("--sp", metavar="S", default="1",
+                      help="sequence-parallel degree: each sequence split over S ranks (Ulysses; decoders only)")
     acts.add_argument("--partition-activations", action="store_true",
                       help="P_a: each checkpoint kept as a 1/tp slice (needs --checkpointing and --tp > 1)")
     acts.add_argument("--cpu-checkpointing", action="store_true",
@@ -166,6 +169,7 @@ def _read_request(args: argparse.Namespace) -> _Request:
         fused_attention=args.fused_attention,
         attention="sdpa" if args.fused_attention and args.attention is None else args.attention,
         tp=_number("--tp", args.tp if args.tp is not None else args.mp, "the tensor-parallel degree", integer=True),
+        sp=_number("--sp", args.sp, "the sequence-parallel degree", integer=True),
         partition_activations=args.partition_activations,
         cpu_checkpointing=args.cpu_checkpointing,
         device=args.device,
@@ -182,9 +186,10 @@ def _check_activation_options(request: _Request) -> None:
     if request.seq_len is not None and request.config is None:
         raise est.EstimateError("the activation estimate needs the model's shape: pass --config PATH instead of --params")
     if request.seq_len is None and (request.checkpointing or request.fused_attention or request.attention
-                                    or request.partition_activations or request.cpu_checkpointing):
-        raise est.EstimateError("--checkpointing, --attention, --fused-attention, --partition-activations and "
-                                "--cpu-checkpointing need --seq-len and --batch-size")
+                                    or request.partition_activations or request.cpu_checkpointing
+                                    or request.sp > 1):
+        raise est.EstimateError("--checkpointing, --attention, --fused-attention, --partition-activations, "
+                                "--cpu-checkpointing and --sp need --seq-len and --batch-size")
     if request.device not in ("cuda", "cpu"):
         raise est.EstimateError(f"--device must be cuda or cpu, got {request.device!r}")
 
@@ -250,8 +255,8 @@ def _activations(request: _Request, precision: est.PrecisionBytes) -> dict[str, 
     dtype = precision.param_bytes
     encoder = est.is_encoder_config(config)
     if encoder:  # See [Note: encoder activation model]
-        if request.partition_activations:
-            raise est.EstimateError("--partition-activations is modelled for decoders only")
+        if request.partition_activations or request.sp > 1:
+            raise est.EstimateError("--partition-activations and --sp are modelled for decoders only")
         estimate = est.encoder_activation_bytes(
             est.EncoderShape.from_hf_config(config), request.seq_len, request.batch_size, dtype=dtype,
             attention=request.attention, checkpointing=request.checkpointing, tp=request.tp,
@@ -260,9 +265,10 @@ def _activations(request: _Request, precision: est.PrecisionBytes) -> dict[str, 
         estimate = est.decoder_activation_bytes(
             est.DecoderShape.from_hf_config(config), request.seq_len, request.batch_size, dtype=dtype,
             attention=request.attention, checkpointing=request.checkpointing, tp=request.tp,
-            partition=request.partition_activations, cpu=request.cpu_checkpointing, device=request.device)
+            partition=request.partition_activations, cpu=request.cpu_checkpointing, device=request.device,
+            sp=request.sp)
     attention = estimate.inputs["attention"]
-    paper = None if encoder else est.activation_bytes(
+    paper = None if encoder or request.sp > 1 else est.activation_bytes(
         est.TransformerShape.from_hf_config(config), request.seq_len, request.batch_size,
         checkpointing=request.checkpointing, dtype_bytes=dtype, tp=request.tp,
         fused_attention=attention in est.FUSED_ATTENTION)
@@ -270,7 +276,7 @@ def _activations(request: _Request, precision: est.PrecisionBytes) -> dict[str, 
         "estimate": f"hfzero's {'encoder' if encoder else 'decoder'} activation model (what autograd saves, "
                     "tensor by tensor); an estimate",
         "seq_len": request.seq_len, "batch_size": request.batch_size, "checkpointing": request.checkpointing,
-        "attention": attention, "fused_attention": attention in est.FUSED_ATTENTION, "tp": request.tp,
+        "attention": attention, "fused_attention": attention in est.FUSED_ATTENTION, "tp": request.tp, "sp": request.sp,
         "partition_activations": request.partition_activations, "cpu_checkpointing": request.cpu_checkpointing,
         "device": request.device, "per_layer_bytes": estimate.per_layer, "layers_bytes": estimate.layers,
         "checkpoint_bytes": estimate.checkpoints, "checkpoint_host_bytes": estimate.checkpoints_host,
@@ -347,6 +353,7 @@ def _activation_lines(acts: dict[str, Any]) -> list[str]:
     mode = ", ".join(filter(None, (
         "full checkpointing" if acts["checkpointing"] else "no checkpointing",
         f"attention {acts['attention']}", f"tp {acts['tp']}" if acts["tp"] > 1 else "",
+        f"sp {acts['sp']} (seq split)" if acts.get("sp", 1) > 1 else "",
         "P_a" if acts["partition_activations"] else "", "checkpoints on the host" if acts["cpu_checkpointing"] else "")))
     lines = [
         f"activations per device, ESTIMATE ({acts['estimate'].split(' (')[0]}): seq {acts['seq_len']}, batch "

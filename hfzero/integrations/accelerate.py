@@ -23,6 +23,10 @@ What changes against the base class, and why:
   transformers TP plan (DTensor parameters), re-points the optimizer at them and prepares ZeRO over dp;
   data loaders shard over the dp replicas (the TP ranks of one replica read the same batches) and
   ``gather_for_metrics`` keeps one TP rank per replica, so evaluation sees a dp run's samples.
+- ``zero_config.sp_size`` > 1: ``prepare`` builds the dp x sp mesh, switches the model to Ulysses attention
+  and prepares ZeRO over every rank (hfzero/parallel/sequence/); data loaders shard over the dp replicas
+  (the SP ranks of one replica read the same batches) and their collator is wrapped in ``SequenceCollator``
+  (each rank keeps its chunk of every sequence, labels shifted on the whole sequence).
 - mixed precision: ``mixed_precision="bf16"|"fp16"`` sets ZeRO's dtype (16-bit parameters and
   gradients, fp32 master shards); accelerate's autocast stays off.
 """
@@ -48,12 +52,16 @@ from hfzero.autostage import auto_batch_from, default_seq_len, resolve_auto_stag
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.env import config_from_env
 from hfzero.integrations.gpus import check_ranks_fit_devices, cpu_requested, local_world_size
+from hfzero.integrations.parallelism import (parallelism_from_env, without_accelerate_mesh,
+                                             zero_config_from_parallelism)
 from hfzero.integrations.state import (load_optimizer_shards, needs_gathered_weights,
                                       save_optimizer_shards, unwrap_optimizer)
 from hfzero.logging import get_logger
 from hfzero.parallel.mesh import check_sizes
 from hfzero.parallel.pipeline import Pipeline, PipelineConfig, pipeline
 from hfzero.parallel.expert import prepare_expert_parallel
+from hfzero.parallel.sequence import (SequenceCollator, check_sp_size, enable_tiled_loss,
+                                     prepare_sequence_parallel)
 from hfzero.parallel.tensor import check_tp_size, prepare_tensor_parallel
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.prepare import get_engine, prepare as zero_prepare
@@ -131,7 +139,9 @@ class ZeroAccelerator(Accelerator):
         zero_config: the ZeRO options; default: ``HFZERO_*`` environment variables (set by
             ``hfzero run``), else ``ZeroConfig()``.
         *args, **kwargs: as for ``accelerate.Accelerator``. ``mixed_precision`` bf16/fp16 becomes
-            ZeRO's dtype; DeepSpeed, FSDP and Megatron plugins are refused (ZeRO replaces them).
+            ZeRO's dtype; DeepSpeed, FSDP and Megatron plugins are refused (ZeRO replaces them);
+            ``parallelism_config`` is read into ZeroConfig (sp_size, tp_size; the rest refused by name:
+            integrations/parallelism.py).
     """
 
     def __init__(self, *args: Any, zero_config: ZeroConfig | None = None,
@@ -145,12 +155,15 @@ class ZeroAccelerator(Accelerator):
         mixed = kwargs.pop("mixed_precision", None) or os.environ.get("ACCELERATE_MIXED_PRECISION")
         mixed = getattr(mixed, "value", mixed)  # accelerate's PrecisionType enum
         config = zero_config or config_from_env() or ZeroConfig()
+        parallelism = kwargs.pop("parallelism_config", None) or parallelism_from_env()
+        config = zero_config_from_parallelism(parallelism, config)  # sizes read; accelerate builds no mesh
         self.zero_config: ZeroConfig = apply_mixed_precision(config, mixed)
         if kwargs.get("cpu") is None and not torch.accelerator.is_available() and _world_size_env() > 1:
             kwargs["cpu"] = True  # without it accelerate runs torchrun workers on CPU as separate single processes
         check_ranks_fit_devices(local_world_size(), what="ZeroAccelerator", option="LOCAL_WORLD_SIZE",
                                 cpu=bool(kwargs.get("cpu")) or cpu_requested())
-        super().__init__(*args, mixed_precision="no", **kwargs)
+        with without_accelerate_mesh():
+            super().__init__(*args, mixed_precision="no", **kwargs)
         if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP,
                                      DistributedType.MEGATRON_LM) or getattr(self, "is_fsdp2", False):
             raise ConfigError(f"ZeroAccelerator: accelerate is configured for {self.distributed_type.value} "
@@ -163,6 +176,9 @@ class ZeroAccelerator(Accelerator):
                               "(pp_size > 1) cannot be combined yet; use one of them")
         if self.pipeline_config is not None and self.zero_config.ep_size > 1:
             raise ConfigError("ZeroAccelerator: expert parallelism (ep_size > 1) and pipeline parallelism "
+                              "(pp_size > 1) cannot be combined yet; use one of them")
+        if self.pipeline_config is not None and self.zero_config.sp_size > 1:
+            raise ConfigError("ZeroAccelerator: sequence parallelism (sp_size > 1) and pipeline parallelism "
                               "(pp_size > 1) cannot be combined yet; use one of them")
         self.pipeline: Pipeline | None = None
         """The Pipeline of this rank, once prepare built it (with ``pipeline_config``)."""
@@ -204,20 +220,25 @@ class ZeroAccelerator(Accelerator):
         if evaluation_mode and self._partitions_frozen_models() and not _is_zero_model(model):
             model.requires_grad_(False)
             nothing = torch.optim.SGD([{"params": []}], lr=0.0)  # no state, no step: the engine needs no optimizer
-            model, _ = zero_prepare(model, nothing, self.zero_config)
+            untiled = dataclasses.replace(self.zero_config, loss_tiles=1)  # a reference model computes no loss tiled
+            model, _ = zero_prepare(model, nothing, untiled)
             logger.info("ZeroAccelerator: %s prepared for evaluation only: frozen and partitioned (stage 3)",
                         type(model).__name__)
         return model
 
     def _partitions_frozen_models(self) -> bool:
         config = self.zero_config
-        return config.stage == 3 and config.tp_size == 1 and config.ep_size == 1 and self.pipeline_config is None
+        return config.stage == 3 and config.tp_size == 1 and config.ep_size == 1 and config.sp_size == 1 and self.pipeline_config is None
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
         """Shard ``optimizer`` with ``hfzero.prepare`` over the prepared model that owns its parameters."""
         if getattr(optimizer, "_is_accelerate_prepared", False) or unwrap_optimizer(optimizer) is not None:
             return super().prepare_optimizer(optimizer, device_placement=False)
         model = self._owner_of(optimizer)
+        if self.zero_config.loss_tiles > 1 and getattr(model, "hfzero_loss_tiles", 1) == 1:
+            if self.pipeline_config is not None:
+                raise ConfigError("ZeroAccelerator: loss_tiles > 1 with pipeline parallelism is not supported")
+            enable_tiled_loss(model, self.zero_config.loss_tiles)
         world = self.num_processes // self.zero_config.tp_size  # data-parallel replicas
         self.zero_config = resolve_auto_stage(self.zero_config, model, optimizer, world_size=world,
                                               accumulation_steps=self.gradient_accumulation_steps,
@@ -233,6 +254,8 @@ class ZeroAccelerator(Accelerator):
             model, zero, _ = prepare_tensor_parallel(model, optimizer, self.zero_config)
         elif self.zero_config.ep_size > 1:  # every rank reads its own batch: data as under plain data parallelism
             model, zero, _ = prepare_expert_parallel(model, optimizer, self.zero_config)
+        elif self.zero_config.sp_size > 1:
+            model, zero, _ = prepare_sequence_parallel(model, optimizer, self.zero_config)
         else:
             model, zero = zero_prepare(model, optimizer, self.zero_config)
         self._zero_pairs.append((model, zero))
@@ -281,17 +304,21 @@ class ZeroAccelerator(Accelerator):
 
     @property
     def _replicated(self) -> bool:
-        """Several ranks hold one data-parallel replica (pipeline stages, or TP ranks)."""
-        return self.pipeline_config is not None or self.zero_config.tp_size > 1
+        """Several ranks hold one data-parallel replica (pipeline stages, TP ranks or SP ranks)."""
+        return self.pipeline_config is not None or self.zero_config.tp_size > 1 or self.zero_config.sp_size > 1
 
     @property
     def data_parallel_coords(self) -> tuple[int, int]:
         """(dp size, dp rank) of this rank: under ``pipeline_config`` rank = pp_rank * dp + dp_rank; under
-        tensor parallelism rank = dp_rank * tp + tp_rank (see hfzero/parallel/tensor.py)."""
+        tensor parallelism rank = dp_rank * tp + tp_rank (see hfzero/parallel/tensor.py); under sequence
+        parallelism rank = dp_rank * sp + sp_rank (hfzero/parallel/sequence/mesh.py)."""
         world, rank = super().num_processes, super().process_index
         if self.pipeline_config is not None:
             dp = check_sizes(world, self.pipeline_config.pp_size)
             return dp, rank % dp
+        sp = self.zero_config.sp_size
+        if sp > 1:
+            return check_sp_size(world, sp), rank // sp
         tp = self.zero_config.tp_size
         return check_tp_size(world, tp), rank // tp
 
@@ -309,8 +336,9 @@ class ZeroAccelerator(Accelerator):
             pp = self.pipeline_config.pp_size
             return recursively_apply(lambda t: t[: t.shape[0] // pp] if t.dim() else t, gathered,
                                      error_on_other_type=False)
-        if self._metrics_view and self.zero_config.tp_size > 1:
-            world, tp = super().num_processes, self.zero_config.tp_size
+        if self._metrics_view and self.zero_config.tp_size * self.zero_config.sp_size > 1:
+            # TP or SP ranks of one replica hold equal values (SP: the group's loss, see sequence/loss.py)
+            world, tp = super().num_processes, self.zero_config.tp_size * self.zero_config.sp_size
 
             def tp_rank0(t: torch.Tensor) -> torch.Tensor:  # world ranks 0, tp, 2 tp, ...: one per replica
                 if not t.dim():
@@ -324,8 +352,8 @@ class ZeroAccelerator(Accelerator):
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """As accelerate's; under tensor parallelism with one TP rank per replica (a dp run's samples, so
         the last batch's remainder is dropped at the right place)."""
-        if self.zero_config.tp_size > 1 and use_gather_object:
-            raise ConfigError("ZeroAccelerator: gather_for_metrics(use_gather_object=True) under tensor "
+        if self.zero_config.tp_size * self.zero_config.sp_size > 1 and use_gather_object:
+            raise ConfigError("ZeroAccelerator: gather_for_metrics(use_gather_object=True) under tensor or sequence "
                               "parallelism is not supported; gather tensors")
         self._metrics_view = True
         try:
@@ -339,6 +367,9 @@ class ZeroAccelerator(Accelerator):
         ranks: every rank of one replica reads the same batches."""
         if not self._replicated:
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        sp = self.zero_config.sp_size
+        if sp > 1 and not isinstance(getattr(data_loader, "collate_fn", None), SequenceCollator):
+            data_loader.collate_fn = SequenceCollator(data_loader.collate_fn, super().process_index % sp, sp)
         self._data_parallel_view = True
         try:
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)

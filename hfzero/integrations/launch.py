@@ -65,6 +65,9 @@ _EP_WITH_PP = ("--zero_ep_size and --zero_pp_size cannot be combined yet (pipeli
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 """Set by ``hfzero run`` unless already in the environment; see [Note: restarts]."""
 
+_SP_WITH_PP = ("--zero_sp_size and --zero_pp_size cannot be combined yet (pipeline x sequence parallelism is not "
+               "built); use one of them")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LaunchPlan:
@@ -279,24 +282,30 @@ def _check_mixed_precision(options: Mapping[str, str], script_args: list[str]) -
 
 
 def _check_tp_size(options: Mapping[str, str], args: argparse.Namespace) -> None:
-    """``--zero_tp_size`` and ``--zero_ep_size`` must divide the world (nproc_per_node x nnodes), checked
-    before any process starts when both are plain numbers (``auto`` or an elastic ``1:4`` is checked by the
-    workers instead); neither combines with ``--zero_pp_size`` yet."""
+    """``--zero_tp_size``, ``--zero_ep_size`` and ``--zero_sp_size`` must divide the world (nproc_per_node x
+    nnodes), checked before any process starts when they are plain numbers (``auto`` or an elastic ``1:4`` is
+    checked by the workers instead); none combines with ``--zero_pp_size`` yet."""
     from hfzero.parallel.expert import check_ep_size
+    from hfzero.parallel.sequence.mesh import check_sp_size
     from hfzero.parallel.tensor import check_tp_size
 
     tp, ep = int(options.get("tp_size", "1")), int(options.get("ep_size", "1"))
+    sp = int(options.get("sp_size", "1"))
     pp = int(options.get("pp_size", "1"))
     if tp > 1 and pp > 1:
         raise ConfigError(_TP_WITH_PP)
     if ep > 1 and pp > 1:
         raise ConfigError(_EP_WITH_PP)
+    if sp > 1 and pp > 1:
+        raise ConfigError(_SP_WITH_PP)
     nproc, nnodes = str(args.nproc_per_node), str(args.nnodes).split(":")  # nnodes: "2" or "MIN:MAX"
     if nproc.isdigit() and len(set(nnodes)) == 1 and nnodes[0].isdigit():
         if tp > 1:
             check_tp_size(int(nproc) * int(nnodes[0]), tp)
         if ep > 1:
             check_ep_size(int(nproc) * int(nnodes[0]), ep)
+        if sp > 1:
+            check_sp_size(int(nproc) * int(nnodes[0]), sp)
 
 
 def launch(argv: Sequence[str]) -> int:

@@ -308,6 +308,11 @@ class ZeroTrainer(Trainer):
                                     pipeline_config=self.pipeline_config)
         with _in_trainer_module("Accelerator", factory):
             super().create_accelerator_and_postprocess()
+        sizes = {name: getattr(self.accelerator.zero_config, name) for name in ("sp_size", "tp_size")} \
+            if isinstance(self.accelerator, ZeroAccelerator) else {}
+        if any(getattr(self.zero_config, name) != size for name, size in sizes.items()):
+            # TrainingArguments.parallelism_config's sizes, read by the accelerator (integrations/parallelism.py)
+            self.zero_config = dataclasses.replace(self.zero_config, **sizes)
         logger.info("ZeroTrainer: ZeRO stage %s, dtype %s", self.zero_config.stage, self.zero_config.dtype)
 
     def _check_microbatches(self, config: PipelineConfig) -> PipelineConfig:
@@ -387,7 +392,31 @@ class ZeroTrainer(Trainer):
         """``--zero_tp_size``: the Trainer divides its token count and loss scale by it and counts dp =
         world / tp replicas in its batch arithmetic (the TP ranks of one replica read the same batches)."""
         config = getattr(self, "zero_config", None)
+        if config is not None and config.sp_size > 1:  # the SP ranks of one replica read the same samples too
+            return config.sp_size
         return config.tp_size if config is not None and config.tp_size > 1 else super().get_tp_size()
+
+    def get_sp_size(self) -> int:
+        """1: the Trainer's sp_size arithmetic is DeepSpeed's (a loader adapter yielding sp_size times the batches,
+        every rank counting whole sequences); hfzero's SP counts as TP does (``get_tp_size``)."""
+        return 1
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+        """Under ``--zero_sp_size``: the targets of this step's batches, counted on the whole sequences (each
+        batch's ``num_items_in_batch`` from SequenceCollator, the same on every rank of an SP group); with
+        ``average_tokens_across_devices`` summed over the dp replicas (gathered over all ranks / sp). See
+        [Note: sequence-parallel gradients]."""
+        config = getattr(self, "zero_config", None)
+        counted = super()._get_num_items_in_batch(batch_samples, device)
+        if config is None or config.sp_size == 1 or counted is None:
+            return counted
+        if not all("num_items_in_batch" in batch for batch in batch_samples):
+            raise ConfigError("ZeroTrainer: --zero_sp_size needs batches split by hfzero's SequenceCollator (the "
+                              "Trainer's data loader gets it); a custom get_batch_samples lost it")
+        count = sum(batch["num_items_in_batch"] for batch in batch_samples).to(device)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            count = self.accelerator.gather(count.reshape(1)).sum() / config.sp_size
+        return count
 
     @property
     def pipeline(self) -> Any:

@@ -16,7 +16,8 @@ FORMAT_VERSION = 2
 has a ``pipeline`` section, forward/backward records a ``stage`` and step records a ``pipeline`` object,
 and the top-level ``prediction`` is null (per-stage predictions live in the header's ``pipeline``).
 Issue 12 added ``tp_rank`` to every record (the rank in its tensor-parallel group, 0 without TP) within
-version 2: an optional key, absent from earlier version-2 files."""
+version 2: an optional key, absent from earlier version-2 files. Issue 23 added ``sp_rank`` the same way
+(only under sequence parallelism, where ``dp_rank`` is then the data-parallel replica, world rank // sp)."""
 
 READABLE_VERSIONS = (1, 2)
 """Versions the reader accepts: a version-1 file reads as a run without pipeline (pp rank 0)."""

@@ -304,7 +304,7 @@ def _record_problem(record: Record) -> str | None:
     for key in ("phase", "edge", "event"):
         if record.get(key) is not None and not isinstance(record[key], str):
             return f"{key} is {_short(record[key])}, not a string"
-    for key in ("pp_rank", "dp_rank", "tp_rank", "stage"):
+    for key in ("pp_rank", "dp_rank", "tp_rank", "sp_rank", "stage"):
         if record.get(key) is not None and not _is_int(record[key]):
             return f"{key} is {_short(record[key])}, not an integer"
     return _step_pipeline_problem(record.get("pipeline"))

@@ -167,7 +167,10 @@ class ZeroProfiler:
         tp = getattr(self.engine, "norm_group", None)  # the TP group's Communicator under tensor parallelism
         self._coords = {"pp_rank": self.pipeline.mesh.pp_rank if self.pipeline is not None else 0,
                         "dp_rank": int(self.engine.rank), "tp_rank": int(tp.rank) if tp is not None else 0}
-        """(pp rank, dp rank, tp rank), written into every record."""
+        """(pp rank, dp rank, tp rank[, sp rank]), written into every record."""
+        sp = getattr(model, "hfzero_sequence_mesh", None)  # sequence parallelism: ZeRO's rank is the world rank
+        if sp is not None:
+            self._coords.update(dp_rank=int(sp.dp_rank), sp_rank=int(sp.sp_rank))
         self._checkpoint = getattr(model, "hfzero_checkpoint", None)
         self._active = False
         self._step_depth = 0

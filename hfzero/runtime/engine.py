@@ -25,7 +25,10 @@ its own batch, so the divisor is the world size. The gradients of the parameters
 group's reduction: the sum over edp ranks, then over ep ranks, is the sum over the world. An expert's
 gradient already is the sum over the world of its tokens' contributions: the all-to-all brought it the
 tokens of the EP group's ranks and the edp reduction adds the other EP groups'. HSDP (a shard group and a
-replicate group) is the same pattern with every parameter replicated.
+replicate group) is the same pattern with every parameter replicated. Under sequence parallelism the
+divisor is smaller than the group: the engine shards over the whole world, but the S ranks of an SP group
+train on parts of the same sequences, so the step averages over world / S replicas ([Note: sequence-parallel
+gradients] in hfzero/parallel/sequence/loss.py).
 """
 
 from __future__ import annotations
@@ -85,7 +88,9 @@ class ZeroEngine:
         """The tensor-parallel group (set by prepare with a dp x tp mesh): the gradient norm spans it too."""
         self.average_over = comm.world_size if average_over is None else average_over
         """How many data-parallel ranks' summed gradients the step averages: the divisor of the gradient sums
-        (default: the group's size). See [Note: average_over]."""
+        (default: the group's size; fewer where ranks of the group train on the same samples, as the S ranks
+        of a sequence-parallel group do; more where the group is not the whole data-parallel world, as under
+        expert parallelism). See [Note: average_over]."""
         self.replica_comm = replica_comm
         """A second group over which the parameters replicated on it (plain tensors, not DTensor shards) have
         their gradients summed as well, once per step (expert parallelism: the EP group). See [Note: average_over]."""

@@ -63,8 +63,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     expert-data-parallel group): gradients of the parameters that are not DTensor shards (the dense ones)
     are summed over it as well, and the step checks span the world; build both with
     ``hfzero.parallel.expert.prepare_expert_parallel``. ``average_over``: how many data-parallel ranks'
-    gradient sums the step averages (default: the group's size; with ``ep_group``, the world size); see
-    [Note: average_over] in engine.py.
+    gradient sums the step averages (default: the group's size; with ``ep_group``, the world size; sequence
+    parallelism passes world / sp_size, as an SP group's ranks train on the same samples: build it with
+    ``hfzero.parallel.sequence.prepare_sequence_parallel``); see [Note: average_over] in engine.py and
+    [Note: sequence-parallel gradients].
 
     A transformers model's activation checkpointing (enabled before or after this call) runs through
     hfzero's checkpoint function, which measures the checkpoints and applies ``partition_activations``,
@@ -99,8 +101,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         raise ConfigError(f"hfzero.prepare: config.ep_size={config.ep_size} but the expert-parallel group has "
                           f"{ep_size} rank(s); build the edp x ep mesh and the expert-parallel model with "
                           "hfzero.parallel.expert.prepare_expert_parallel(model, optimizer, config)")
-    if average_over is not None and (not isinstance(average_over, int) or average_over < 1):
-        raise ConfigError(f"hfzero.prepare: average_over={average_over!r} must be a positive integer")
+    _check_sequence_parallel(model, config, process_group, average_over)
     pending = find_pending(model) if weights is None else None
     if pending is not None:  # See [Note: pending weights] in runtime/pending.py
         weights = _read_pending(model, optimizer, config, process_group, pending)
@@ -175,6 +176,28 @@ def get_engine(obj: nn.Module | torch.optim.Optimizer) -> ZeroEngine:
     if not isinstance(engine, ZeroEngine):
         raise ValueError(f"{type(obj).__name__} was not prepared by hfzero.prepare")
     return engine
+
+
+def _check_sequence_parallel(model: nn.Module, config: ZeroConfig, group: dist.ProcessGroup | None,
+                              average_over: int | None) -> None:
+    """sp_size > 1: ZeRO over the whole world, gradients averaged over its world / sp_size dp replicas."""
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if average_over is not None and not _is_positive_int(average_over):
+        raise ConfigError(f"hfzero.prepare: average_over={average_over!r} must be a positive integer")
+    tiles = getattr(model, "hfzero_loss_tiles", 1)  # set by hfzero.parallel.sequence.enable_tiled_loss
+    if config.loss_tiles != tiles:
+        raise ConfigError(f"hfzero.prepare: config.loss_tiles={config.loss_tiles} but the model's loss is "
+                          f"{'tiled in ' + str(tiles) if tiles > 1 else 'not tiled'}; call "
+                          "hfzero.parallel.sequence.enable_tiled_loss(model, config.loss_tiles) first (ZeroTrainer, "
+                          "ZeroAccelerator and prepare_sequence_parallel do it)")
+    if config.sp_size > 1 and (group is not None or average_over != world // config.sp_size):
+        raise ConfigError(f"hfzero.prepare: config.sp_size={config.sp_size} needs the model switched to sequence-"
+                          "parallel attention and ZeRO over the whole world averaging over the dp replicas; use "
+                          "hfzero.parallel.sequence.prepare_sequence_parallel(model, optimizer, config)")
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _check_process_group(group: dist.ProcessGroup | None) -> None:

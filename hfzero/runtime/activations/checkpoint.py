@@ -22,7 +22,24 @@ runs when backward recomputes the layer. What pack stores is decided by the poli
   no checkpoint is held (after the backward).
 
 Every rank of a TP group checkpoints the same layers in the same order, so the unpack all-gathers
-match. Reentrant checkpointing is refused (the engine's gradient hooks would fire twice).
+match.
+
+[Note: the user's checkpoint settings]
+Whatever function transformers sets (``activation_checkpointing_enable`` / ``gradient_checkpointing_enable``,
+before or after ``hfzero.prepare``, by hand, by the Trainer's ``--gradient_checkpointing`` or under accelerate)
+becomes ``inner``, read by ``_user_settings`` the same way on every path:
+- torch's keyword arguments (``preserve_rng_state``, ``context_fn``, ``determinism_check``, ``debug``, ...)
+  stay in the function we call, so they are honoured as torch honours them;
+- transformers' ``offload=True`` (``save_on_cpu`` around the checkpoint) is honoured as ``cpu`` (P_a+cpu):
+  the same placement of the checkpoints in host memory, but measured and with side-stream copies. It cannot
+  run as transformers wrote it: its saved-tensor hooks, innermost, would hide the checkpoints from ours;
+- ``every_n_layers`` is transformers' own and applies unchanged;
+- reentrant checkpointing (``use_reentrant=True``, or a ``torch.utils.checkpoint.checkpoint`` partial that
+  leaves it out, which torch runs reentrant) is refused with one ConfigError (``REENTRANT_MESSAGE``): its
+  recompute runs a nested backward in which the engine's gradient hooks fire a second time for the
+  checkpointed layer's parameters (reducer.py), and its inputs are not saved tensors we can measure.
+A function enabled before ``prepare`` is picked up by ``enable_checkpointing``, so it is read then; one
+enabled after goes through the wrapped ``_set_gradient_checkpointing``.
 
 [Note: checkpoint copies]
 With ``cpu`` the copies run on a side stream (runtime/streams.py), never on the compute stream, and the
@@ -120,10 +137,13 @@ class HfzeroCheckpoint:
                  inner: Callable[..., Any] | None = None) -> None:
         if policy.partition and (tp_comm is None or tp_comm.world_size == 1):
             raise ConfigError(_NOTHING_TO_PARTITION)
+        self.configured = policy
+        """The policy from ZeroConfig; ``policy`` adds ``cpu`` while the user asked transformers to offload."""
         self.policy = policy
         self.tp_comm = tp_comm
-        self.inner = inner or functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-        _refuse_reentrant(self.inner)
+        self.inner: Callable[..., Any] = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        if inner is not None:
+            self.with_inner(inner)
         self.stored = LiveBytes()
         self._buffers: list[torch.Tensor] = []
         self._index = 0
@@ -136,9 +156,10 @@ class HfzeroCheckpoint:
         """Device copies issued ahead of their unpack since construction (tests check the path ran)."""
 
     def with_inner(self, inner: Callable[..., Any]) -> "HfzeroCheckpoint":
-        """The same policy, measurement and buffers around another checkpoint function."""
-        _refuse_reentrant(inner)
-        self.inner = inner
+        """The same measurement and buffers around the checkpoint function the user enabled, its settings
+        honoured or refused (see [Note: the user's checkpoint settings])."""
+        self.inner, offload = _user_settings(inner)
+        self.policy = dataclasses.replace(self.configured, cpu=self.configured.cpu or offload)
         return self
 
     @torch.compiler.disable(recursive=False)  # See [Note: compiled regions] in runtime/compile.py
@@ -270,10 +291,36 @@ class HfzeroCheckpoint:
             return
 
 
-def _refuse_reentrant(function: Callable[..., Any]) -> None:
-    if getattr(function, "keywords", {}).get("use_reentrant", False):
-        raise ConfigError("hfzero: reentrant activation checkpointing fires gradient hooks twice; pass "
-                          "gradient_checkpointing_kwargs={'use_reentrant': False}")
+REENTRANT_MESSAGE = (
+    "hfzero: reentrant activation checkpointing (use_reentrant=True, torch's default when use_reentrant is "
+    "not given) is not supported: its recompute runs a nested backward that fires the engine's gradient "
+    "hooks a second time. Pass use_reentrant=False: gradient_checkpointing_kwargs={'use_reentrant': False} "
+    "(TrainingArguments) or model.activation_checkpointing_enable(activation_checkpointing_kwargs="
+    "{'use_reentrant': False}); every other torch.utils.checkpoint option and transformers' offload are kept.")
+
+
+def _is_transformers_offload(function: Callable[..., Any]) -> bool:
+    """transformers' ``offload=True`` checkpoint: a local ``checkpoint_func`` of modeling_utils wrapping
+    torch's checkpoint in ``save_on_cpu``."""
+    return (getattr(function, "__module__", "") == "transformers.modeling_utils"
+            and getattr(function, "__qualname__", "").endswith("<locals>.checkpoint_func"))
+
+
+def _user_settings(function: Callable[..., Any]) -> tuple[Callable[..., Any], bool]:
+    """The function hfzero calls for the user's checkpoint function, and whether it asked to offload.
+    See [Note: the user's checkpoint settings]."""
+    if isinstance(function, HfzeroCheckpoint):
+        return function.inner, function.policy.cpu and not function.configured.cpu
+    base = function.func if isinstance(function, functools.partial) else function
+    keywords = dict(function.keywords) if isinstance(function, functools.partial) else {}
+    offload = _is_transformers_offload(base)
+    if offload:  # honoured as cpu: torch's checkpoint with the same keywords, our hooks outermost
+        base = torch.utils.checkpoint.checkpoint
+        function = functools.partial(base, *getattr(function, "args", ()), **keywords)
+    torch_default = True if base is torch.utils.checkpoint.checkpoint else None  # torch: absent means reentrant
+    if keywords.get("use_reentrant", torch_default) is True:
+        raise ConfigError(REENTRANT_MESSAGE)
+    return function, offload
 
 
 _NOTHING_TO_PARTITION = (
@@ -296,6 +343,10 @@ def enable_checkpointing(model: nn.Module, policy: CheckpointPolicy,
         raise ConfigError(f"hfzero: {type(model).__name__} is not a transformers model with activation "
                           "checkpointing (no _set_gradient_checkpointing)")
     checkpoint = HfzeroCheckpoint(policy, tp_comm)
+    enabled = [m._gradient_checkpointing_func for m in model.modules()
+               if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")]
+    if enabled:  # enabled before prepare: the same settings as if enabled after it
+        checkpoint.with_inner(enabled[0])
     setter = model._set_gradient_checkpointing
 
     @functools.wraps(setter)
