@@ -2,11 +2,13 @@
 
 - ``save_checkpoint(dir, model, optimizer, extra=...)``: every rank writes its own shard, atomically.
 - ``load_checkpoint(dir, model, optimizer) -> extra``: validates, then reshards on the fly.
+- ``wait_for_save()``: wait for an asynchronous save (``ZeroConfig.async_save``); raise its failure.
 - ``consolidate(ckpt_dir, out_dir, max_shard_size=...)``: a ``from_pretrained``-loadable directory.
 
 The format is described in docs/checkpoints.md and hfzero/checkpoint/format.py.
 """
 
+from hfzero.checkpoint.background import wait as wait_for_save
 from hfzero.checkpoint.consolidate import ConsolidateResult, consolidate
 from hfzero.checkpoint.errors import CheckpointError
 from hfzero.checkpoint.format import FORMAT_VERSION
@@ -14,4 +16,4 @@ from hfzero.checkpoint.load import load_checkpoint
 from hfzero.checkpoint.save import save_checkpoint
 
 __all__ = ["CheckpointError", "ConsolidateResult", "FORMAT_VERSION", "consolidate", "load_checkpoint",
-           "save_checkpoint"]
+           "save_checkpoint", "wait_for_save"]

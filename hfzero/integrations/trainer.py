@@ -43,6 +43,7 @@ import transformers.trainer as _trainer_module
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hfzero.autostage import default_seq_len
+from hfzero.checkpoint.background import wait as wait_for_save
 from hfzero.checkpoint.format import TRAINER_SHARD_DIR as SHARD_DIR
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.accelerate import ZeroAccelerator, apply_mixed_precision
@@ -321,13 +322,17 @@ class ZeroTrainer(Trainer):
         return dataclasses.replace(config, n_microbatches=n_micro)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's training; its "Number of trainable parameters" counts partitioned parameters whole."""
+        """The Trainer's training; its "Number of trainable parameters" counts partitioned parameters whole.
+        With ``zero_async_save`` it returns once the last checkpoint's background write is done (a failure of
+        it is raised here, on every rank)."""
         if isinstance(self.accelerator, ZeroAccelerator) and self.accelerator.zero_auto_batch is None:
             seq = _first_example_length(self.train_dataset) or default_seq_len(self.model)
             if seq:  # stage="auto": the activation estimate's batch
                 self.accelerator.zero_auto_batch = (self.args.per_device_train_batch_size, seq)
         with _in_trainer_module("get_model_param_count", model_param_count):
-            return super().train(*args, **kwargs)
+            result = super().train(*args, **kwargs)
+        wait_for_save()
+        return result
 
     def get_total_train_batch_size(self, args: TrainingArguments) -> int:
         """The Trainer's global batch (per-device batch x accumulation x data-parallel replicas); under
