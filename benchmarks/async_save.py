@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -93,8 +94,11 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="hfzero-async-save-", dir=".")
-    ranks = run_distributed(_rank, args.world, root, args.stage, args.layers, args.hidden, args.vocab,
-                                           args.rounds, timeout=1800)
+    try:
+        ranks = run_distributed(_rank, args.world, root, args.stage, args.layers, args.hidden, args.vocab,
+                                args.rounds, timeout=1800)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     med = statistics.median
     rows = [{"rank": r, "sync_blocked": med(x["sync"]), "async_blocked": med(x["async"]),
              "async_full": med(x["async_full"]), "step": med(x["step"]),
