@@ -14,6 +14,9 @@ not yet swapped in, which the next save replaces); a kill between the renames le
 but a complete ``.DIR.previous``, which ``load_checkpoint(DIR)`` finds and loads. A directory
 without ``manifest.json`` is never loaded. ``DIR`` must be on a file system every rank sees.
 
+With ``async_save`` steps 2-3 run on a background thread from copies staged in host memory; see
+[Note: asynchronous saves] in background.py.
+
 Test hook: with ``HFZERO_CHECKPOINT_PAUSE_AT=<phase>`` in the environment a rank reaching that
 phase writes the path in ``HFZERO_CHECKPOINT_PAUSE_SIGNAL`` (suffixed ``.rank<r>``) and sleeps, so a
 test can SIGKILL it at a known point. Phases: ``rank_file_written``, ``manifest_written``,
