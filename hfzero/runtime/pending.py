@@ -127,13 +127,16 @@ class PendingWeights:
         self.keys = keys
 
     def attach(self, model: nn.Module) -> None:
-        """Mark ``model`` as pending and let ``model.to(...)`` pass over meta parameters while it is."""
+        """Mark ``model`` as pending and let ``model.to(...)`` pass over meta parameters while it is. Also for
+        a module made of some of the pending model's submodules (a pipeline stage): ``prepare`` of it then
+        reads only its parameters (see [Note: stage-only builds] in parallel/pipeline/driver.py)."""
         model.__dict__[PENDING_ATTR] = self
         _live.add(model)
         for param, (_, key) in self.keys.items():
             _mark(param, key)
         for module in model.modules():
-            if any(isinstance(p, PendingParameter) for p in module._parameters.values()):
+            hooked = any(h is _refuse_forward for h in module._forward_pre_hooks.values())
+            if not hooked and any(isinstance(p, PendingParameter) for p in module._parameters.values()):
                 module.register_forward_pre_hook(_refuse_forward)
         if nn.Module._apply is not _pending_apply:
             nn.Module._apply = _pending_apply
