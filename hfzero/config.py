@@ -178,6 +178,14 @@ class ZeroConfig:
     in ``output_dir`` if the script passed no ``resume_from_checkpoint``. A fresh start never resumes
     on its own. false: restarted workers train from step 0 as the script says (docs/integrations.md)."""
 
+    async_save: bool = False
+    """Asynchronous checkpoint saves (``hfzero.checkpoint.save_checkpoint``, and so ZeroTrainer's and
+    ZeroAccelerator's saves): the step is blocked only while each rank copies its shard into a host staging
+    buffer (kept and reused from save to save: a model state, CKPT_STAGING); the files are written, fsynced
+    and renamed into place by a background thread. The next save, a load, the end of ZeroTrainer.train or
+    ZeroAccelerator.end_training, destroy_process_group and process exit wait for it; a background failure
+    is raised there on every rank. See docs/checkpoints.md."""
+
     def __post_init__(self) -> None:
         _check((_is_int(self.stage) and self.stage in (0, 1, 2, 3)) or self.stage == STAGE_AUTO, "stage", self.stage,
                'must be 0, 1, 2, 3 or "auto"')
@@ -213,7 +221,8 @@ class ZeroConfig:
         _check(self.loss_scale >= 0, "loss_scale", self.loss_scale, "must be >= 0 (0 = dynamic)")
         _check(self.initial_loss_scale > 0, "initial_loss_scale", self.initial_loss_scale, "must be > 0")
         _check(self.min_loss_scale > 0, "min_loss_scale", self.min_loss_scale, "must be > 0")
-        for name in ("partition_activations", "cpu_checkpointing", "contiguous_checkpoints", "auto_resume"):
+        for name in ("partition_activations", "cpu_checkpointing", "contiguous_checkpoints", "auto_resume",
+                     "async_save"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be true or false")
         _check(_is_int(self.tp_size) and self.tp_size > 0, "tp_size", self.tp_size, "must be a positive integer")
         _check(_is_int(self.ep_size) and self.ep_size > 0, "ep_size", self.ep_size, "must be a positive integer")

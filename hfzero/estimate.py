@@ -82,6 +82,18 @@ class ModelStateBytes(NamedTuple):
 
 _DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 
+def checkpoint_staging_bytes(num_params: float, dp: int, *, mp: int = 1, param_bytes: int = 2,
+                             optimizer_k: int = 12) -> float:
+    """Host bytes per rank of an asynchronous checkpoint save's staging buffer (``ZeroConfig.async_save``,
+    the engine's CKPT_STAGING, a model state once the first save allocated it): the fp32 master weights and
+    fp32 optimizer states of the rank's slice, (K + 4)Ψ/N_d when the parameters are fp32 (their own master,
+    not in K) else KΨ/N_d, at every stage (at stage 0 each rank writes 1/N_d of every bucket). RNG states
+    (KiB) and the persistent buffers rank 0 stages are not counted."""
+    _check_count("num_params", num_params)
+    per_element = optimizer_k + (4 if param_bytes >= 4 else 0)
+    return per_element * num_params / mp / dp
+
+
 _OPTIMIZER_STATES: dict[str, int] = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}
 """fp32 state tensors per parameter: Adam's exp_avg and exp_avg_sq, SGD's momentum buffer, none."""
 

@@ -37,6 +37,10 @@ class MemoryRole(str, enum.Enum):
             checkpoint function (transient).
         ACTIVATIONS: other tensors saved for the backward pass (autograd's saved tensors, parameters
             and checkpoints excluded), measured with saved-tensor hooks (transient).
+        CKPT_STAGING: host memory an asynchronous checkpoint save (``ZeroConfig.async_save``) copies the
+            rank's shard into (fp32 master and optimizer-state slices, RNG states, persistent buffers), so
+            the step can go on while a background thread writes it; allocated at the first such save and
+            reused by the next ones: held across steps, so a model state (in host memory).
     """
 
     PARAM_FULL = "param_full"
@@ -52,6 +56,7 @@ class MemoryRole(str, enum.Enum):
     COMM_BUFFER = "comm_buffer"
     ACT_CHECKPOINT = "act_checkpoint"
     ACTIVATIONS = "activations"
+    CKPT_STAGING = "ckpt_staging"
 
 
 MODEL_STATE_ROLES: frozenset[MemoryRole] = frozenset(
@@ -63,6 +68,7 @@ MODEL_STATE_ROLES: frozenset[MemoryRole] = frozenset(
         MemoryRole.GRAD_ACCUM,
         MemoryRole.MASTER_SHARD,
         MemoryRole.OPTIM_STATE,
+        MemoryRole.CKPT_STAGING,
     }
 )
 """Roles that make up the paper's "model states"; the rest are transient."""

@@ -4,7 +4,11 @@ loadable, and training resumed from it matches uninterrupted training exactly.
 Each child process trains a small MLP (with a frozen layer and a buffer that changes every step, so
 both must be restored), saves at step K, trains one more step and saves again into the same
 directory with ``HFZERO_CHECKPOINT_PAUSE_AT=<phase>``: the save stops at that phase and signals;
-the test then SIGKILLs the child. The three children run concurrently.
+the test then SIGKILLs the child. Each phase is tried with a synchronous save and with an asynchronous
+one (``async_save``: the phases happen on the background thread while the child trains another step and
+then waits for the save; see [Note: asynchronous saves]). One more child's asynchronous save fails in the
+background and the child ends without waiting for it: its exit status must say so. The children run
+concurrently.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ import torch
 from torch import nn
 
 from hfzero import ZeroConfig, prepare
-from hfzero.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from hfzero.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, wait_for_save
 
 K, STEPS = 3, 6
 PHASES = ("rank_file_written", "manifest_written", "between_renames")
+RUNS = [(phase, False) for phase in PHASES] + [(phase, True) for phase in PHASES]  # (phase, async_save)
 
 
 class MLP(nn.Module):
@@ -67,7 +72,7 @@ def train(model, opt, batches) -> list[float]:
     return losses
 
 
-def child_main(ckpt: str, phase: str, signal_path: str) -> None:
+def child_main(ckpt: str, phase: str, signal_path: str, async_save: bool = False) -> None:
     """Save at step K, then save again at K + 1 and get killed in the middle (run in a subprocess)."""
     model, opt = build()
     batches = data()
@@ -75,21 +80,43 @@ def child_main(ckpt: str, phase: str, signal_path: str) -> None:
     save_checkpoint(ckpt, model, opt, extra={"step": K})
     train(model, opt, batches[K:K + 1])
     os.environ.update(HFZERO_CHECKPOINT_PAUSE_AT=phase, HFZERO_CHECKPOINT_PAUSE_SIGNAL=signal_path)
-    save_checkpoint(ckpt, model, opt, extra={"step": K + 1})
+    save_checkpoint(ckpt, model, opt, extra={"step": K + 1}, async_save=async_save)
+    if async_save:  # the save pauses on the background thread: training goes on, then waits for it
+        train(model, opt, batches[K + 1:K + 2])
+        wait_for_save()
     sys.exit(3)  # not reached when the pause hook works
 
 
-def _run_children(tmp_path: Path) -> dict[str, Path]:
+def failing_child_main(ckpt: str) -> None:
+    """An asynchronous save whose background write fails; the script ends without waiting for it."""
+    import hfzero.checkpoint.save as save_module
+
+    def fail(*args, **kwargs):
+        raise OSError("No space left on device (injected)")
+
+    model, opt = build()
+    train(model, opt, data()[:K])
+    save_module.write_safetensors = fail
+    save_checkpoint(ckpt, model, opt, async_save=True)
+    train(model, opt, data()[K:K + 1])  # the script ends here: the exit waits for the save and reports it
+
+
+def _spawn(code: str) -> subprocess.Popen:
     tests = str(Path(__file__).parent)
+    return subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {tests!r}); "
+                             f"import test_checkpoint_kill as t; {code}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _run_children(tmp_path: Path) -> tuple[dict[tuple[str, bool], Path], subprocess.Popen]:
     children = {}
-    for phase in PHASES:
-        ckpt, sig = tmp_path / phase / "ckpt", tmp_path / f"{phase}.signal"
-        code = (f"import sys; sys.path.insert(0, {tests!r}); import test_checkpoint_kill as t; "
-                f"t.child_main({str(ckpt)!r}, {phase!r}, {str(sig)!r})")
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
-        children[phase] = (proc, Path(f"{sig}.rank0"), ckpt)
-    deadline = time.monotonic() + 120
+    for phase, async_save in RUNS:
+        where = tmp_path / f"{phase}{'-async' if async_save else ''}"
+        ckpt, sig = where / "ckpt", where.with_suffix(".signal")
+        proc = _spawn(f"t.child_main({str(ckpt)!r}, {phase!r}, {str(sig)!r}, {async_save})")
+        children[(phase, async_save)] = (proc, Path(f"{sig}.rank0"), ckpt)
+    failing = _spawn(f"t.failing_child_main({str(tmp_path / 'failing' / 'ckpt')!r})")
+    deadline = time.monotonic() + 150
     for phase, (proc, sig, _) in children.items():
         while not sig.exists():
             if proc.poll() is not None:
@@ -103,19 +130,20 @@ def _run_children(tmp_path: Path) -> dict[str, Path]:
         proc.wait()
         proc.stdout.close()
         assert proc.returncode == -signal.SIGKILL
-    return {phase: ckpt for phase, (_, _, ckpt) in children.items()}
+    return {run: ckpt for run, (_, _, ckpt) in children.items()}, failing
 
 
 def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
-    killed = _run_children(tmp_path)
+    killed, failing = _run_children(tmp_path)
     model, opt = build()
     reference = train(model, opt, data())
 
-    partial = killed["rank_file_written"].parent / ".ckpt.partial"
-    assert partial.is_dir() and not (partial / "manifest.json").exists()
-    with pytest.raises(CheckpointError, match="incomplete"):
-        load_checkpoint(partial, *build())
-    assert not killed["between_renames"].exists(), "the kill came between the two renames"
+    for async_save in (False, True):
+        partial = killed[("rank_file_written", async_save)].parent / ".ckpt.partial"
+        assert partial.is_dir() and not (partial / "manifest.json").exists()
+        with pytest.raises(CheckpointError, match="incomplete"):
+            load_checkpoint(partial, *build())
+        assert not killed[("between_renames", async_save)].exists(), "the kill came between the two renames"
 
     for phase, ckpt in killed.items():
         model, opt = build(seed=11)
@@ -127,3 +155,27 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
         leftovers = sorted(p.name for p in ckpt.parent.iterdir())
         assert leftovers == ["ckpt"], f"{phase}: {leftovers}"
         assert json.loads((ckpt / "manifest.json").read_text())["extra"] == {"step": STEPS}
+
+    # the background failure of the child that did not wait: reported at exit, with a failing status
+    output = failing.communicate(timeout=120)[0].decode()
+    assert failing.returncode == 1, f"exit status {failing.returncode}:\n{output[-3000:]}"
+    assert "asynchronous save" in output and "No space left on device (injected)" in output, output[-3000:]
+    assert not (tmp_path / "failing" / "ckpt").exists()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_async_save_with_frozen_tensors_equals_sync(tmp_path, stage):
+    """Frozen parameters (written live; at stage 3 from the save's own gathered copies) and a buffer that
+    changes every step (staged): the asynchronous files equal the synchronous ones byte for byte although
+    training runs a step before the background write is waited for."""
+    model, opt = build(stage=stage)
+    train(model, opt, data()[:2])
+    save_checkpoint(tmp_path / "sync", model, opt)
+    save_checkpoint(tmp_path / "async", model, opt, async_save=True)
+    train(model, opt, data()[2:3])
+    wait_for_save()
+    names = sorted(p.name for p in (tmp_path / "sync").iterdir())
+    assert "frozen.safetensors" in names
+    assert names == sorted(p.name for p in (tmp_path / "async").iterdir())
+    for name in names:
+        assert (tmp_path / "sync" / name).read_bytes() == (tmp_path / "async" / name).read_bytes(), name

@@ -58,10 +58,43 @@ def test_loads_sharded_and_leaves_weights_in_the_checkpoint(single):
     assert all(p.device.type == "meta" for p in model.parameters())
     assert pending.find_pending(model) is not None
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    with pytest.raises(NotImplementedError, match="meta"):  # reading values before prepare: torch refuses
+    with pytest.raises(NotImplementedError, match="before hfzero.prepare"):  # reading values before prepare
         model.lm_head.weight.cpu()
     model.to("cpu")  # a move keeps them pending
     assert model.model.embed_tokens.weight.device.type == "meta"
+
+
+def test_reading_weights_before_prepare_says_why_and_what_to_do(single):
+    """Every way of reading a pending weight's values raises hfzero's message (naming the weight where it
+    can), never torch's bare meta-tensor error nor empty values; after prepare the parameters are plain
+    ``nn.Parameter`` again (training pays nothing for the guard)."""
+    model = _load(str(single))
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    reads = {
+        "cpu": lambda: weight.cpu(),
+        "item": lambda: weight[0, 0].item(),
+        "tolist": lambda: weight.tolist(),
+        "derived item": lambda: weight.float().sum().item(),
+        "numpy": lambda: weight.detach().numpy(),
+        "copy into a real tensor": lambda: torch.zeros(weight.shape).copy_(weight),
+        "forward": lambda: model(input_ids=torch.tensor([[1, 2, 3]])),
+        "state_dict value": lambda: model.state_dict()["model.norm.weight"].clone().cpu(),
+    }
+    for what, read in reads.items():
+        with pytest.raises((NotImplementedError, RuntimeError, TypeError)) as info:
+            read()
+        message = str(info.value)
+        assert "before hfzero.prepare" in message and "after prepare" in message, f"{what}: {message}"
+    with pytest.raises(NotImplementedError, match="'model.layers.0.self_attn.q_proj.weight'"):
+        weight.cpu()
+    assert weight.shape == (32, 32) or weight.dim() == 2  # metadata still reads
+    model.half()  # dtype casts still work and keep the guard
+    assert isinstance(model.model.norm.weight, pending.PendingParameter)
+    model.float()
+    model, _ = hfzero.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), hfzero.ZeroConfig(stage=2))
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert not any(h is pending._refuse_forward for m in model.modules() for h in m._forward_pre_hooks.values())
+    assert torch.isfinite(model(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
 
 
 def test_index_naming_a_missing_file(sharded):

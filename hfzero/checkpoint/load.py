@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from hfzero.checkpoint import background, rng
 from hfzero.checkpoint import format as fmt
-from hfzero.checkpoint import rng
 from hfzero.checkpoint.common import Inventory, Scope, agree, gather_json, inventory, scope_of
 from hfzero.checkpoint.errors import CheckpointError
 from hfzero.checkpoint.ranges import ParamRange, held_ranges
@@ -67,10 +67,12 @@ def load_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: Ze
     [Note: pipeline checkpoints]). ``verify`` checks every file's SHA-256 (each file hashed by
     one rank, in 1 MiB chunks). Resident memory beyond training: one saved piece being copied, plus
     fresh optimizer-state tensors where the optimizer had none yet. RNG states are restored when
-    the world size is the one saved (rank r gets rank r's), and left alone otherwise.
+    the world size is the one saved (rank r gets rank r's), and left alone otherwise. An asynchronous save
+    still in flight is waited for first (its failure raised).
     Raises CheckpointError, on every rank and before touching the model, for a missing, incomplete,
     corrupt or newer-format checkpoint or one of another model.
     """
+    background.wait()  # an asynchronous save in flight (perhaps of this very checkpoint) finishes first
     engine, scope = scope_of(model, optimizer)
     directory = Path(directory).absolute()
     inv = inventory(scope.module, engine)

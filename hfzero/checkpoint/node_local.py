@@ -88,7 +88,9 @@ def save_checkpoint_node_local(directory: str | os.PathLike[str], model: Any, op
     tmp = fmt.partial_dir(directory)
     error = _guard(lambda: _prepare_dir(directory, tmp)) if rank == group[0] and 0 not in group else None
     agree(comm, error, f"save_checkpoint_node_local({directory}): preparing {tmp} on every node")
-    save_checkpoint(directory, model, optimizer, extra=extra)  # rank 0's node is complete after this
+    # synchronous whatever ZeroConfig.async_save says: the other nodes' copies are made from rank 0's
+    # finished files right after (asynchronous node-local saves are not built)
+    save_checkpoint(directory, model, optimizer, extra=extra, async_save=False)  # rank 0's node is complete after this
     names = [fmt.MANIFEST]
     if rank == 0:
         manifest = json.loads((directory / fmt.MANIFEST).read_text())

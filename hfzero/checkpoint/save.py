@@ -15,6 +15,9 @@ but a complete ``.DIR.previous``, which ``load_checkpoint(DIR)`` finds and loads
 without ``manifest.json`` is never loaded. ``DIR`` must be on a file system every rank sees (else see
 node_local.py).
 
+With ``async_save`` steps 2-3 run on a background thread from copies staged in host memory; see
+[Note: asynchronous saves] in background.py.
+
 Test hook: with ``HFZERO_CHECKPOINT_PAUSE_AT=<phase>`` in the environment a rank reaching that
 phase writes the path in ``HFZERO_CHECKPOINT_PAUSE_SIGNAL`` (suffixed ``.rank<r>``) and sleeps, so a
 test can SIGKILL it at a known point. Phases: ``rank_file_written``, ``manifest_written``,
@@ -34,8 +37,8 @@ from typing import Any
 import torch
 
 import hfzero
+from hfzero.checkpoint import background, rng, staging
 from hfzero.checkpoint import format as fmt
-from hfzero.checkpoint import rng
 from hfzero.checkpoint.common import Inventory, Scope, agree, gather_json, inventory, scope_of
 from hfzero.checkpoint.errors import CheckpointError
 from hfzero.checkpoint.ranges import written_ranges
@@ -61,7 +64,7 @@ def _pause(phase: str, rank: int) -> None:
 
 
 def save_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: ZeroOptimizer, *,
-                    extra: dict[str, Any] | None = None) -> Path:
+                    extra: dict[str, Any] | None = None, async_save: bool | None = None) -> Path:
     """Save the training state of every rank into ``directory``; a collective: every rank calls it.
 
     ``model`` is a prepared model, or a ``hfzero.pipeline`` Pipeline (then every rank of the pp x dp world
@@ -73,9 +76,17 @@ def save_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: Ze
     The save is atomic (see [Note: atomic checkpoint]): an existing checkpoint in ``directory`` is
     replaced only once the new one is complete. Resident memory beyond training: one tensor slice
     at a time (tensors stream to the file; a device tensor is copied to the CPU one at a time).
+
+    ``async_save`` (default: the engine's ``ZeroConfig.async_save``): return once the rank's tensors are
+    copied into its host staging buffer (held from save to save, CKPT_STAGING); a background thread writes
+    the files and swaps the directory in. The next save, a load, or the end of training waits for it and
+    raises its failure on every rank (see [Note: asynchronous saves] in background.py). The files are
+    byte for byte a synchronous save's at the same point.
     Returns ``directory``.
     """
+    background.wait()  # the previous asynchronous save: finished, or its failure raised here on every rank
     engine, scope = scope_of(model, optimizer)
+    async_save = engine.config.async_save if async_save is None else async_save
     directory = Path(directory).absolute()
     if extra is not None:
         try:
@@ -92,25 +103,46 @@ def save_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: Ze
     agree(comm, error, f"save_checkpoint({directory}): preparing {tmp}")
 
     inv = inventory(scope.module, engine)
+    private: set[str] = set()  # frozen tensors that are this save's own copies (never changed by training)
     if isinstance(engine, Stage3Engine) and engine.frozen_layout.slots:
         # partitioned frozen parameters are 0-element between uses: the rank writing them gets them whole
         whole = engine.gather_frozen(keep=scope.writes_frozen)
+        private = {scope.name(n) for n, (t, _) in inv.frozen.items() if t in whole}
         inv.frozen.update({n: (whole[t], kind) for n, (t, kind) in inv.frozen.items() if t in whole})
+    files: list[_File] = []
     report: dict[str, Any] = {}
-    error = _guard(lambda: report.update(_write_rank_file(tmp, engine, scope, optimizer, inv)))
-    if error is None:
-        _pause("rank_file_written", rank)
+
+    def plan() -> None:
+        rng_tensors, rng_meta = rng.capture(engine.device)
+        files.extend(_plan_files(engine, scope, inv, rng_tensors))
+        report.update(_report(engine, scope, optimizer, inv, files[0], rng_meta))
+        if async_save:
+            _stage(engine, files, private)
+
+    error = _guard(plan)
     gathered = gather_json(comm, {"error": error, "report": report})
     failed = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if g["error"]]
     if failed:  # every rank sees the same list, so every rank raises
-        raise CheckpointError(f"save_checkpoint({directory}): writing rank files failed: {'; '.join(failed)}")
+        raise CheckpointError(f"save_checkpoint({directory}): preparing rank files failed: {'; '.join(failed)}")
+    manifest: dict[str, Any] = {}
+    error = None
+    if rank == 0:  # the manifest as training stands now (hyper-parameters, loss scale, step counters)
+        error = _guard(lambda: manifest.update(_manifest(engine, optimizer, scope, [g["report"] for g in gathered],
+                                                         extra, configs=_config_files(scope.configs))))
+    agree(comm, error, f"save_checkpoint({directory}): building the manifest")
 
-    if rank == 0:
-        reports = [g["report"] for g in gathered]
-        error = _guard(lambda: _finish(directory, tmp, scope, optimizer, engine, reports, extra))
-    agree(comm, error, f"save_checkpoint({directory}): writing the manifest")
-    logger.info("saved checkpoint %s (world %d, stage %d) in %.2fs", directory, scope.world_size, engine.stage,
-                time.perf_counter() - started)
+    def finish(comm: Any) -> None:
+        _write_and_swap(comm, rank, directory, tmp, files, manifest)
+        logger.info("saved checkpoint %s (world %d, stage %d) in %.2fs%s", directory, scope.world_size,
+                    engine.stage, time.perf_counter() - started, " (asynchronously)" if async_save else "")
+
+    if async_save:
+        side = background.side_comm(comm)
+        background.start(directory, lambda: finish(side))
+        logger.info("checkpoint %s staged in %.3fs; writing it in the background", directory,
+                    time.perf_counter() - started)
+    else:
+        finish(comm)
     return directory
 
 
@@ -153,48 +185,117 @@ def _split_state(engine: ZeroEngine) -> tuple[list[str], list[dict[str, Any]]]:
     return keys or [], scalars
 
 
-def _write_rank_file(tmp: Path, engine: ZeroEngine, scope: Scope, optimizer: ZeroOptimizer,
-                     inv: Inventory) -> dict[str, Any]:
-    """Write this rank's file (and its stage's frozen tensors if it writes them); return its report for
-    the manifest: pieces, scalars, RNG, digests, and its part of the model's description."""
-    keys, scalars = _split_state(engine)
-    params = {slot.name: slot.param for slot in engine.layout.slots.values()}
-    ranges, runs = [], []  # runs: where each range sits in the whole parameter (several under TP: tensor_parallel.py)
-    for r in written_ranges(engine.layout, engine.rank, engine.world_size):
-        if scope.name(r.name) not in scope.skip:
-            runs.append(whole_runs(params[r.name], r.start, r.end))
-            ranges.append(dataclasses.replace(r, name=scope.name(r.name)))
-    rng_tensors, rng_meta = rng.capture(engine.device)
+@dataclasses.dataclass
+class _File:
+    """One safetensors file this rank writes: its entries and their tensors (views of the live ones, or
+    after ``_stage`` their copies in the staging buffer), produced in order when the file is written."""
+
+    name: str
+    entries: list[TensorEntry]
+    tensors: list[torch.Tensor]
+    metadata: dict[str, str]
+    kinds: list[str] = dataclasses.field(default_factory=list)  # frozen files: "parameter" / "buffer" per entry
+
+    def write(self, tmp: Path) -> dict[str, Any]:
+        digest = write_safetensors(tmp / self.name, self.entries, iter(self.tensors), metadata=self.metadata)
+        return {self.name: {"sha256": digest.sha256, "bytes": digest.bytes}}
+
+
+def _plan_files(engine: ZeroEngine, scope: Scope, inv: Inventory, rng_tensors: dict[str, torch.Tensor]) -> list[_File]:
+    """This rank's file (views of its master and optimizer-state slices, its RNG states) and, if it writes
+    them, its stage's frozen tensors. Nothing is copied (``rng_tensors``: small fresh tensors)."""
+    keys, _ = _split_state(engine)
     entries: list[TensorEntry] = []
-    sources: list[tuple[torch.Tensor, int, int]] = []  # (flat source, start, end) per entry
+    tensors: list[torch.Tensor] = []
+    ranges = _ranges(engine, scope)[0]
     for r in ranges:
         view = engine.master_views[r.bucket]
         state = engine.optimizer.state.get(view, {})
         for key, source in [(fmt.master_key(r.name), view)] + [(fmt.state_key(k, r.name), state[k]) for k in keys]:
             entries.append(TensorEntry(key, source.dtype, (r.numel,)))
-            sources.append((source, r.view_start, r.view_start + r.numel))
+            tensors.append(source.reshape(-1)[r.view_start: r.view_start + r.numel])
     for key, tensor in rng_tensors.items():
         entries.append(TensorEntry(key, tensor.dtype, tuple(tensor.shape)))
-        sources.append((tensor.reshape(-1), 0, tensor.numel()))
-    name = fmt.rank_file(scope.rank, scope.world_size)
-    # views of the live tensors: nothing is copied until write_safetensors streams each one out
-    tensors = (src.reshape(-1)[a:b].reshape(e.shape) for (src, a, b), e in zip(sources, entries))
+        tensors.append(tensor)
     written = {r.name for r in ranges}
     shapes = {scope.name(s.name): list(whole_shape(s.param, s.shape)) for b in engine.layout.buckets for s in b.slots
               if scope.name(s.name) in written}
     metadata = {"format": "pt", "hfzero": fmt.FORMAT_NAME, fmt.SHAPES_METADATA: json.dumps(shapes)}
-    digest = write_safetensors(tmp / name, entries, tensors, metadata=metadata)
-    files = {name: {"sha256": digest.sha256, "bytes": digest.bytes}}
-    frozen = _write_frozen(tmp, scope, inv) if scope.writes_frozen else {}
-    if frozen:
-        files[scope.frozen_file] = frozen.pop("__file__")
+    files = [_File(fmt.rank_file(scope.rank, scope.world_size), entries, tensors, metadata)]
+    if scope.writes_frozen and inv.frozen:
+        files.append(_File(scope.frozen_file,
+                           [TensorEntry(scope.name(n), t.dtype, tuple(t.shape)) for n, (t, _) in inv.frozen.items()],
+                           [t for t, _ in inv.frozen.values()], {"format": "pt", "hfzero": fmt.FORMAT_NAME},
+                           [kind for _, kind in inv.frozen.values()]))
+    return files
+
+
+def _stage(engine: ZeroEngine, files: list[_File], private: set[str]) -> None:
+    """Point every file's tensors that training may change before the background write at copies in the
+    staging buffer. Frozen *parameters* are not staged: no optimizer steps them (and at stage 3 they are this
+    save's own gathered copies), so a background write reads them as they are; buffers are staged."""
+    rank_file = files[0]
+    frozen = files[1] if len(files) > 1 else None
+    moving = list(rank_file.tensors)
+    if frozen is not None:
+        moving += [t for e, t, kind in zip(frozen.entries, frozen.tensors, frozen.kinds)
+                   if kind != "parameter" and e.name not in private]
+    staged = iter(staging.stage(engine, moving))
+    rank_file.tensors = [next(staged) for _ in rank_file.tensors]
+    if frozen is not None:
+        frozen.tensors = [t if kind == "parameter" or e.name in private else next(staged)
+                          for e, t, kind in zip(frozen.entries, frozen.tensors, frozen.kinds)]
+
+
+def _ranges(engine: ZeroEngine, scope: Scope) -> tuple[list[Any], list[Any]]:
+    """The element ranges this rank writes (under checkpoint names) and where each sits in the whole
+    parameter (several runs under TP: tensor_parallel.py)."""
+    params = {slot.name: slot.param for slot in engine.layout.slots.values()}
+    ranges, runs = [], []
+    for r in written_ranges(engine.layout, engine.rank, engine.world_size):
+        if scope.name(r.name) not in scope.skip:
+            runs.append(whole_runs(params[r.name], r.start, r.end))
+            ranges.append(dataclasses.replace(r, name=scope.name(r.name)))
+    return ranges, runs
+
+
+def _report(engine: ZeroEngine, scope: Scope, optimizer: ZeroOptimizer, inv: Inventory, rank_file: _File,
+            rng_meta: dict[str, Any]) -> dict[str, Any]:
+    """This rank's part of the manifest: pieces, scalars, RNG, frozen entries, its part of the model's
+    description (the files' digests come once they are written)."""
+    keys, scalars = _split_state(engine)
+    ranges, runs = _ranges(engine, scope)
+    frozen: dict[str, Any] = {}
+    if scope.writes_frozen:
+        frozen = {scope.name(n): {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "kind": kind,
+                                  "file": scope.frozen_file} for n, (t, kind) in inv.frozen.items()}
     return {
-        "file": name, "files": files, "state_keys": keys, "rng": rng_meta,
+        "file": rank_file.name, "state_keys": keys, "rng": rng_meta,
         "pieces": [[r.name, start, end, at] for r, pieces in zip(ranges, runs) for start, end, at in pieces],
         "scalars": {r.name: scalars[r.bucket] for r, pieces in zip(ranges, runs) if pieces[0][0] == 0},
         "frozen": frozen, "stages": scope.pipeline["stages"] if scope.pipeline else None,
         **_describe(engine, optimizer, scope, inv),
     }
+
+
+def _write_and_swap(comm: Any, rank: int, directory: Path, tmp: Path, files: list[_File],
+                    manifest: dict[str, Any]) -> None:
+    """Write and fsync this rank's files; the ranks exchange digests; rank 0 writes the manifest and swaps the
+    directory in; every rank raises any rank's failure (a collective over ``comm``)."""
+    digests: dict[str, Any] = {}
+    error = _guard(lambda: [digests.update(f.write(tmp)) for f in files])
+    if error is None:
+        _pause("rank_file_written", rank)
+    gathered = gather_json(comm, {"error": error, "files": digests})
+    failed = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if g["error"]]
+    if failed:  # every rank sees the same list, so every rank raises
+        raise CheckpointError(f"save_checkpoint({directory}): writing rank files failed: {'; '.join(failed)}")
+    error = None
+    if rank == 0:
+        for g in gathered:
+            manifest["files"].update(g["files"])
+        error = _guard(lambda: _finish(directory, tmp, manifest))
+    agree(comm, error, f"save_checkpoint({directory}): writing the manifest")
 
 
 def _describe(engine: ZeroEngine, optimizer: ZeroOptimizer, scope: Scope, inv: Inventory) -> dict[str, Any]:
@@ -220,35 +321,22 @@ def _describe(engine: ZeroEngine, optimizer: ZeroOptimizer, scope: Scope, inv: I
             "tied_targets": scope.tied_targets if scope.tied_targets is not None else inv.tied_targets}
 
 
-# ---- rank 0: frozen tensors, config, manifest, swap ------------------------------------------------
-def _write_frozen(tmp: Path, scope: Scope, inv: Inventory) -> dict[str, Any]:
-    """Write the module's frozen tensors; return their manifest entries plus ``__file__``: the file's digest."""
-    if not inv.frozen:
-        return {}
-    entries = [TensorEntry(scope.name(n), t.dtype, tuple(t.shape)) for n, (t, _) in inv.frozen.items()]
-    digest = write_safetensors(tmp / scope.frozen_file, entries, (t for t, _ in inv.frozen.values()),
-                               metadata={"format": "pt", "hfzero": fmt.FORMAT_NAME})
-    out: dict[str, Any] = {scope.name(n): {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "kind": kind,
-                                           "file": scope.frozen_file} for n, (t, kind) in inv.frozen.items()}
-    out["__file__"] = {"sha256": digest.sha256, "bytes": digest.bytes}
+# ---- rank 0: config, manifest, swap ------------------------------------------------------------------
+def _config_files(model: Any) -> dict[str, bytes]:
+    """The model's HF config and generation config as the bytes rank 0 writes."""
+    out = {}
+    for attr, name in (("config", fmt.CONFIG_FILE), ("generation_config", fmt.GENERATION_CONFIG_FILE)):
+        config = getattr(model, attr, None)
+        if config is not None and hasattr(config, "to_json_string"):
+            out[name] = config.to_json_string().encode()
     return out
 
 
-def _write_configs(tmp: Path, model: Any) -> dict[str, Any]:
-    files = {}
-    for attr, name in (("config", fmt.CONFIG_FILE), ("generation_config", fmt.GENERATION_CONFIG_FILE)):
-        config = getattr(model, attr, None)
-        if config is None or not hasattr(config, "to_json_string"):
-            continue
-        digest = write_bytes_durably(tmp / name, config.to_json_string().encode())
-        files[name] = {"sha256": digest.sha256, "bytes": digest.bytes}
-    return files
-
-
 def _manifest(engine: ZeroEngine, optimizer: ZeroOptimizer, scope: Scope, reports: list[dict[str, Any]],
-              extra: dict[str, Any] | None) -> dict[str, Any]:
+              extra: dict[str, Any] | None, configs: dict[str, bytes]) -> dict[str, Any]:
     """The manifest from every rank's report (in rank order: pipeline stages in order; see
-    [Note: pipeline checkpoints])."""
+    [Note: pipeline checkpoints]), without the tensor files' digests (added once they are written);
+    ``configs``: the config files' contents, kept under ``_configs`` until ``_finish`` writes them."""
     keys = {tuple(r["state_keys"]) for r in reports}
     if len(keys) > 1:
         raise CheckpointError(f"ranks hold different optimizer state keys {sorted(keys)}; cannot save consistently")
@@ -274,7 +362,6 @@ def _manifest(engine: ZeroEngine, optimizer: ZeroOptimizer, scope: Scope, report
             params[name]["pieces"].append({**piece, "at": at} if at else piece)
         for name, scalars in report["scalars"].items():
             params[name]["scalars"] = scalars
-    files = {name: info for r in reports for name, info in r["files"].items()}
     manifest = {
         "format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION, "hfzero_version": hfzero.__version__,
         "world_size": scope.world_size, "stage": engine.stage, "config": engine.config.to_dict(),
@@ -285,7 +372,7 @@ def _manifest(engine: ZeroEngine, optimizer: ZeroOptimizer, scope: Scope, report
         "params": params,
         "frozen": frozen,
         "aliases": aliases, "order": order, "tied_targets": reports[0]["tied_targets"],
-        "files": files,
+        "files": {},
         "ranks": [{"file": r["file"], "rng": r["rng"]} for r in reports],
         "extra": extra,
     }
@@ -296,13 +383,15 @@ def _manifest(engine: ZeroEngine, optimizer: ZeroOptimizer, scope: Scope, report
     if scope.pipeline is not None:
         manifest["pipeline"] = {**{k: v for k, v in scope.pipeline.items() if k != "stages"},
                                 "stages_of_rank": [r["stages"] for r in reports]}
+    manifest["_configs"] = configs
     return manifest
 
 
-def _finish(directory: Path, tmp: Path, scope: Scope, optimizer: ZeroOptimizer, engine: ZeroEngine,
-            reports: list[dict[str, Any]], extra: dict[str, Any] | None) -> None:
-    manifest = _manifest(engine, optimizer, scope, reports, extra)
-    manifest["files"].update(_write_configs(tmp, scope.configs))
+def _finish(directory: Path, tmp: Path, manifest: dict[str, Any]) -> None:
+    """Rank 0: write the config files and the manifest (last), fsync, swap the directory in."""
+    for name, data in manifest.pop("_configs").items():
+        digest = write_bytes_durably(tmp / name, data)
+        manifest["files"][name] = {"sha256": digest.sha256, "bytes": digest.bytes}
     write_bytes_durably(tmp / fmt.MANIFEST, json.dumps(manifest, indent=1).encode())
     fsync_dir(tmp)
     _pause("manifest_written", 0)

@@ -49,6 +49,7 @@ from accelerate.utils import DistributedType, recursively_apply
 from torch import nn
 
 from hfzero.autostage import auto_batch_from, default_seq_len, resolve_auto_stage
+from hfzero.checkpoint.background import wait as wait_for_save
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.env import config_from_env
 from hfzero.integrations.gpus import check_ranks_fit_devices, cpu_requested, local_world_size
@@ -506,6 +507,12 @@ class ZeroAccelerator(Accelerator):
         for index, opt in enumerate(zero):
             save_optimizer_shards(Path(location) / _SHARD_DIR.format(index=index), self._model_of(opt), opt)
         return location
+
+    def end_training(self) -> None:
+        """accelerate's end_training, once an asynchronous checkpoint save (``HFZERO_ASYNC_SAVE``) has finished
+        writing (its failure is raised here, on every rank)."""
+        wait_for_save()
+        super().end_training()
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None,
                    **load_model_func_kwargs: Any) -> None:

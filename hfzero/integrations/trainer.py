@@ -48,6 +48,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from hfzero.autostage import default_seq_len
+from hfzero.checkpoint.background import wait as wait_for_save
 from hfzero.checkpoint.format import TRAINER_SHARD_DIR as SHARD_DIR
 from hfzero.comm import Communicator
 from hfzero.config import ConfigError, ZeroConfig
@@ -337,7 +338,9 @@ class ZeroTrainer(Trainer):
 
         After a torchelastic restart, with no ``resume_from_checkpoint``, resumes from the newest complete
         checkpoint in ``output_dir`` (see [Note: automatic resume]); on any resume, keeps the global batch
-        when the world size changed (see [Note: global batch on a world change])."""
+        when the world size changed (see [Note: global batch on a world change]). With ``zero_async_save`` it
+        returns once the last checkpoint's background write is done (a failure of it is raised here, on every
+        rank)."""
         if isinstance(self.accelerator, ZeroAccelerator) and self.accelerator.zero_auto_batch is None:
             seq = _first_example_length(self.train_dataset) or default_seq_len(self.model)
             if seq:  # stage="auto": the activation estimate's batch
@@ -347,10 +350,13 @@ class ZeroTrainer(Trainer):
         if resume_from_checkpoint:
             self._keep_global_batch(resume_from_checkpoint)
         with _in_trainer_module("get_model_param_count", model_param_count):
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            result = super().train(resume_from_checkpoint, *args, **kwargs)
+        wait_for_save()
+        return result
 
     def _trainer_batch(self) -> TrainerBatch:
-        """This run's global batch factors (data-parallel replicas: world / (tp x pp))."""
+        """This run's global batch factors (data-parallel replicas: world / (tp x pp), where ``get_tp_size``
+        counts the SP ranks of one replica under sequence parallelism)."""
         pp = self.pipeline_config.pp_size if getattr(self, "pipeline_config", None) is not None else 1
         return TrainerBatch(per_device=self._train_batch_size, accumulation=int(self.args.gradient_accumulation_steps),
                             replicas=max(1, self.args.world_size // (self.get_tp_size() * pp)))

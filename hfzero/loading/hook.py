@@ -95,9 +95,11 @@ def enable_while(owner: object) -> None:
 def wanted(stage: object, tp_size: int = 1, pipeline: bool = False, ep_size: int = 1) -> bool:
     """Whether a run with these settings loads through the hook: stage 3 (each rank reads its shard) and
     stages 0-2 (each parameter read whole at prepare, one at a time: no second copy, no fp32 copy beside a
-    bf16 one); not under tensor, expert or pipeline parallelism (they build their own per-rank models) nor
-    with stage "auto" (decided after loading, from the model)."""
-    return stage in (0, 1, 2, 3) and tp_size == 1 and ep_size == 1 and not pipeline
+    bf16 one), with or without pipeline parallelism (each rank then reads only its stages' parameters: see
+    [Note: stage-only builds] in parallel/pipeline/driver.py); not under tensor or expert parallelism (they
+    build their own per-rank models) nor with stage "auto" (decided after loading, from the model). ``pipeline`` is
+    accepted for the callers' sake and changes nothing."""
+    return stage in (0, 1, 2, 3) and tp_size == 1 and ep_size == 1
 
 
 def is_enabled() -> bool:

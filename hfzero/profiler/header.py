@@ -66,7 +66,8 @@ def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: i
     ``model_state_bytes`` minus ``host_model_state_bytes`` and ``host_model_state_bytes`` measure.
     Returns None (and logs why) when the optimizer's kind is not one the estimator knows.
     """
-    from hfzero.estimate import accumulator_held, model_states_bytes, model_states_cpu_bytes, precision_bytes
+    from hfzero.estimate import (accumulator_held, checkpoint_staging_bytes, model_states_bytes,
+                                 model_states_cpu_bytes, precision_bytes)
 
     kind = optimizer_kind(optimizer)
     if kind is None:
@@ -94,6 +95,11 @@ def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: i
     host_inputs = {k: v for k, v in inputs.items() if k != "frozen_params"}
     device = model_states_bytes(**inputs, offload_optimizer=offloaded)
     host = model_states_cpu_bytes(**host_inputs, offload_optimizer=offloaded)
+    staging = 0.0
+    if getattr(config, "async_save", False):  # the staging buffer, held once the first save allocated it
+        staging = checkpoint_staging_bytes(inputs["num_params"], inputs["dp"], param_bytes=p, optimizer_k=k)
+        formula += f" + {k + (4 if p >= 4 else 0)}Ψ/N_d checkpoint staging (host, after the first save)"
+        host += staging
     extra = {}
     if inputs["stage"] == 3 and getattr(engine, "units", None):  # See [Note: stage-3 gather order]
         from hfzero.config import stage3_gathered_numel
@@ -102,7 +108,7 @@ def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: i
         extra["stage3_gathered_bytes"] = stage3_gathered_numel(numels[0], numels[1:], int(engine.prefetch_numel)) * p
     return {**extra,
         # offloaded, the host holds gradients in fp32 (and an fp32 master in fp32 runs): the sum of both sides
-        "model_state_bytes": device + host if offloaded else model_states_bytes(**inputs),
+        "model_state_bytes": device + host if offloaded else model_states_bytes(**inputs) + staging,
         "device_model_state_bytes": device,
         "host_model_state_bytes": host,
         "formula": formula,

@@ -98,6 +98,9 @@ class ZeroEngine:
         """The group whose ranks must agree on every step (step agreement, stage 3's step check, fp16's
         overflow flag): the engine's own group, or the whole world when ``replica_comm`` is set."""
         self._replica_ranges: list[tuple[int, list[tuple[int, int]]]] | None = None
+        self.checkpoint_staging: torch.Tensor | None = None
+        """Host bytes an asynchronous checkpoint save copies this rank's shard into (hfzero/checkpoint/staging.py):
+        allocated at the first such save and reused by the next, so held across steps (CKPT_STAGING)."""
 
         self.layout = self._build_layout(param_groups)
         self.num_params = self.layout.num_params
@@ -512,21 +515,25 @@ class ZeroEngine:
             MemoryRole.OPTIM_STATE: self._optim_state_bytes(),
             MemoryRole.GRAD_BUCKET: self.reducer.staging_bytes() + host.get(MemoryRole.GRAD_BUCKET, 0),
             MemoryRole.GRAD_FP32: _nbytes(self.master_grad_flat) + host.get(MemoryRole.GRAD_FP32, 0),
+            MemoryRole.CKPT_STAGING: _nbytes(self.checkpoint_staging),
         }
         return {role: size for role, size in roles.items() if size}
 
     def host_memory_by_role(self) -> dict[MemoryRole, int]:
         """The part of ``memory_by_role()`` placed in host memory by offload (empty when not offloaded):
         master weights, optimizer states, the fp32 gradients (GRAD_SHARD at stages 2-3, where they are
-        the held gradient; GRAD_FP32 at stages 0-1, a copy of the device's) and the host staging."""
+        the held gradient; GRAD_FP32 at stages 0-1, a copy of the device's) and the host staging; and the
+        asynchronous checkpoint saves' staging (CKPT_STAGING, always in host memory)."""
         if self.offload is None:
-            return {}
+            staging = _nbytes(self.checkpoint_staging)
+            return {MemoryRole.CKPT_STAGING: staging} if staging else {}
         grad_role = MemoryRole.GRAD_SHARD if self.stage >= 2 else MemoryRole.GRAD_FP32
         roles = {
             MemoryRole.MASTER_SHARD: _nbytes(self.master_flat),
             MemoryRole.OPTIM_STATE: self._optim_state_bytes(),
             grad_role: self.offload.grad_bytes(),
             MemoryRole.GRAD_BUCKET: self.offload.staging_bytes(),
+            MemoryRole.CKPT_STAGING: _nbytes(self.checkpoint_staging),
         }
         return {role: size for role, size in roles.items() if size}
 

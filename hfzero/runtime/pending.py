@@ -17,9 +17,16 @@ initialized as ``from_pretrained_sharded(wrap=...)`` does.
 
 Between ``from_pretrained`` and ``prepare`` a pending parameter has no values. ``model.to(device)`` /
 ``.to(dtype)`` / ``.half()`` work (they change the dtype and record nothing else; see
-``_pending_apply``). Anything that reads values fails with torch's meta-tensor error (``Cannot copy
-out of meta tensor``, ``item() cannot be called on meta tensors``), never with empty values: read
-weights after ``prepare`` (see docs/loading.md).
+``_pending_apply``). Anything that reads values fails, never with empty values: a pending parameter
+is a ``PendingParameter`` (its class is switched in place, so the object and its ties are the same),
+whose ``__torch_function__`` runs each op as torch would and turns torch's meta-tensor errors
+(``Cannot copy out of meta tensor``, ``item() cannot be called on meta tensors``, ...) into one that
+says why there are no values and what to do (``PENDING_HELP``); meta results of its ops carry the same
+guard (``PendingTensor``), so ``p.sum().item()`` gets it too; a module holding one refuses its forward
+(a pre-hook) with the same message. The class costs one Python call per op on
+those parameters, and only while they are pending: reading them in (``swap_tensors`` with a plain
+``nn.Parameter``) gives the object its class back, and ``release`` (the end of ``prepare``) resets any
+parameter of the model still of that class and removes the hooks, so training never meets either.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from hfzero.logging import get_logger
 from hfzero.runtime.stage3.weights import SafetensorsFile, WeightLoadError, WeightSource, init_added_values
@@ -37,6 +45,75 @@ from hfzero.runtime.stage3.weights import SafetensorsFile, WeightLoadError, Weig
 logger = get_logger(__name__)
 
 PENDING_ATTR = "_hfzero_pending_weights"
+
+PENDING_HELP = (
+    "it was loaded by from_pretrained under hfzero's sharded loading (hfzero run --zero_stage N, "
+    "ZeroTrainingArguments, or hfzero.sharded_init), which leaves every weight in the checkpoint until "
+    "hfzero.prepare (ZeroTrainer, ZeroAccelerator.prepare) reads each rank's part of it, so it has no values "
+    "yet. Read weights after prepare (at stage 3 with hfzero.full_state_dict, a collective), or load this model "
+    "outside sharded loading")
+"""Why a pending parameter has no values and what to do; the message of every refused read."""
+
+
+def _pending_error(exc: Exception, args: tuple) -> Exception:
+    names = [a.__dict__.get("_hfzero_key") for a in args if isinstance(a, torch.Tensor)]
+    what = next((f"weight {n!r}" for n in names if n), "a weight")
+    return type(exc)(f"hfzero: cannot read the values of {what} before hfzero.prepare: {PENDING_HELP}. "
+                     f"(torch: {exc})")
+
+
+def _guarded(out):
+    if isinstance(out, torch.Tensor) and out.device.type == "meta" and not isinstance(out, PendingTensor):
+        return out.as_subclass(PendingTensor)
+    return out
+
+
+def _pending_torch_function(cls, func, types, args=(), kwargs=None):
+    """Run ``func`` as torch would; a meta-tensor refusal becomes the pending-weights error (see
+    [Note: pending weights]); meta results keep the guard."""
+    with torch._C.DisableTorchFunctionSubclass():
+        try:
+            out = func(*args, **(kwargs or {}))
+        except (NotImplementedError, RuntimeError, TypeError) as exc:
+            if "meta" not in str(exc):
+                raise
+            raise _pending_error(exc, tuple(args) + tuple((kwargs or {}).values())) from None
+    return tree_map(_guarded, out)
+
+
+class PendingParameter(nn.Parameter):
+    """A parameter whose values are still in the checkpoint (on meta): reading them raises a clear error.
+    See [Note: pending weights]."""
+
+    __torch_function__ = classmethod(_pending_torch_function)
+
+
+class PendingTensor(torch.Tensor):
+    """A meta result of an op on a PendingParameter: carries the same guard."""
+
+    __torch_function__ = classmethod(_pending_torch_function)
+
+
+def _refuse_forward(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of a module holding pending parameters: a forward before prepare would compute on
+    meta tensors (and fail somewhere inside with a bare meta-tensor error); fail here, saying why."""
+    for name, param in module._parameters.items():
+        if isinstance(param, PendingParameter) and param.device.type == "meta":
+            key = param.__dict__.get("_hfzero_key", name)
+            raise RuntimeError(f"hfzero: cannot run {type(module).__name__}.forward before hfzero.prepare: its "
+                               f"weight {key!r} has no values: {PENDING_HELP}")
+
+
+def _mark(param: nn.Parameter, key: str) -> None:
+    if type(param) is nn.Parameter and param.device.type == "meta":
+        param.__class__ = PendingParameter
+        param.__dict__["_hfzero_key"] = key
+
+
+def _unmark(param: nn.Parameter) -> None:
+    if isinstance(param, PendingParameter):
+        param.__class__ = nn.Parameter
+        param.__dict__.pop("_hfzero_key", None)
 
 
 class PendingWeights:
@@ -50,9 +127,17 @@ class PendingWeights:
         self.keys = keys
 
     def attach(self, model: nn.Module) -> None:
-        """Mark ``model`` as pending and let ``model.to(...)`` pass over meta parameters while it is."""
+        """Mark ``model`` as pending and let ``model.to(...)`` pass over meta parameters while it is. Also for
+        a module made of some of the pending model's submodules (a pipeline stage): ``prepare`` of it then
+        reads only its parameters (see [Note: stage-only builds] in parallel/pipeline/driver.py)."""
         model.__dict__[PENDING_ATTR] = self
         _live.add(model)
+        for param, (_, key) in self.keys.items():
+            _mark(param, key)
+        for module in model.modules():
+            hooked = any(h is _refuse_forward for h in module._forward_pre_hooks.values())
+            if not hooked and any(isinstance(p, PendingParameter) for p in module._parameters.values()):
+                module.register_forward_pre_hook(_refuse_forward)
         if nn.Module._apply is not _pending_apply:
             nn.Module._apply = _pending_apply
 
@@ -113,10 +198,14 @@ def find_pending(model: nn.Module) -> PendingWeights | None:
 
 
 def release(model: nn.Module) -> None:
-    """After prepare: the model is no longer pending (its parameters are the engine's)."""
+    """After prepare: the model is no longer pending (its parameters are the engine's, of the plain class)."""
     for module in model.modules():
         if module.__dict__.pop(PENDING_ATTR, None) is not None:
             _live.discard(module)
+        for param in module._parameters.values():
+            _unmark(param)
+        for key in [k for k, hook in module._forward_pre_hooks.items() if hook is _refuse_forward]:
+            del module._forward_pre_hooks[key]
 
 
 _live: weakref.WeakSet[nn.Module] = weakref.WeakSet()

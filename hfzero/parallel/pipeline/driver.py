@@ -54,12 +54,26 @@ from hfzero.parallel.pipeline.schedule import ZeroPipelineStage, resolve_schedul
 from hfzero.parallel.pipeline.split import DecoderStage, family_of, split_model, tied_embeddings
 from hfzero.parallel.pipeline.timeline import StageClock
 from hfzero.runtime.optimizer import _rebuild
+from hfzero.runtime.pending import find_pending
+from hfzero.runtime.pending import release as release_pending
 
 logger = get_logger(__name__)
 
 
 class StageChunks(nn.ModuleList):
     """The stages one rank runs under a multi-stage schedule, prepared as one engine."""
+
+
+# [Note: stage-only builds]
+# A model loaded through hfzero's loading hook (``from_pretrained`` under ``hfzero run --zero_pp_size``,
+# ZeroTrainingArguments with ``zero_pp_size``, or ``hfzero.sharded_init``; see docs/loading.md) arrives here
+# with every parameter on the meta device and a PendingWeights naming each one's file and key. Splitting needs
+# no values (blocks are balanced by element counts, ties are object identities), so the stage modules are cut
+# from the meta model; the PendingWeights is attached to this rank's stage module, whose ``prepare`` reads only
+# its own parameters (its shard of them at ZeRO-3; the tied embedding on the first and on the last stage, each
+# from the same key); the model is then released from pending, so the other stages' parameters stay on meta on
+# this rank, never read, and ``release_other_stages`` only tags them (no bytes to free). A rank thus never
+# holds more than its stages, from ``from_pretrained`` on.
 
 
 class Pipeline:
@@ -108,8 +122,13 @@ class Pipeline:
         prepare_kwargs: dict[str, Any] = {}
         if zero_config.stage == 3 or len(self.stages) > 1:  # chunks never share a bucket: [Note: active buckets]
             prepare_kwargs["units"] = self._units()
+        pending = find_pending(model)
+        if pending is not None:  # See [Note: stage-only builds]
+            pending.attach(self.module)
         self.module, self.optimizer = hfzero.prepare(self.module, stage_optimizer, zero_config,
                                                      process_group=self.mesh.dp_group, **prepare_kwargs)
+        if pending is not None:
+            release_pending(model)  # other stages' parameters stay on meta, never read here
         self.engine = hfzero.get_engine(self.module)
         self.accumulation = self.engine.accumulation
         self._chunk_buckets: dict[int, frozenset[int]] = {}
@@ -411,7 +430,8 @@ class Pipeline:
                 for name, tensor in table.items():
                     if tensor is None or id(tensor) in mine or tensor.numel() == 0:
                         continue
-                    freed += tensor.numel() * tensor.element_size()
+                    if tensor.device.type != "meta":  # a stage-only build never read it: nothing to free
+                        freed += tensor.numel() * tensor.element_size()
                     if isinstance(tensor, nn.Parameter):
                         tensor.hfzero_released_numel = tensor.numel()  # See released_numel
                         tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)

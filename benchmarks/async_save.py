@@ -1,0 +1,126 @@
+"""How long a checkpoint save blocks training, synchronous vs asynchronous (``ZeroConfig.async_save``).
+
+    python benchmarks/async_save.py [--world 2] [--stage 2] [--layers 8] [--hidden 512] [--rounds 3] [--json]
+
+Trains a Llama (about 41M parameters with the defaults; fp32, AdamW) on ``--world`` spawned ranks (gloo), one
+tiny batch per step so a step is short beside a save. In alternating rounds, each rank runs three steps, saves,
+runs three more steps, both for a synchronous save and for an asynchronous one, and records:
+
+- ``blocked``: seconds ``save_checkpoint`` keeps the training loop (the whole save when synchronous; the copy
+  into the staging buffer and the small collectives when asynchronous);
+- ``full``: seconds from the save's start until the checkpoint is complete on disk (synchronous: ``blocked``;
+  asynchronous: until the background write ends, taken from a save waited for at once in the same round);
+- ``step``: median seconds of a training step without a save, and of the steps run while the background
+  write goes on (they share the CPU with it);
+- ``staging``: the staging buffer's bytes (CKPT_STAGING).
+
+Prints the medians over rounds of the busier rank, and ratios side by side; ``--json`` prints everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import hfzero
+from hfzero.checkpoint import save_checkpoint, wait_for_save
+from hfzero.roles import MemoryRole
+from hfzero.testing import run_distributed
+
+
+def _llama(layers: int, hidden: int, vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 8 / 3) // 64 * 64,
+                         num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+                         num_key_value_heads=max(1, hidden // 64), max_position_embeddings=64)
+    return LlamaForCausalLM(config)
+
+
+def _rank(rank: int, world: int, root: str, stage: int, layers: int, hidden: int, vocab: int, rounds: int) -> dict:
+    torch.set_num_threads(1)
+    model = _llama(layers, hidden, vocab)
+    model, opt = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), hfzero.ZeroConfig(stage=stage))
+    batch = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(rank))
+
+    def step() -> float:
+        started = time.perf_counter()
+        loss = model(input_ids=batch, labels=batch).loss
+        opt.backward(loss)
+        opt.step()
+        return time.perf_counter() - started
+
+    for _ in range(2):
+        step()  # warm-up
+    out: dict = {"sync": [], "async": [], "async_full": [], "step": [], "step_during_write": []}
+    for r in range(rounds):
+        for mode in ("sync", "async"):
+            out["step"] += [step() for _ in range(3)]
+            dist.barrier()
+            started = time.perf_counter()
+            save_checkpoint(Path(root) / mode, model, opt, async_save=mode == "async")
+            out[mode].append(time.perf_counter() - started)
+            during = [step() for _ in range(3)]
+            if mode == "async":
+                out["step_during_write"] += during
+                wait_for_save()
+        dist.barrier()  # the full write of an asynchronous save: the save waited for at once
+        started = time.perf_counter()
+        save_checkpoint(Path(root) / "async-full", model, opt, async_save=True)
+        wait_for_save()
+        out["async_full"].append(time.perf_counter() - started)
+    out["staging"] = hfzero.get_engine(model).memory_by_role().get(MemoryRole.CKPT_STAGING, 0)
+    out["params"] = sum(p.numel() for p in hfzero.get_engine(model).layout.slots)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=2)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="hfzero-async-save-", dir=".")
+    try:
+        ranks = run_distributed(_rank, args.world, root, args.stage, args.layers, args.hidden, args.vocab,
+                                args.rounds, timeout=1800)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    med = statistics.median
+    rows = [{"rank": r, "sync_blocked": med(x["sync"]), "async_blocked": med(x["async"]),
+             "async_full": med(x["async_full"]), "step": med(x["step"]),
+             "step_during_write": med(x["step_during_write"]), "staging_bytes": x["staging"]}
+            for r, x in enumerate(ranks)]
+    busiest = max(rows, key=lambda row: row["sync_blocked"])
+    report = {"params": ranks[0]["params"], "world": args.world, "stage": args.stage, "rounds": args.rounds,
+              "ranks": rows, "raw": ranks}
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    b = busiest
+    print(f"Llama {report['params'] / 1e6:.1f}M params, fp32 + AdamW, stage {args.stage}, world {args.world}, "
+          f"medians of {args.rounds} rounds, rank {b['rank']} (the slower synchronous save):")
+    print(f"  training step            {b['step'] * 1e3:8.1f} ms  (during a background write "
+          f"{b['step_during_write'] * 1e3:.1f} ms, x{b['step_during_write'] / b['step']:.2f})")
+    print(f"  synchronous save blocks  {b['sync_blocked'] * 1e3:8.1f} ms  = {b['sync_blocked'] / b['step']:.2f} steps")
+    print(f"  asynchronous save blocks {b['async_blocked'] * 1e3:8.1f} ms  = {b['async_blocked'] / b['step']:.2f} steps"
+          f"  (x{b['async_blocked'] / b['sync_blocked']:.3f} of synchronous)")
+    print(f"  asynchronous full write  {b['async_full'] * 1e3:8.1f} ms  = {b['async_full'] / b['step']:.2f} steps")
+    print(f"  staging buffer (CKPT_STAGING) {b['staging_bytes'] / 2**20:.1f} MiB per rank")
+
+
+if __name__ == "__main__":
+    main()
