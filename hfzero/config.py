@@ -143,6 +143,21 @@ class ZeroConfig:
     mesh; the model's parameters are sharded over the TP group by transformers' tp_plan or
     parallelize_module (see hfzero/parallel/tensor.py). 1: data parallelism alone."""
 
+    shard_size: int = 0
+    """HSDP / MiCS: shard model states over groups of ``shard_size`` consecutive data-parallel ranks and
+    replicate them across the dp_world / shard_size groups (a 2-D DeviceMesh dp_replicate x dp_shard).
+    Gradients are reduce-scattered inside the shard group, then all-reduced across the replicate group on
+    the shard only; stage 3 gathers parameters inside the shard group; averaging still divides by the whole
+    data-parallel world. 0 (default): the whole data-parallel world is one shard group (flat ZeRO). Must be
+    at least 2 and divide the data-parallel world; stages 1-3. Pick ranks per node (or a divisor of it) so
+    that gathers and reduce-scatters stay inside a node. See docs/multinode.md."""
+
+    ranks_per_node: int = 0
+    """Ranks per node, for the intra-/inter-node split of every collective's bytes (see [Note: node
+    traffic] in hfzero/comm.py). 0 (default): detected from LOCAL_WORLD_SIZE (torchrun, ``hfzero run
+    --nnodes``), else the whole world is one node. Set it to simulate several nodes on one host (e.g. 2
+    on a 4-rank run: ranks 0-1 form node 0, ranks 2-3 node 1). Must divide the world size."""
+
     partition_activations: bool = False
     """ZeRO-R P_a: keep each activation checkpoint as a 1/tp_size slice on each TP rank and all-gather it
     for the recomputation in backward (needs tp_size > 1 and activation checkpointing)."""
@@ -195,6 +210,14 @@ class ZeroConfig:
                "partitions activation checkpoints over the tensor-parallel group, where every rank holds the same "
                "checkpoint; with tp_size=1 (data parallelism alone) each rank's checkpoints are of its own batch, "
                "so there is nothing to partition: set tp_size > 1 or drop partition_activations")
+        for name in ("shard_size", "ranks_per_node"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 0, name, value, "must be an integer >= 0 (0 = the default)")
+        _check(self.shard_size != 1, "shard_size", 1,
+               "must be 0 (the whole data-parallel world) or at least 2; a shard group of one rank replicates "
+               "everything: use stage 0 for plain data parallelism")
+        _check(not self.shard_size or self.stage != 0, "shard_size", self.shard_size,
+               "shards model states, which stage 0 does not: use stage 1, 2 or 3 (or drop shard_size)")
         _check(self.min_loss_scale <= self.initial_loss_scale, "min_loss_scale", self.min_loss_scale,
                f"must not exceed initial_loss_scale ({self.initial_loss_scale})")
 

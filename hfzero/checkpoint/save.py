@@ -159,7 +159,7 @@ def _write_rank_file(tmp: Path, engine: ZeroEngine, scope: Scope, optimizer: Zer
     keys, scalars = _split_state(engine)
     params = {slot.name: slot.param for slot in engine.layout.slots.values()}
     ranges, runs = [], []  # runs: where each range sits in the whole parameter (several under TP: tensor_parallel.py)
-    for r in written_ranges(engine.layout, engine.rank, engine.world_size):
+    for r in written_ranges(engine.layout, engine.rank, engine.world_size) if scope.writes_shard else []:
         if scope.name(r.name) not in scope.skip:
             runs.append(whole_runs(params[r.name], r.start, r.end))
             ranges.append(dataclasses.replace(r, name=scope.name(r.name)))

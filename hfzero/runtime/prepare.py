@@ -19,6 +19,7 @@ from hfzero.logging import get_logger
 from hfzero.runtime.activations.checkpoint import CheckpointPolicy, enable_checkpointing
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.hostmem import configure_host_allocator
+from hfzero.runtime.offload import offload_active
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.placement import check_placement
 from hfzero.runtime.pending import PendingWeights, find_pending, materialize_whole
@@ -41,7 +42,8 @@ def prepared_count() -> int:
 def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
             process_group: dist.ProcessGroup | None = None, *, units: Sequence[str] | None = None,
             verify_gather_order: bool = True, weights: WeightSource | None = None,
-            tp_group: dist.ProcessGroup | None = None) -> tuple[nn.Module, ZeroOptimizer]:
+            tp_group: dist.ProcessGroup | None = None, replicate_group: dist.ProcessGroup | None = None,
+            average_over: int | None = None) -> tuple[nn.Module, ZeroOptimizer]:
     """Apply ZeRO to ``model`` and ``optimizer`` over ``process_group`` (default: the world group).
 
     The model keeps its class; its trainable parameters become views into one flat buffer (cast to
@@ -58,6 +60,13 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     parameters are on the meta device (see stage3/init.py, ``from_pretrained_sharded``).
     ``tp_group``: the tensor-parallel group of a dp x tp mesh (``process_group`` is then its dp group);
     build both with ``hfzero.parallel.tensor.prepare_tensor_parallel`` rather than by hand.
+    ``config.shard_size`` (HSDP / MiCS) shards over groups of that many ranks of the world and replicates
+    across them: prepare builds the dp_replicate x dp_shard mesh itself (``hfzero.parallel.mesh.
+    build_shard_mesh``); a caller with a mesh of its own passes its shard group as ``process_group`` and
+    ``replicate_group`` (see [Note: hierarchical sharding] in runtime/engine.py).
+    ``average_over``: how many data-parallel ranks' summed gradients the step averages (divides by); default
+    every rank the sums span (the shard group, times the replicate group with HSDP). A wrapper whose ranks
+    do not each contribute one replica of the average (expert parallelism) passes its own.
 
     A transformers model's activation checkpointing (enabled before or after this call) runs through
     hfzero's checkpoint function, which measures the checkpoints and applies ``partition_activations``,
@@ -87,6 +96,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         raise ConfigError(f"hfzero.prepare: config.tp_size={config.tp_size} but the tensor-parallel group has {tp_size} "
                           "rank(s); build the dp x tp mesh and the TP model with "
                           "hfzero.parallel.tensor.prepare_tensor_parallel(model, optimizer, config)")
+    if average_over is not None and not (isinstance(average_over, int) and not isinstance(average_over, bool)
+                                         and average_over >= 1):
+        raise ConfigError(f"hfzero.prepare: average_over={average_over!r} must be a positive integer (the number of "
+                          "data-parallel ranks whose summed gradients are averaged)")
+    process_group, replicate_group = _shard_groups(config, process_group, replicate_group, tp_size)
     pending = find_pending(model) if weights is None else None
     if pending is not None:  # See [Note: pending weights] in runtime/pending.py
         weights = _read_pending(model, optimizer, config, process_group, pending)
@@ -104,17 +118,25 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         # glibc's own trim of the heap's top stays unless the growth-triggered trim replaces it.
         by_growth = config.host_trim and config.host_trim_slack > 0
         configure_host_allocator(config.host_mmap_threshold, top_trim=not by_growth)  # See [Note: host allocator]
-    comm = Communicator(process_group, config.reduce_scatter_impl, device=device)
+    comm = Communicator(process_group, config.reduce_scatter_impl, device=device, ranks_per_node=config.ranks_per_node)
+    replicate = comm.on_group(replicate_group) if replicate_group is not None else None  # counted with comm's
+    if replicate is not None and offload_active(config.offload_optimizer, device, comm.rank):
+        raise ConfigError("hfzero.prepare: shard_size (HSDP) with offload_optimizer is not built yet: the replicate "
+                          "all-reduce would run on the host copy of the gradient shard; drop one of them")
     _check_ranks_agree(comm, config, model, optimizer, groups)
+    if replicate is not None:  # the other shard groups too: the whole world passes the same
+        _check_ranks_agree(replicate.on_group(replicate.group, share_stats=False), config, model, optimizer, groups)
     if config.stage == 3:
         try:
             engine = Stage3Engine(model, groups, config, comm, device, units=units,
-                                  verify_gather_order=verify_gather_order, weights=weights)
+                                  verify_gather_order=verify_gather_order, weights=weights, replicate=replicate,
+                                  average_over=average_over)
         finally:
             if pending is not None:
                 weights.close()
     else:
-        engine = ZeroEngine(model, groups, config, comm, device, bucket_units=units)
+        engine = ZeroEngine(model, groups, config, comm, device, bucket_units=units, replicate=replicate,
+                            average_over=average_over)
     if tp_group is not None:
         engine.norm_group = Communicator(tp_group, device=device)
     if hasattr(model, "_set_gradient_checkpointing"):
@@ -157,6 +179,40 @@ def get_engine(obj: nn.Module | torch.optim.Optimizer) -> ZeroEngine:
     if not isinstance(engine, ZeroEngine):
         raise ValueError(f"{type(obj).__name__} was not prepared by hfzero.prepare")
     return engine
+
+
+def _shard_groups(config: ZeroConfig, process_group: dist.ProcessGroup | None,
+                  replicate_group: dist.ProcessGroup | None,
+                  tp_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """The shard group ZeRO runs over and the replicate group (None: flat), checked before any collective.
+    With ``config.shard_size`` over the whole world, builds the dp_replicate x dp_shard mesh (a collective
+    every rank reaches at the same point: here)."""
+    if replicate_group is not None:
+        shard = dist.get_world_size(process_group)
+        if config.shard_size not in (0, shard):
+            raise ConfigError(f"hfzero.prepare: config.shard_size={config.shard_size} but the shard group passed as "
+                              f"process_group has {shard} rank(s)")
+        return process_group, replicate_group
+    if not config.shard_size or not (dist.is_available() and dist.is_initialized()):
+        if config.shard_size > 1:
+            raise ConfigError(f"hfzero.prepare: shard_size={config.shard_size} needs torch.distributed initialized "
+                              f"with a world that it divides; launch with `hfzero run` or torchrun")
+        return process_group, None
+    from hfzero.parallel.mesh import build_shard_mesh, check_shard_size
+
+    dp_size = dist.get_world_size(process_group)
+    check_shard_size(dp_size, config.shard_size)
+    if config.shard_size == dp_size:
+        return process_group, None  # one shard group: flat ZeRO
+    whole_world = process_group is None or dist.get_world_size(process_group) == dist.get_world_size()
+    if tp_size > 1 or not whole_world:
+        raise ConfigError("hfzero.prepare: shard_size (HSDP) over a sub-group (pipeline or tensor parallelism) is not "
+                          "built yet; use shard_size with plain data parallelism, or build the mesh yourself and "
+                          "pass process_group=<shard group>, replicate_group=<replicate group>")
+    mesh = build_shard_mesh(config.shard_size)
+    logger.info("HSDP: model states sharded over %d rank(s), replicated %d times (dp_replicate x dp_shard mesh)",
+                mesh.shard_size, mesh.replicate_size)
+    return mesh.shard_group, mesh.replicate_group
 
 
 def _check_process_group(group: dist.ProcessGroup | None) -> None:

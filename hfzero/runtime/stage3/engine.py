@@ -84,7 +84,8 @@ class Stage3Engine(ZeroEngine):
 
     def __init__(self, model: nn.Module, param_groups: list[list[nn.Parameter]], config: ZeroConfig,
                  comm: Communicator, device: torch.device, *, units: Sequence[str] | None = None,
-                 verify_gather_order: bool = True, weights: WeightSource | None = None):
+                 verify_gather_order: bool = True, weights: WeightSource | None = None,
+                 replicate: Communicator | None = None, average_over: int | None = None):
         self._weights = weights  # see [Note: stage-3 sharded construction] in weights.py
         trainable = {p for group in param_groups for p in group if p.requires_grad}
         # See [Note: stage-3 frozen parameters]
@@ -97,7 +98,7 @@ class Stage3Engine(ZeroEngine):
                 self._unit_of[p] = _PERSISTENT if persistent else spec.index
         self.gather_comm, verify_comm = _gather_group_comms(comm)
         self._verify_gather_order = verify_gather_order
-        super().__init__(model, param_groups, config, comm, device)
+        super().__init__(model, param_groups, config, comm, device, replicate=replicate, average_over=average_over)
         self.gather_pool = GatherBufferPool(self.policy.param_dtype, device)
         self.units = [self._make_unit(spec) for spec in self.unit_specs]
         partitioned_frozen = set(self.frozen_layout.slots)
@@ -116,7 +117,8 @@ class Stage3Engine(ZeroEngine):
         # See [Note: collective order across ranks] in reducer.py
         self.reducer.launch_on_fill = False
         self.step_check = None if comm.world_size == 1 else StepCheck(comm.on_group(comm.group, share_stats=False),
-                                                                      len(self.layout.buckets))
+                                                                      len(self.layout.buckets),
+                                                                      replicate=self._check_replicas())
         """The step's one check collective (gather order, late gradients): See [Note: stage-3 step check]."""
         self.scheduler.on_unit_done = lambda unit: self.reducer.force_ready(unit.buckets)
         self._partitioned = {p for p, unit in self._unit_of.items() if unit != _PERSISTENT}
@@ -183,14 +185,14 @@ class Stage3Engine(ZeroEngine):
 
     def _broadcast_untracked(self) -> None:
         """Rank 0's buffers and whole parameters outside both layouts (frozen ones below the threshold)."""
-        if self.world_size == 1:
+        if self.world_size == 1 and self.replicate is None:
             return
         placed = set(self.layout.slots) | set(self.frozen_layout.slots)
         for p in dict.fromkeys(self.model.parameters()):
             if p not in placed:
-                self.comm.broadcast(local_tensor(p).data)
+                self._broadcast(local_tensor(p).data)
         for b in self.model.buffers():
-            self.comm.broadcast(b)
+            self._broadcast(b)
 
     def _place_params(self) -> None:
         """Sync each bucket from rank 0, keep this rank's slice (or all of a persistent bucket)."""
@@ -225,7 +227,7 @@ class Stage3Engine(ZeroEngine):
         full = torch.zeros(bucket.padded, dtype=self.policy.param_dtype, device=self.device)
         for slot in bucket.slots:
             full[slot.offset: slot.offset + slot.numel].copy_(local_tensor(slot.param).detach().reshape(-1))
-        self.comm.broadcast(full)
+        self._broadcast(full)
         return full
 
     def _fill(self, bucket: Bucket, lo: int, hi: int, out: torch.Tensor, full: torch.Tensor | None) -> None:
