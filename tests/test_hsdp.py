@@ -1,0 +1,270 @@
+"""Hierarchical sharding (HSDP / MiCS, ``ZeroConfig.shard_size``) on 4 gloo ranks simulating 2 nodes of 2
+(``ranks_per_node=2``), against flat ZeRO and the float64 single-process reference.
+
+One spawn of 4 ranks runs everything:
+1. training cases at stages 1-3 with shard groups of 2 (ranks 0-1 and 2-3, each replicated on the other
+   "node"), 2 accumulation micro-batches, both accumulation policies, clipping, an LR schedule, plus flat
+   stage 3 for comparison: losses and final parameters within the float64 rounding bounds
+   (hfzero/testing/parity.py), and each step's intra-/inter-node bytes equal to the closed form of
+   [Note: node traffic] (hfzero/comm.py);
+2. checkpoints resharded along G=2 (stage 2) -> flat (stage 3) -> G=4, the whole 4-rank world (stage 1) ->
+   G=2 (stage 3): each load saved again at once, every saved master and optimizer-state element equal bit
+   for bit to the first save's; then training resumes under G=2 within the float64 bounds;
+3. bad input every rank meets the same way (a shard size or ranks per node that does not divide the world).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hfzero import ZeroConfig, prepare
+from hfzero.checkpoint import load_checkpoint, save_checkpoint
+from hfzero.checkpoint import format as fmt
+from hfzero.config import ConfigError
+from hfzero.parallel.mesh import check_shard_size
+from hfzero.runtime.stage3 import full_state_dict
+from hfzero.testing import run_distributed
+from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
+from hfzero.testing.parity import ParityReference, float64_reference
+from hfzero.testing.workloads import TrainSpec, train_many, train_reference64
+from hfzero.topology import ranks_per_node, ring_crossings
+
+WORLD, G, PER_NODE, STEPS, ACCUM = 4, 2, 2, 4, 2
+NODES = (("ranks_per_node", PER_NODE),)
+HSDP = (("shard_size", G),) + NODES
+PERSIST0 = (("param_persistence_threshold", 0),)  # the tiny model is below the default: partition it all at stage 3
+
+
+def _case(stage: int, policy: str, extra=HSDP) -> TrainSpec:
+    local = policy == "local"
+    return TrainSpec(stage=stage, steps=STEPS, accumulation=ACCUM, no_sync=local,
+                     extra_config=extra + (("accumulation", policy),) + (PERSIST0 if stage == 3 else ()))
+
+
+CASES = [_case(s, p) for s in (1, 2, 3) for p in ("sharded", "local")]
+FLAT3 = _case(3, "sharded", NODES)
+ALL = CASES + [FLAT3]
+
+# ---- checkpoints -------------------------------------------------------------------------------------
+CK_STEPS, K, CK_BATCH, SEQ = 5, 2, 4, 16
+CHAIN = ((2, G), (3, 0), (1, WORLD), (3, G))  # (stage, shard_size) of each link: saved, then loaded by the next
+
+
+def _optimizer(model) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=3e-3)
+
+
+def _build(stage: int, shard_size: int, seed: int):
+    config = ZeroConfig(stage=stage, shard_size=shard_size, ranks_per_node=PER_NODE, reduce_bucket_size=3000,
+                        param_persistence_threshold=0)
+    model = tiny_causal_lm("gpt2", seed=seed)
+    return prepare(model, _optimizer(model), config)
+
+
+def _train(model, opt, batches) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for batch in batches:
+        (mb,) = micro_batches(batch, rank, world, 1)
+        loss = model(input_ids=mb, labels=mb).loss
+        opt.backward(loss)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        for group in opt.param_groups:
+            group["lr"] *= 0.8
+        value = loss.detach().reshape(1).clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / world)
+    return losses
+
+
+def _checkpoints(root: Path) -> dict:
+    batches = token_batches(CK_STEPS, CK_BATCH, SEQ)
+    stage, shard = CHAIN[0]
+    model, opt = _build(stage, shard, seed=0)
+    _train(model, opt, batches[:K])
+    save_checkpoint(root / "link0", model, opt, extra={"step": K})
+    loaded_equal = []
+    for index, (stage, shard) in enumerate(CHAIN[1:], start=1):
+        saved = full_state_dict(model, rank0_only=False)
+        model, opt = _build(stage, shard, seed=index)  # another initialization: the load must overwrite it
+        extra = load_checkpoint(root / f"link{index - 1}", model, opt)
+        now = full_state_dict(model, rank0_only=False)
+        loaded_equal.append(all(torch.equal(saved[n].float(), now[n].float()) for n in saved))
+        save_checkpoint(root / f"link{index}", model, opt, extra=extra)
+    resumed = _train(model, opt, batches[extra["step"]:])
+    final = {n: t.float() for n, t in full_state_dict(model, rank0_only=False).items()}  # a collective
+    return {"loaded_equal": loaded_equal, "resumed": resumed, "final": final if dist.get_rank() == 0 else None}
+
+
+# ---- bad input ---------------------------------------------------------------------------------------
+def _refused(**options) -> str:
+    model = tiny_causal_lm("gpt2")
+    try:
+        prepare(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=2, **options))
+    except ConfigError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def _everything(rank: int, world: int, root: str) -> dict:
+    out = {"train": train_many(rank, world, ALL)}
+    out["checkpoints"] = _checkpoints(Path(root))
+    out["bad"] = {"shard_size=3": _refused(shard_size=3), "ranks_per_node=3": _refused(ranks_per_node=3)}
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def results() -> tuple[list[dict], str]:
+    root = tempfile.mkdtemp(prefix="hfzero-hsdp-")
+    return run_distributed(_everything, WORLD, root, timeout=600), root
+
+
+@functools.lru_cache(maxsize=None)
+def _reference64() -> ParityReference:
+    return train_reference64(TrainSpec(steps=STEPS), splits=WORLD * ACCUM)
+
+
+def _id(spec: TrainSpec) -> str:
+    extra = dict(spec.extra_config)
+    return f"stage{spec.stage}-{extra['accumulation']}-{'G%d' % extra['shard_size'] if 'shard_size' in extra else 'flat'}"
+
+
+# ---- 1. parity and bytes -----------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ALL, ids=_id)
+def test_fp32_matches_float64_reference(spec):
+    """Sharding over 2 and replicating over 2 trains the same model as flat ZeRO: every rank's losses and
+    final parameters within the float64 run's fp32 rounding bounds (micro-batch split 4 ranks x 2)."""
+    ref = _reference64()
+    outs = [r["train"][ALL.index(spec)] for r in results()[0]]
+    for rank, out in enumerate(outs):
+        ref.check_losses(out["losses"], f"rank {rank} loss")
+        ref.check_params(out["params"], f"rank {rank} ")
+    for out in outs[1:]:  # replicas and shard groups agree on every element
+        for name, value in out["params"].items():
+            assert torch.equal(value, outs[0]["params"][name]), name
+
+
+def _expected_node_bytes(spec: TrainSpec, out: dict) -> dict[str, list[int]]:
+    """Bytes per rank per step by kind, [intra, inter], from [Note: node traffic]: the shard groups (ranks 0-1,
+    2-3) sit inside a node, the replicate groups (0-2, 1-3) have one rank per node; a flat group of 4 over 2
+    nodes has 2 of its 4 ring hops crossing. fp32: 4 bytes per element."""
+    padded = out["num_params_padded"]  # the layout over the shard group (all 4 ranks when flat)
+    reductions = 1 if dict(spec.extra_config)["accumulation"] == "local" else ACCUM
+    gathers = 2 * padded * ACCUM if spec.stage == 3 else padded
+    volume = {"reduce_scatter": 4 * padded * reductions, "all_gather": 4 * gathers}
+    if "shard_size" not in dict(spec.extra_config):
+        volume["all_reduce"] = 4 * 2  # the clip norm's one element, counted 2
+        return {kind: [v - v // 2, v // 2] for kind, v in volume.items()}
+    # + the shard's per-step all-reduce over the replicate group (2 x shard elements, all inter-node)
+    return {**{kind: [v, 0] for kind, v in volume.items()}, "all_reduce": [4 * 2, 4 * 2 * out["shard_numel"]]}
+
+
+@pytest.mark.parametrize("spec", ALL, ids=_id)
+def test_node_bytes_per_step_match_closed_form(spec):
+    for rank, r in enumerate(results()[0]):
+        out = r["train"][ALL.index(spec)]
+        for step, moved in enumerate(out["node_bytes_per_step"]):
+            assert moved == _expected_node_bytes(spec, out), (rank, step, moved)
+
+
+def test_hsdp_stage3_crosses_nodes_less_than_flat():
+    """The replicate all-reduce of a half-size shard (2 x Ψ/2) replaces flat stage 3's half of 3Ψ per
+    micro-batch: 2/3 of flat's inter-node bytes here (accumulation 2: 1/3)."""
+    per_rank = results()[0][0]["train"]
+    flat = sum(v[1] for v in per_rank[ALL.index(FLAT3)]["node_bytes_per_step"][0].values())
+    hsdp = sum(v[1] for v in per_rank[ALL.index(_case(3, "sharded"))]["node_bytes_per_step"][0].values())
+    assert 0 < hsdp < flat / 2.5, (hsdp, flat)
+
+
+# ---- 2. checkpoints ----------------------------------------------------------------------------------
+def _saved_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every master and optimizer-state tensor of a checkpoint, assembled whole from its pieces."""
+    from safetensors import safe_open
+
+    manifest = json.loads((directory / fmt.MANIFEST).read_text())
+    keys = manifest["optimizer"]["state_keys"]
+    out = {}
+    for name, meta in manifest["params"].items():
+        numel = int(torch.Size(meta["shape"]).numel())
+        for key in [fmt.master_key(name)] + [fmt.state_key(k, name) for k in keys]:
+            whole = torch.full((numel,), float("nan"))
+            for piece in meta["pieces"]:
+                with safe_open(str(directory / piece["file"]), framework="pt") as f:
+                    whole[piece["start"]: piece["end"]] = f.get_tensor(key)
+            out[key] = whole
+    return out
+
+
+def test_checkpoint_reshards_exactly_between_shard_sizes():
+    outs, root = results()
+    first = _saved_tensors(Path(root) / "link0")
+    assert not any(t.isnan().any() for t in first.values()), "some element was saved by no rank"
+    for index in range(1, len(CHAIN)):
+        assert all(r["checkpoints"]["loaded_equal"][index - 1] for r in outs), f"link {index}: loaded parameters differ"
+        again = _saved_tensors(Path(root) / f"link{index}")
+        assert again.keys() == first.keys()
+        for key, value in first.items():
+            assert torch.equal(again[key], value), f"link {index} {CHAIN[index]}: {key} differs after the reshard"
+
+
+def test_hsdp_checkpoint_written_by_one_replica():
+    """G=2: only replicate rank 0's shard group (ranks 0-1) writes slices; every rank writes its RNG file."""
+    _, root = results()
+    manifest = json.loads((Path(root) / "link0" / fmt.MANIFEST).read_text())
+    writers = {p["file"] for meta in manifest["params"].values() for p in meta["pieces"]}
+    assert writers == {fmt.rank_file(0, WORLD), fmt.rank_file(1, WORLD)}
+    assert len(manifest["ranks"]) == WORLD
+    assert manifest["config"]["shard_size"] == G
+
+
+def test_resumed_training_within_float64_bounds():
+    ref = float64_reference(tiny_causal_lm("gpt2", seed=0), _optimizer, token_batches(CK_STEPS, CK_BATCH, SEQ), 1.0,
+                            lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.8**step),
+                            splits=CK_BATCH)
+    outs, _ = results()
+    for rank, r in enumerate(outs):
+        ref.check_losses(r["checkpoints"]["resumed"], f"rank {rank} resumed loss", first=K)
+    ref.check_params(outs[0]["checkpoints"]["final"], "resumed ")
+
+
+# ---- 3. bad input ------------------------------------------------------------------------------------
+def test_bad_sizes_refused_on_every_rank():
+    for r in results()[0]:
+        assert "does not divide the data-parallel world of 4" in r["bad"]["shard_size=3"]
+        assert "does not divide the world size 4" in r["bad"]["ranks_per_node=3"]
+
+
+def test_config_rejects_shard_size_one_and_stage0():
+    with pytest.raises(ConfigError, match="at least 2"):
+        ZeroConfig(shard_size=1)
+    with pytest.raises(ConfigError, match="stage 0 does not"):
+        ZeroConfig(stage=0, shard_size=2)
+    with pytest.raises(ConfigError, match="integer >= 0"):
+        ZeroConfig(ranks_per_node=-1)
+    with pytest.raises(ConfigError, match="use one of \\[2, 4\\]"):
+        check_shard_size(4, 3)
+
+
+def test_topology_from_environment(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert ranks_per_node(0, 4) == 2
+    assert ranks_per_node(4, 4) == 4  # the config wins
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE=3"):
+        ranks_per_node(0, 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert ranks_per_node(0, 4) == 4  # one node
+    assert ring_crossings([0, 1, 2, 3], 2) == 2
+    assert ring_crossings([0, 2], 2) == 2
+    assert ring_crossings([0, 1], 2) == 0
+    assert ring_crossings([0, 1, 2, 3], 4) == 0
