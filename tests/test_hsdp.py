@@ -271,3 +271,19 @@ def test_topology_from_environment(monkeypatch):
     assert ring_crossings([0, 2], 2) == 2
     assert ring_crossings([0, 1], 2) == 0
     assert ring_crossings([0, 1, 2, 3], 4) == 0
+
+
+def test_profile_records_and_summarizes_the_node_split():
+    """The recorder's comm deltas carry the split; the reader averages it, and old records without it read as
+    before (no split fields, ``comm_inter_node_bytes_per_step`` None)."""
+    from hfzero.comm import CommStats
+    from hfzero.profiler.reader import _comm_per_step
+    from hfzero.profiler.recorder import _comm_delta
+
+    before = {"all_reduce": CommStats(calls=1, elements=10, bytes=40, intra_node_bytes=40)}
+    now = {"all_reduce": CommStats(calls=3, elements=30, bytes=120, intra_node_bytes=60, inter_node_bytes=20)}
+    delta = _comm_delta(now, before)["all_reduce"]
+    assert (delta["bytes"], delta["intra_node_bytes"], delta["inter_node_bytes"]) == (80, 20, 20)
+    assert _comm_per_step([{"comm": {"all_reduce": delta}}])["all_reduce"]["inter_node_bytes"] == 20
+    old = {"calls": 1, "elements": 2, "bytes": 8, "seconds": 0.0}
+    assert "inter_node_bytes" not in _comm_per_step([{"comm": {"all_reduce": old}}])["all_reduce"]

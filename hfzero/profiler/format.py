@@ -16,7 +16,8 @@ FORMAT_VERSION = 2
 has a ``pipeline`` section, forward/backward records a ``stage`` and step records a ``pipeline`` object,
 and the top-level ``prediction`` is null (per-stage predictions live in the header's ``pipeline``).
 Issue 12 added ``tp_rank`` to every record (the rank in its tensor-parallel group, 0 without TP) within
-version 2: an optional key, absent from earlier version-2 files."""
+version 2: an optional key, absent from earlier version-2 files. Issue 22 added, the same way, the
+``NODE_COMM_FIELDS`` to each collective kind's ``comm`` entry and the header's ``topology``."""
 
 READABLE_VERSIONS = (1, 2)
 """Versions the reader accepts: a version-1 file reads as a run without pipeline (pp rank 0)."""
@@ -47,6 +48,10 @@ EVENT_CUDA_SNAPSHOT = "cuda_snapshot"
 
 COMM_FIELDS = ("calls", "elements", "bytes", "seconds")
 """Fields of one collective kind's entry in a record's ``comm`` mapping."""
+
+NODE_COMM_FIELDS = ("intra_node_bytes", "inter_node_bytes")
+"""Optional fields of a ``comm`` entry (issue 22; absent from earlier files): the part of ``bytes`` that stays
+inside a node and the part that crosses nodes, by [Note: node traffic] in hfzero/comm.py."""
 
 
 def rank_file_name(rank: int) -> str:
