@@ -287,3 +287,13 @@ def test_profile_records_and_summarizes_the_node_split():
     assert _comm_per_step([{"comm": {"all_reduce": delta}}])["all_reduce"]["inter_node_bytes"] == 20
     old = {"calls": 1, "elements": 2, "bytes": 8, "seconds": 0.0}
     assert "inter_node_bytes" not in _comm_per_step([{"comm": {"all_reduce": old}}])["all_reduce"]
+
+
+@pytest.mark.parametrize("option, value", [("shard_size", "3"), ("ranks_per_node", "3")])
+def test_launcher_refuses_sizes_that_do_not_divide_the_world(option, value):
+    from hfzero.integrations.launch import plan
+
+    script = str(Path(__file__).resolve().parent / "scripts" / "llama_trainer.py")
+    with pytest.raises(ConfigError, match=f"--zero_{option} 3 does not divide the world of 4"):
+        plan(["--nnodes", "2", "--nproc_per_node", "2", script, f"--zero_{option}", value])
+    assert plan(["--nnodes", "2", "--nproc_per_node", "2", script, f"--zero_{option}", "2"]).env
