@@ -297,3 +297,21 @@ def test_launcher_refuses_sizes_that_do_not_divide_the_world(option, value):
     with pytest.raises(ConfigError, match=f"--zero_{option} 3 does not divide the world of 4"):
         plan(["--nnodes", "2", "--nproc_per_node", "2", script, f"--zero_{option}", value])
     assert plan(["--nnodes", "2", "--nproc_per_node", "2", script, f"--zero_{option}", "2"]).env
+
+
+def test_estimator_node_split_matches_the_measured_closed_form(capsys):
+    """``hfzero estimate --nodes/--shard-size``: the cost model this file measures, without padding and clipping."""
+    from hfzero import estimate as est
+    from hfzero.cli import main as cli_main
+
+    psi = 1e6
+    assert est.node_comm_elements_per_step(psi, 4, 3, nodes=2) == (3 * psi, 1.5 * psi)  # flat: 2 of 4 hops cross
+    assert est.node_comm_elements_per_step(psi, 4, 3, nodes=2, shard_size=2) == (4 * psi, psi)  # the shard's all-reduce
+    assert est.node_comm_elements_per_step(psi, 4, 2, nodes=1, shard_size=2) == (3 * psi, 0)
+    with pytest.raises(est.EstimateError, match="stage 0"):
+        est.node_comm_elements_per_step(psi, 4, 0, nodes=2, shard_size=2)
+    assert cli_main(["estimate", "--params", "1e6", "--dp", "4", "--nodes", "2", "--shard-size", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["comm_inter_node_elements_per_step"]["3"] == psi and result["comm_elements_per_step"]["3"] == 4 * psi
+    assert result["model_states_bytes"]["3"] == pytest.approx(16 * psi / 2)  # sharded over G = 2
+    assert cli_main(["estimate", "--params", "1e6", "--dp", "4", "--nodes", "3"]) == 2
