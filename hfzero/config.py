@@ -152,6 +152,14 @@ class ZeroConfig:
     at least 2 and divide the data-parallel world; stages 1-3. Pick ranks per node (or a divisor of it) so
     that gathers and reduce-scatters stay inside a node. See docs/multinode.md."""
 
+    secondary_partition: bool = False
+    """hpZ (ZeRO++), stage 3: when a unit is released after a training forward, keep a secondary copy of its
+    parameters sharded over this rank's node (1/ranks_per_node of the unit, PARAM_SECONDARY) so the backward
+    pass gathers it inside the node instead of across the whole group; dropped when the backward is done with
+    the unit (and at every step). Costs (Ψ - P)/ranks_per_node parameter elements per rank from the end of a
+    forward to the backward. Does nothing when the group lies inside one node (e.g. HSDP with shard_size <=
+    ranks per node). See docs/multinode.md."""
+
     ranks_per_node: int = 0
     """Ranks per node, for the intra-/inter-node split of every collective's bytes (see [Note: node
     traffic] in hfzero/comm.py). 0 (default): detected from LOCAL_WORLD_SIZE (torchrun, ``hfzero run
@@ -216,6 +224,11 @@ class ZeroConfig:
         _check(self.shard_size != 1, "shard_size", 1,
                "must be 0 (the whole data-parallel world) or at least 2; a shard group of one rank replicates "
                "everything: use stage 0 for plain data parallelism")
+        _check(isinstance(self.secondary_partition, bool), "secondary_partition", self.secondary_partition,
+               "must be true or false")
+        _check(not self.secondary_partition or self.stage in (3, STAGE_AUTO), "secondary_partition", True,
+               "keeps a node-local copy of stage 3's partitioned parameters for backward; set stage=3 (below "
+               "stage 3 parameters are not partitioned, so there is nothing to gather in backward)")
         _check(not self.shard_size or self.stage != 0, "shard_size", self.shard_size,
                "shards model states, which stage 0 does not: use stage 1, 2 or 3 (or drop shard_size)")
         _check(self.min_loss_scale <= self.initial_loss_scale, "min_loss_scale", self.min_loss_scale,

@@ -31,6 +31,9 @@ class MemoryRole(str, enum.Enum):
         GRAD_FP32: fp32 gradients of the rank's slice, materialized between the end of
             accumulation and the optimizer step (transient).
         PARAM_GATHERED: stage-3 units gathered for compute (transient).
+        PARAM_SECONDARY: hpZ's secondary partition (``secondary_partition``, stage 3): the node-local
+            slices of the units a training forward released, kept for their backward gathers inside the
+            node; at most (Ψ - P) / ranks_per_node elements, held within one micro-batch (transient).
         COMM_BUFFER: communication scratch buffers (transient).
         ACT_CHECKPOINT: activation checkpoints kept for the backward pass, as stored (a 1/tp slice
             with partition_activations, in host memory with cpu_checkpointing); measured by hfzero's
@@ -49,6 +52,7 @@ class MemoryRole(str, enum.Enum):
     GRAD_BUCKET = "grad_bucket"
     GRAD_FP32 = "grad_fp32"
     PARAM_GATHERED = "param_gathered"
+    PARAM_SECONDARY = "param_secondary"
     COMM_BUFFER = "comm_buffer"
     ACT_CHECKPOINT = "act_checkpoint"
     ACTIVATIONS = "activations"

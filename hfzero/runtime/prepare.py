@@ -126,11 +126,12 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     _check_ranks_agree(comm, config, model, optimizer, groups)
     if replicate is not None:  # the other shard groups too: the whole world passes the same
         _check_ranks_agree(replicate.on_group(replicate.group, share_stats=False), config, model, optimizer, groups)
+    secondary = _node_comm(comm, process_group, replicate) if config.secondary_partition else None
     if config.stage == 3:
         try:
             engine = Stage3Engine(model, groups, config, comm, device, units=units,
                                   verify_gather_order=verify_gather_order, weights=weights, replicate=replicate,
-                                  average_over=average_over)
+                                  average_over=average_over, secondary=secondary)
         finally:
             if pending is not None:
                 weights.close()
@@ -213,6 +214,29 @@ def _shard_groups(config: ZeroConfig, process_group: dist.ProcessGroup | None,
     logger.info("HSDP: model states sharded over %d rank(s), replicated %d times (dp_replicate x dp_shard mesh)",
                 mesh.shard_size, mesh.replicate_size)
     return mesh.shard_group, mesh.replicate_group
+
+
+def _node_comm(comm: Communicator, process_group: dist.ProcessGroup | None,
+               replicate: Communicator | None) -> Communicator | None:
+    """hpZ: a communicator over this rank's node inside ``comm``'s group (sharing its statistics), or None when
+    the group lies inside one node (nothing would change). Every rank creates every node's group, in order (a
+    collective of the world). Supported where nodes cut the group into whole blocks of consecutive ranks: the
+    world group, or an HSDP shard group of a multiple of the ranks per node."""
+    per_node = comm.ranks_per_node
+    if comm.node_crossings == 0:
+        logger.info("secondary_partition: the group of %d rank(s) lies inside one node; nothing to do", comm.world_size)
+        return None
+    ranks = comm.global_ranks
+    blocks = ranks == list(range(ranks[0], ranks[0] + len(ranks))) and ranks[0] % per_node == 0
+    if not blocks or len(ranks) % per_node or (replicate is None and len(ranks) != dist.get_world_size()):
+        raise ConfigError("hfzero.prepare: secondary_partition (hpZ) over a sub-group (pipeline or tensor "
+                          "parallelism) is not built yet; use it with plain data parallelism or HSDP")
+    mine = None
+    for node in range(dist.get_world_size() // per_node):
+        group = dist.new_group(list(range(node * per_node, (node + 1) * per_node)))
+        if node == dist.get_rank() // per_node:
+            mine = comm.on_group(group)
+    return mine
 
 
 def _check_process_group(group: dist.ProcessGroup | None) -> None:

@@ -85,7 +85,8 @@ class Stage3Engine(ZeroEngine):
     def __init__(self, model: nn.Module, param_groups: list[list[nn.Parameter]], config: ZeroConfig,
                  comm: Communicator, device: torch.device, *, units: Sequence[str] | None = None,
                  verify_gather_order: bool = True, weights: WeightSource | None = None,
-                 replicate: Communicator | None = None, average_over: int | None = None):
+                 replicate: Communicator | None = None, average_over: int | None = None,
+                 secondary: Communicator | None = None):
         self._weights = weights  # see [Note: stage-3 sharded construction] in weights.py
         trainable = {p for group in param_groups for p in group if p.requires_grad}
         # See [Note: stage-3 frozen parameters]
@@ -97,6 +98,9 @@ class Stage3Engine(ZeroEngine):
                 persistent = local_tensor(p).numel() < config.param_persistence_threshold
                 self._unit_of[p] = _PERSISTENT if persistent else spec.index
         self.gather_comm, verify_comm = _gather_group_comms(comm)
+        self.secondary = secondary if secondary is not None and secondary.world_size > 1 else None
+        """hpZ: the node's communicator for backward gathers from the secondary partition (None: off). See
+        [Note: secondary partition] in unit.py."""
         self._verify_gather_order = verify_gather_order
         super().__init__(model, param_groups, config, comm, device, replicate=replicate, average_over=average_over)
         self.gather_pool = GatherBufferPool(self.policy.param_dtype, device)
@@ -242,7 +246,7 @@ class Stage3Engine(ZeroEngine):
         frozen = [b for b in self.frozen_layout.buckets if self._unit_of[b.slots[0].param] == spec.index]
         return GatherUnit(spec.index, spec.name, spec.module, [(b, self._shard_views[b.index]) for b in buckets],
                           [(b, self._frozen_views[b.index]) for b in frozen], self.gather_comm,
-                          self.policy.param_dtype, self.device, self.gather_pool)
+                          self.policy.param_dtype, self.device, self.gather_pool, secondary=self.secondary)
 
     def _gather_pool_limit(self) -> int:
         """Bytes the gather pool may hold: the most gathered at once (``stage3_gathered_numel``: the
@@ -304,6 +308,7 @@ class Stage3Engine(ZeroEngine):
             MemoryRole.PARAM_SHARD: (self.param_shard.numel() + self.frozen_shard.numel()) * element,
             MemoryRole.PARAM_FULL: roles.get(MemoryRole.PARAM_FULL, 0) + self.persistent_flat.numel() * element,
             MemoryRole.PARAM_GATHERED: sum(u.resident_bytes() for u in self.units),
+            MemoryRole.PARAM_SECONDARY: sum(u.secondary_bytes() for u in self.units),
             MemoryRole.COMM_BUFFER: roles.get(MemoryRole.COMM_BUFFER, 0) + self.gather_pool.idle_bytes(),
         }
         roles.update(extra)
