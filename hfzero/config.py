@@ -226,7 +226,7 @@ class ZeroConfig:
                "everything: use stage 0 for plain data parallelism")
         _check(isinstance(self.secondary_partition, bool), "secondary_partition", self.secondary_partition,
                "must be true or false")
-        _check(not self.secondary_partition or self.stage in (3, STAGE_AUTO), "secondary_partition", True,
+        _check(not self.secondary_partition or self.stage == 3, "secondary_partition", True,
                "keeps a node-local copy of stage 3's partitioned parameters for backward; set stage=3 (below "
                "stage 3 parameters are not partitioned, so there is nothing to gather in backward)")
         _check(not self.shard_size or self.stage != 0, "shard_size", self.shard_size,

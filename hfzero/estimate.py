@@ -239,6 +239,16 @@ def node_comm_elements_per_step(num_params: float, dp: int, stage: int, *, nodes
     return total, inter
 
 
+def secondary_partition_bytes(num_params: float, ranks_per_node: int, *, param_bytes: int = 2,
+                              persistent_params: float = 0) -> float:
+    """hpZ's secondary partition per rank at its peak (PARAM_SECONDARY, after a training forward, before its
+    backward): the node-local slice of every partitioned parameter, (Ψ - P) / ranks_per_node parameter
+    elements (bucket padding aside). Transient: held within one micro-batch, not across steps."""
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise EstimateError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
+    return param_bytes * (num_params - persistent_params) / ranks_per_node
+
+
 def accumulator_held(stage: int, accumulation: str = "auto", accumulation_steps: int = 1) -> bool:
     """True when a full local gradient buffer is held across micro-batches on top of the stage's
     gradients: "local" accumulation of more than one micro-batch at stages 2-3."""

@@ -51,7 +51,8 @@ def _case(stage: int, policy: str, extra=HSDP) -> TrainSpec:
 
 CASES = [_case(s, p) for s in (1, 2, 3) for p in ("sharded", "local")]
 FLAT3 = _case(3, "sharded", NODES)
-ALL = CASES + [FLAT3]
+HPZ = _case(3, "sharded", NODES + (("secondary_partition", True),))
+ALL = CASES + [FLAT3, HPZ]
 
 # ---- checkpoints -------------------------------------------------------------------------------------
 CK_STEPS, K, CK_BATCH, SEQ = 4, 2, 4, 16
@@ -64,9 +65,9 @@ def _optimizer(model) -> torch.optim.AdamW:
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=3e-3)
 
 
-def _build(stage: int, shard_size: int, seed: int):
+def _build(stage: int, shard_size: int, seed: int, secondary: bool = False):
     config = ZeroConfig(stage=stage, shard_size=shard_size, ranks_per_node=PER_NODE, reduce_bucket_size=3000,
-                        param_persistence_threshold=0)
+                        param_persistence_threshold=0, secondary_partition=secondary)
     model = tiny_causal_lm("gpt2", seed=seed)
     return prepare(model, _optimizer(model), config)
 
@@ -121,9 +122,31 @@ def _refused(**options) -> str:
     return "accepted"
 
 
+def _secondary_memory() -> dict:
+    """hpZ's PARAM_SECONDARY after a training forward, after its backward and after the step (flat stage 3),
+    the elements it should be, and whether HSDP with the shard group inside a node left it off."""
+    from hfzero import get_engine
+    from hfzero.roles import MemoryRole
+
+    model, opt = _build(3, 0, seed=0, secondary=True)
+    engine = get_engine(model)
+    (ids,) = micro_batches(token_batches(1, CK_BATCH, SEQ)[0], dist.get_rank(), WORLD, 1)
+    loss = model(input_ids=ids, labels=ids).loss
+    after_forward = engine.memory_by_role().get(MemoryRole.PARAM_SECONDARY, 0)
+    opt.backward(loss)
+    after_backward = engine.memory_by_role().get(MemoryRole.PARAM_SECONDARY, 0)
+    opt.step()
+    hsdp, _ = _build(3, G, seed=0, secondary=True)
+    return {"after_forward": after_forward, "after_backward": after_backward,
+            "after_step": engine.memory_by_role().get(MemoryRole.PARAM_SECONDARY, 0),
+            "expected": 4 * sum(u.numel for u in engine.units) // PER_NODE,
+            "params": engine.num_params, "hsdp_secondary": get_engine(hsdp).secondary is not None}
+
+
 def _everything(rank: int, world: int, root: str) -> dict:
     out = {"train": train_many(rank, world, ALL)}
     out["checkpoints"] = _checkpoints(Path(root))
+    out["secondary"] = _secondary_memory()
     out["bad"] = {"shard_size=3": _refused(shard_size=3), "ranks_per_node=3": _refused(ranks_per_node=3)}
     return out
 
@@ -169,7 +192,10 @@ def _expected_node_bytes(spec: TrainSpec, out: dict) -> dict[str, list[int]]:
     volume = {"reduce_scatter": 4 * padded * reductions, "all_gather": 4 * gathers}
     if "shard_size" not in dict(spec.extra_config):
         volume["all_reduce"] = 4 * 2  # the clip norm's one element, counted 2
-        return {kind: [v - v // 2, v // 2] for kind, v in volume.items()}
+        split = {kind: [v - v // 2, v // 2] for kind, v in volume.items()}
+        if dict(spec.extra_config).get("secondary_partition"):  # hpZ: backward gathers (half of them) in the node
+            split["all_gather"] = [4 * gathers - 4 * gathers // 4, 4 * gathers // 4]
+        return split
     # + the shard's per-step all-reduce over the replicate group (2 x shard elements, all inter-node)
     return {**{kind: [v, 0] for kind, v in volume.items()}, "all_reduce": [4 * 2, 4 * 2 * out["shard_numel"]]}
 
@@ -180,6 +206,30 @@ def test_node_bytes_per_step_match_closed_form(spec):
         out = r["train"][ALL.index(spec)]
         for step, moved in enumerate(out["node_bytes_per_step"]):
             assert moved == _expected_node_bytes(spec, out), (rank, step, moved)
+
+
+def test_hpz_crosses_nodes_with_two_thirds_of_flat_stage3():
+    """ZeRO++'s hpZ: the backward gathers stay in the node, so flat stage 3 crosses nodes with (Ψ + Ψ)/2 per
+    micro-batch instead of 3Ψ/2: 1/1.5 (<= 1/1.45, the issue's bound), and trains the same (parity above)."""
+    per_rank = results()[0][0]["train"]
+    flat = sum(v[1] for v in per_rank[ALL.index(FLAT3)]["node_bytes_per_step"][0].values())
+    hpz = sum(v[1] for v in per_rank[ALL.index(HPZ)]["node_bytes_per_step"][0].values())
+    assert hpz <= flat / 1.45 and hpz == pytest.approx(flat / 1.5, rel=1e-4), (hpz, flat)
+
+
+def test_hpz_secondary_partition_memory():
+    """PARAM_SECONDARY holds 1/ranks_per_node of every gathered unit from a training forward to its backward,
+    the estimator's (Ψ - P)/ranks_per_node within bucket padding; nothing after the backward or the step; off
+    when the group lies inside a node (HSDP G=2 with 2 ranks per node)."""
+    from hfzero import estimate as est
+
+    for rank, r in enumerate(results()[0]):
+        out = r["secondary"]
+        assert out["after_forward"] == out["expected"] > 0, (rank, out)
+        assert out["after_backward"] == 0 and out["after_step"] == 0, (rank, out)
+        formula = est.secondary_partition_bytes(out["params"], PER_NODE, param_bytes=4)
+        assert 0 <= out["after_forward"] - formula <= 4 * 3000, (rank, out, formula)  # padding: < a bucket per unit
+        assert not out["hsdp_secondary"]
 
 
 def test_hsdp_stage3_crosses_nodes_less_than_flat():
@@ -245,6 +295,13 @@ def test_bad_sizes_refused_on_every_rank():
     for r in results()[0]:
         assert "does not divide the data-parallel world of 4" in r["bad"]["shard_size=3"]
         assert "does not divide the world size 4" in r["bad"]["ranks_per_node=3"]
+
+
+def test_config_rejects_secondary_partition_below_stage3():
+    with pytest.raises(ConfigError, match="set stage=3"):
+        ZeroConfig(stage=2, secondary_partition=True)
+    with pytest.raises(ConfigError, match="set stage=3"):
+        ZeroConfig(stage="auto", secondary_partition=True)
 
 
 def test_config_rejects_shard_size_one_and_stage0():
