@@ -212,12 +212,13 @@ def comm_elements_per_step(num_params: float, dp: int, stage: int, *, accumulati
 
 def node_comm_elements_per_step(num_params: float, dp: int, stage: int, *, nodes: int = 1, shard_size: int = 0,
                                 accumulation_steps: int = 1, accumulation: str = "auto",
-                                persistent_params: float = 0) -> tuple[float, float]:
+                                persistent_params: float = 0, secondary_partition: bool = False) -> tuple[float, float]:
     """(total, inter-node) elements per rank per step, clipping aside, for ``dp`` ranks on ``nodes`` nodes of
     consecutive ranks, flat or (``shard_size`` G) HSDP: ZeRO over the shard group of G consecutive ranks
     (``comm_elements_per_step`` with dp = G) plus one all-reduce of the Ψ/G shard over the dp/G replicas. The
     inter-node part follows [Note: node traffic] in hfzero/comm.py: a collective's share crossing nodes is its
-    ring's crossing hops over its ranks, for rank 0's groups (every group has the same shape)."""
+    ring's crossing hops over its ranks, for rank 0's groups (every group has the same shape).
+    ``secondary_partition`` (hpZ, stage 3): the backward gathers, (Ψ - P) per micro-batch, run inside the node."""
     from hfzero.topology import ring_crossings
 
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or dp % nodes:
@@ -231,6 +232,8 @@ def node_comm_elements_per_step(num_params: float, dp: int, stage: int, *, nodes
     total = comm_elements_per_step(num_params, shard, stage, accumulation_steps=accumulation_steps,
                                    accumulation=accumulation, persistent_params=persistent_params)
     inter = total * ring_crossings(range(shard), per_node) / shard
+    if secondary_partition and stage == 3:  # the backward half of the gathers never leaves the node
+        inter -= (num_params - persistent_params) * accumulation_steps * ring_crossings(range(shard), per_node) / shard
     if shard < dp:
         replicas = list(range(0, dp, shard))
         shard_sum = 2.0 * num_params / shard  # the all-reduce of the gradient shard, counted 2n

@@ -52,10 +52,10 @@ class MemoryRole(str, enum.Enum):
     GRAD_BUCKET = "grad_bucket"
     GRAD_FP32 = "grad_fp32"
     PARAM_GATHERED = "param_gathered"
-    PARAM_SECONDARY = "param_secondary"
     COMM_BUFFER = "comm_buffer"
     ACT_CHECKPOINT = "act_checkpoint"
     ACTIVATIONS = "activations"
+    PARAM_SECONDARY = "param_secondary"
 
 
 MODEL_STATE_ROLES: frozenset[MemoryRole] = frozenset(

@@ -372,3 +372,9 @@ def test_estimator_node_split_matches_the_measured_closed_form(capsys):
     assert result["comm_inter_node_elements_per_step"]["3"] == psi and result["comm_elements_per_step"]["3"] == 4 * psi
     assert result["model_states_bytes"]["3"] == pytest.approx(16 * psi / 2)  # sharded over G = 2
     assert cli_main(["estimate", "--params", "1e6", "--dp", "4", "--nodes", "3"]) == 2
+    # hpZ: the backward gathers (Ψ) stay in the node: flat stage 3 crosses with (Ψ + Ψ)/2
+    assert est.node_comm_elements_per_step(psi, 4, 3, nodes=2, secondary_partition=True) == (3 * psi, psi)
+    assert cli_main(["estimate", "--params", "1e6", "--dp", "4", "--nodes", "2", "--secondary-partition", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["comm_inter_node_elements_per_step"]["3"] == psi
+    assert result["secondary_partition_bytes"] == 2 * psi / 2  # bf16, 2 ranks per node

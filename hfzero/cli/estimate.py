@@ -46,6 +46,7 @@ class _Request:
     as_json: bool
     nodes: int = 1
     shard_size: int = 0
+    secondary_partition: bool = False
 
 
 def register(subparsers: Any) -> None:
@@ -83,6 +84,9 @@ def register(subparsers: Any) -> None:
     layout.add_argument("--shard-size", metavar="G", default="0",
                         help="HSDP / MiCS: model states sharded over groups of G ranks, replicated across dp / G "
                              "groups (stages 1-3; default 0: the whole dp world)")
+    layout.add_argument("--secondary-partition", action="store_true",
+                        help="hpZ at stage 3: backward gathers inside the node; adds the secondary partition's bytes "
+                             "per rank (needs --nodes)")
     fit = parser.add_argument_group("fitting")
     fit.add_argument("--memory", metavar="BYTES", help="device memory in bytes, e.g. 32e9: adds max_params per stage")
     fit.add_argument("--headroom", metavar="FRACTION", default=str(est.DEFAULT_HEADROOM),
@@ -182,7 +186,10 @@ def _read_request(args: argparse.Namespace) -> _Request:
         nodes=_number("--nodes", args.nodes, "nodes the dp ranks are spread over", integer=True),
         shard_size=_number("--shard-size", args.shard_size, "ranks per shard group, 0 = dp", integer=True,
                            allow_zero=True),
+        secondary_partition=args.secondary_partition,
     )
+    if request.secondary_partition and request.nodes < 2:
+        raise est.EstimateError("--secondary-partition keeps a copy sharded inside the node: give --nodes N (N > 1)")
     if request.dp % request.nodes:
         raise est.EstimateError(f"--nodes {request.nodes} must divide --dp {request.dp}")
     if request.shard_size and (request.shard_size < 2 or request.dp % request.shard_size):
@@ -244,8 +251,13 @@ def _estimate(request: _Request) -> dict[str, Any]:
         dp = result["dp"]
         node_comm = {str(stage): est.node_comm_elements_per_step(
             params / request.mp, dp, stage, nodes=request.nodes, shard_size=request.shard_size if stage else 0,
-            accumulation_steps=request.accumulation_steps, accumulation=request.accumulation)
+            accumulation_steps=request.accumulation_steps, accumulation=request.accumulation,
+            secondary_partition=request.secondary_partition)
             for stage in est.STAGES}
+        if request.secondary_partition and (request.shard_size or dp) > dp // request.nodes:
+            result["secondary_partition_bytes"] = est.secondary_partition_bytes(
+                params / request.mp, dp // request.nodes, param_bytes=precision.param_bytes,
+                persistent_params=request.persistent_params)
         result["comm_elements_per_step"] = {stage: total for stage, (total, _) in node_comm.items()}
         result["comm_inter_node_elements_per_step"] = {stage: inter for stage, (_, inter) in node_comm.items()}
         if request.offload_optimizer:
@@ -338,6 +350,9 @@ def _render(result: dict[str, Any]) -> str:
                         f"{result['dp'] // result['shard_size']} times" if result["shard_size"] else "")
                      + "; inter-node: the communication that crosses nodes (docs/multinode.md)")
     lines += _stage_table(result)
+    if "secondary_partition_bytes" in result:
+        lines.append(f"stage 3 with hpZ also holds {result['secondary_partition_bytes'] / _GB:.2f} GB of secondary "
+                     "partition per device (transient: from a forward to its backward)")
     if "stage3_gathered_bytes" in result:
         lines.append(f"stage 3 also holds up to {result['stage3_gathered_bytes'] / _GB:.2f} GB of gathered parameters "
                      "(transient: the root unit, the block in use and the next one, prefetched)")
