@@ -7,7 +7,8 @@ each system, one after the other in one spawn; ``--ranks-per-node`` simulates no
 Bytes are deterministic, so a few steps suffice; they follow the paper's logical volume and the node split of
 [Note: node traffic] in hfzero/comm.py. Printed beside the closed form of docs/multinode.md:
 flat stage 3 crosses nodes with half of (A + 2A) Ψ_p x 4 bytes on 2 nodes (2 of 4 ring hops cross), HSDP with the
-shard group = a node with 2 x Ψ_p / G x 4 bytes (the replicate all-reduce of the shard), plus the clip norm.
+shard group = a node with 2 x Ψ_p / G x 4 bytes (the replicate all-reduce of the shard), plus the clip norm;
+stage 3 with hpZ (secondary partition) with half of (A + A) Ψ_p x 4 bytes (backward gathers stay in the node).
 Step time on gloo is printed too (wall, median), for what it is: all ranks share this host's cores.
 """
 
@@ -25,21 +26,23 @@ import hfzero
 from hfzero.testing import run_distributed
 from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
 
-SYSTEMS = {  # name -> (stage, shard_size); shard_size -1: the ranks per node
-    "flat stage 2": (2, 0),
-    "HSDP stage 2": (2, -1),
-    "flat stage 3": (3, 0),
-    "HSDP stage 3": (3, -1),
+SYSTEMS = {  # name -> (stage, shard_size, hpZ); shard_size -1: the ranks per node
+    "flat stage 2": (2, 0, False),
+    "HSDP stage 2": (2, -1, False),
+    "flat stage 3": (3, 0, False),
+    "HSDP stage 3": (3, -1, False),
+    "stage 3 + hpZ": (3, 0, True),
 }
 
 
 def bench(rank: int, world: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     out = {}
     batches = token_batches(args.steps, world * args.accumulation * 2, args.seq, vocab=args.vocab)
-    for name, (stage, shard) in SYSTEMS.items():
+    for name, (stage, shard, hpz) in SYSTEMS.items():
         model = tiny_causal_lm("gpt2", hidden=args.hidden, layers=args.layers, vocab=args.vocab, positions=args.seq)
         config = hfzero.ZeroConfig(stage=stage, shard_size=args.ranks_per_node if shard < 0 else shard,
-                                   ranks_per_node=args.ranks_per_node, param_persistence_threshold=0)
+                                   ranks_per_node=args.ranks_per_node, param_persistence_threshold=0,
+                                   secondary_partition=hpz)
         model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
         engine = hfzero.get_engine(model)
         totals, inter, seconds = [], [], []
@@ -63,6 +66,8 @@ def bench(rank: int, world: int, args: argparse.Namespace) -> dict[str, dict[str
         if engine.replicate is None:
             elements = (a + (2 * a if stage == 3 else 1)) * padded + 2
             crossing = engine.comm.node_crossings / engine.comm.world_size
+            if hpz:  # the backward gathers stay in the node
+                elements -= a * padded
             model_inter = 4 * elements * crossing
         else:
             model_inter = 4 * 2 * shard_numel
