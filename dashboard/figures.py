@@ -477,14 +477,14 @@ def comm_figure(comm: pd.DataFrame, theory_elements: float | None, *, rank: int,
                     showlegend=False, row=2, col=1,
                     hovertemplate=f"{kind}, step %{{x}}<br>%{{y:.4f}} s<extra></extra>")
     title = f"Communication per step, rank {rank}, stage {stage}"
+    if "inter_node_bytes" in mine and mine["inter_node_bytes"].notna().any():  # issue 22: the node split
+        title += f" ({mine.groupby('step')['inter_node_bytes'].sum().mean():,.0f} bytes between nodes per step)"
     if theory_elements is not None:
         label = f"theory = {theory_elements:,.0f} elements"
         fig.add_hline(y=theory_elements, line_dash="dash", line_color="black", annotation_text=label,
                       annotation_position="top left", row=1, col=1)
         measured = mine.groupby("step")["elements"].sum().mean()
         title += f": measured / theory = {measured / theory_elements:.3f}"
-    if "inter_node_bytes" in mine and mine["inter_node_bytes"].notna().any():  # issue 22: the node split
-        title += f"; {mine.groupby('step')['inter_node_bytes'].sum().mean():,.0f} bytes between nodes per step"
     fig.update_layout(barmode="stack", height=620, title=title, legend_title="collective")
     fig.update_yaxes(title_text="elements", tickformat="~s", row=1, col=1)
     fig.update_yaxes(title_text="seconds", row=2, col=1)

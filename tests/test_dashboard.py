@@ -678,4 +678,4 @@ def test_comm_view_shows_bytes_between_nodes(tmp_path: Path) -> None:
     comm = data.comm_frame(data.load(path).run)
     assert list(comm["inter_node_bytes"]) == list(comm["bytes"] // 2)
     title = figures.comm_figure(comm, None, rank=0, stage=2).layout.title.text
-    assert title.endswith(f"; {PSI * 2:,.0f} bytes between nodes per step"), title
+    assert title.endswith(f" ({PSI * 2:,.0f} bytes between nodes per step)"), title
