@@ -378,3 +378,23 @@ def test_estimator_node_split_matches_the_measured_closed_form(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["comm_inter_node_elements_per_step"]["3"] == psi
     assert result["secondary_partition_bytes"] == 2 * psi / 2  # bf16, 2 ranks per node
+
+
+def test_accelerate_parallelism_config_maps_onto_hsdp():
+    from accelerate import ParallelismConfig
+
+    from hfzero.integrations.accelerate import apply_parallelism_config
+
+    flat = ZeroConfig(stage=3)
+    hsdp = apply_parallelism_config(flat, ParallelismConfig(dp_replicate_size=2, dp_shard_size=2), 4)
+    assert hsdp.shard_size == 2 and hsdp.stage == 3
+    assert apply_parallelism_config(flat, ParallelismConfig(dp_shard_size=4), 4).shard_size == 0
+    assert apply_parallelism_config(flat, None, 4) is flat
+    for bad, message in ((ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2), "tp_size=2"),
+                         (ParallelismConfig(dp_replicate_size=4, dp_shard_size=1), "replicates everything"),
+                         (ParallelismConfig(dp_replicate_size=2, dp_shard_size=4), "the world has 4")):
+        with pytest.raises(ConfigError, match=message):
+            apply_parallelism_config(flat, bad, 4)
+    with pytest.raises(ConfigError, match="disagrees"):
+        apply_parallelism_config(ZeroConfig(stage=3, shard_size=4), ParallelismConfig(dp_replicate_size=2,
+                                                                                      dp_shard_size=2), 4)

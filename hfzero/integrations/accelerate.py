@@ -84,6 +84,34 @@ def apply_mixed_precision(config: ZeroConfig, mixed_precision: str | None) -> Ze
     return config
 
 
+def apply_parallelism_config(config: ZeroConfig, parallelism: Any, world_size: int) -> ZeroConfig:
+    """``config`` with accelerate's ``ParallelismConfig(dp_replicate_size, dp_shard_size)`` mapped onto HSDP:
+    ``shard_size = dp_shard_size`` when replicated (``dp_replicate_size`` > 1), else flat ZeRO over the world
+    (docs/multinode.md). Other dimensions (tp, cp, sp) are refused: hfzero's tensor parallelism is
+    ``ZeroConfig.tp_size``; context and sequence parallelism are not built."""
+    if parallelism is None:
+        return config
+    for name in ("tp_size", "cp_size", "sp_size"):
+        if (getattr(parallelism, name, None) or 1) > 1:
+            raise ConfigError(f"ZeroAccelerator: ParallelismConfig({name}={getattr(parallelism, name)}) is not mapped "
+                              "onto hfzero: pass only dp_replicate_size / dp_shard_size (tensor parallelism: "
+                              "ZeroConfig(tp_size=...))")
+    replicate = getattr(parallelism, "dp_replicate_size", None) or 1
+    shard = getattr(parallelism, "dp_shard_size", None) or 1
+    if replicate * shard != world_size:
+        raise ConfigError(f"ZeroAccelerator: ParallelismConfig(dp_replicate_size={replicate}, dp_shard_size={shard}) "
+                          f"covers {replicate * shard} rank(s), the world has {world_size}")
+    if replicate == 1:
+        return config
+    if shard == 1:
+        raise ConfigError("ZeroAccelerator: ParallelismConfig(dp_shard_size=1) replicates everything: use "
+                          "ZeroConfig(stage=0) (plain data parallelism) instead")
+    if config.shard_size not in (0, shard):
+        raise ConfigError(f"ZeroAccelerator: ParallelismConfig(dp_shard_size={shard}) disagrees with "
+                          f"ZeroConfig.shard_size={config.shard_size}; set one of them")
+    return dataclasses.replace(config, shard_size=shard)
+
+
 def _world_size_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -145,6 +173,9 @@ class ZeroAccelerator(Accelerator):
         mixed = getattr(mixed, "value", mixed)  # accelerate's PrecisionType enum
         config = zero_config or config_from_env() or ZeroConfig()
         self.zero_config: ZeroConfig = apply_mixed_precision(config, mixed)
+        # accelerate would build its own mesh (and FSDP) from it: hfzero's HSDP takes its place
+        self.zero_config = apply_parallelism_config(self.zero_config, kwargs.pop("parallelism_config", None),
+                                                    _world_size_env())
         if kwargs.get("cpu") is None and not torch.accelerator.is_available() and _world_size_env() > 1:
             kwargs["cpu"] = True  # without it accelerate runs torchrun workers on CPU as separate single processes
         check_ranks_fit_devices(local_world_size(), what="ZeroAccelerator", option="LOCAL_WORLD_SIZE",
