@@ -53,6 +53,9 @@ CASES = [_case(s, p) for s in (1, 2, 3) for p in ("sharded", "local")]
 FLAT3 = _case(3, "sharded", NODES)
 HPZ = _case(3, "sharded", NODES + (("secondary_partition", True),))
 ALL = CASES + [FLAT3, HPZ]
+# fp16 with an overflow on rank 1 only (shard group 0) at step 1: every rank of both groups skips that step
+OVERFLOW = [TrainSpec(stage=s, dtype="fp16", steps=3, overflow_step=1, extra_config=HSDP + (PERSIST0 if s == 3 else ()))
+            for s in (2, 3)]
 
 # ---- checkpoints -------------------------------------------------------------------------------------
 CK_STEPS, K, CK_BATCH, SEQ = 4, 2, 4, 16
@@ -144,7 +147,7 @@ def _secondary_memory() -> dict:
 
 
 def _everything(rank: int, world: int, root: str) -> dict:
-    out = {"train": train_many(rank, world, ALL)}
+    out = {"train": train_many(rank, world, ALL), "overflow": train_many(rank, world, OVERFLOW)}
     out["checkpoints"] = _checkpoints(Path(root))
     out["secondary"] = _secondary_memory()
     out["bad"] = {"shard_size=3": _refused(shard_size=3), "ranks_per_node=3": _refused(ranks_per_node=3)}
@@ -206,6 +209,15 @@ def test_node_bytes_per_step_match_closed_form(spec):
         out = r["train"][ALL.index(spec)]
         for step, moved in enumerate(out["node_bytes_per_step"]):
             assert moved == _expected_node_bytes(spec, out), (rank, step, moved)
+
+
+@pytest.mark.parametrize("index", range(len(OVERFLOW)), ids=lambda i: f"stage{OVERFLOW[i].stage}")
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(index):
+    outs = [r["overflow"][index] for r in results()[0]]
+    for rank, out in enumerate(outs):
+        assert out["skipped"] == [step == 1 for step in range(3)], (rank, out["skipped"])
+        for name, value in out["params"].items():
+            assert torch.equal(value, outs[0]["params"][name]), (rank, name)
 
 
 def test_hpz_crosses_nodes_with_two_thirds_of_flat_stage3():
