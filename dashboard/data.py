@@ -229,14 +229,16 @@ def peak_frame(run: Run) -> pd.DataFrame:
 
 def comm_frame(run: Run) -> pd.DataFrame:
     """One row per (rank, step, collective kind) of the step records' ``comm``: calls, elements,
-    bytes, seconds. Steps without traffic have no rows."""
+    bytes, seconds, and the bytes that cross nodes (``inter_node_bytes``: NaN in profiles before issue 22; see
+    docs/multinode.md). Steps without traffic have no rows."""
     rows = []
     for rank, log in run.ranks.items():
         for record in log.of_kind("step"):
             for kind, stats in sorted((record.get("comm") or {}).items()):
                 rows.append({"rank": rank, "step": record["step"], "kind": kind,
-                             **{f: _number(stats.get(f)) for f in ("calls", "elements", "bytes", "seconds")}})
-    return _frame(rows, ["rank", "step", "kind", "calls", "elements", "bytes", "seconds"])
+                             **{f: _number(stats.get(f)) for f in ("calls", "elements", "bytes", "seconds",
+                                                                   "inter_node_bytes")}})
+    return _frame(rows, ["rank", "step", "kind", "calls", "elements", "bytes", "seconds", "inter_node_bytes"])
 
 
 def _frame(rows: list[dict[str, Any]], columns: Sequence[str]) -> pd.DataFrame:

@@ -466,15 +466,19 @@ def comm_figure(comm: pd.DataFrame, theory_elements: float | None, *, rank: int,
     for index, kind in enumerate(kinds):
         rows = mine[mine["kind"] == kind]
         color = _PALETTE[index % len(_PALETTE)]
-        custom = np.stack([rows["calls"], rows["bytes"]], axis=-1)
+        inter = rows["inter_node_bytes"] if "inter_node_bytes" in rows else rows["bytes"] * np.nan
+        custom = np.stack([rows["calls"], rows["bytes"], inter], axis=-1)
         fig.add_bar(x=rows["step"], y=rows["elements"], name=kind, legendgroup=kind, marker_color=color,
                     customdata=custom, row=1, col=1,
                     hovertemplate=f"{kind}, step %{{x}}<br>%{{y:,.0f}} elements in %{{customdata[0]}} calls"
-                                  "<br>%{customdata[1]:,.0f} bytes<extra></extra>")
+                                  "<br>%{customdata[1]:,.0f} bytes, %{customdata[2]:,.0f} between nodes"
+                                  "<extra></extra>")
         fig.add_bar(x=rows["step"], y=rows["seconds"], name=kind, legendgroup=kind, marker_color=color,
                     showlegend=False, row=2, col=1,
                     hovertemplate=f"{kind}, step %{{x}}<br>%{{y:.4f}} s<extra></extra>")
     title = f"Communication per step, rank {rank}, stage {stage}"
+    if "inter_node_bytes" in mine and mine["inter_node_bytes"].notna().any():  # issue 22: the node split
+        title += f" ({mine.groupby('step')['inter_node_bytes'].sum().mean():,.0f} bytes between nodes per step)"
     if theory_elements is not None:
         label = f"theory = {theory_elements:,.0f} elements"
         fig.add_hline(y=theory_elements, line_dash="dash", line_color="black", annotation_text=label,

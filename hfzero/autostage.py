@@ -134,7 +134,8 @@ def resolve_auto_stage(config: ZeroConfig, model: nn.Module, optimizer: torch.op
         source = (f"{device.type} memory of {ranks} rank(s) per host with the loaded parameters added back, the "
                   f"smallest over the ranks, less {est.DEFAULT_HEADROOM:.0%} headroom")
     activations, activation_source = activation_reserve(model, config, batch, p_bytes, device)
-    rows = est.stage_table(trainable, world_size, budget, activation_bytes=activations,
+    # HSDP: model states are sharded over the shard group, not the whole world (docs/multinode.md)
+    rows = est.stage_table(trainable, config.shard_size or world_size, budget, activation_bytes=activations,
                            accumulation=getattr(config, "accumulation", "auto"), accumulation_steps=accumulation_steps,
                            param_bytes=p_bytes, grad_bytes=g_bytes, optimizer_k=k, persistent_params=persistent,
                            frozen_params=frozen,

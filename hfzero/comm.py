@@ -6,6 +6,19 @@ all-reduce of n elements counts 2n (a reduce-scatter plus an all-gather), a redu
 n-element input counts n, an all-gather into an n-element output counts n. ``bytes`` is elements
 times the element size. A group of one rank moves nothing and counts nothing. An implementation choice (e.g. a reduce-scatter carried out as an all-reduce
 on gloo) does not change the logical count; ``CommStats.impl_calls`` records what actually ran.
+
+[Note: node traffic]
+Every counted byte is also split into ``intra_node_bytes`` and ``inter_node_bytes`` (they add up to
+``bytes``), by one model: a collective over p ranks runs as a ring through the group's ranks in
+group-rank order (the last back to the first), every hop carrying the same share of the traffic, so the
+fraction of a collective's bytes that crosses nodes is c / p, c the ring hops joining ranks on different
+nodes (``hfzero.topology.ring_crossings``; nodes hold consecutive global ranks, ``ranks_per_node`` each).
+Each rank is charged that same fraction of its logical bytes (an average over the ring: on a real ring
+the rank whose outgoing hop crosses sends it all), rounded down per collective. So a group inside one
+node moves 0 inter-node bytes, a group with one rank per node (an HSDP replicate group) moves all its
+bytes between nodes, and a flat group of 4 ranks on 2 nodes (hops 0-1, 1-2, 2-3, 3-0: two cross) moves
+half of its bytes between nodes. The model does not know NCCL's topology-aware rings and trees (which
+cross each node boundary fewer times); it is the same for every configuration, so comparisons hold.
 """
 
 from __future__ import annotations
@@ -18,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from hfzero import gloo_exit
+from hfzero import gloo_exit, topology
 from hfzero.devices import collective_device
 from hfzero.logging import get_logger
 from hfzero.timing import DeviceTimer, Mark
@@ -61,6 +74,10 @@ class CommStats:
     on the current stream at the launch and after the wait, added when they are read (see
     ``Communicator.timing`` and [Note: device timing] in hfzero/timing.py)."""
     impl_calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    intra_node_bytes: int = 0
+    """The part of ``bytes`` that stays inside a node; see [Note: node traffic]."""
+    inter_node_bytes: int = 0
+    """The part of ``bytes`` that crosses between nodes; see [Note: node traffic]."""
 
 
 class Handle:
@@ -115,11 +132,19 @@ class Communicator:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, reduce_scatter_impl: str = "auto",
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, *, ranks_per_node: int = 0):
         self.group = group
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.ranks_per_node = (topology.ranks_per_node(ranks_per_node, dist.get_world_size()) if self.distributed
+                               else 1)
+        """Ranks per node (``ZeroConfig.ranks_per_node``, else LOCAL_WORLD_SIZE, else the whole world)."""
+        self.global_ranks: list[int] = (dist.get_process_group_ranks(group or dist.group.WORLD)
+                                        if self.distributed else [0])
+        """The group's ranks as global ranks, in group-rank order."""
+        self.node_crossings = topology.ring_crossings(self.global_ranks, self.ranks_per_node)
+        """Ring hops of this group that cross nodes, out of ``world_size``: See [Note: node traffic]."""
         self.backend = str(dist.get_backend(group)) if self.distributed else "none"
         if "gloo" in self.backend:
             gloo_exit.install()  # See [Note: gloo teardown abort]
@@ -130,8 +155,6 @@ class Communicator:
         self.reduce_scatter_via_all_reduce = via_ar
         self.all_gather_impl = _ALL_GATHER_IMPL.get(self.backend.split(":")[0], "all_gather")
         """How a gather runs: "all_gather", or one in-place broadcast per rank (gloo): see ``_ALL_GATHER_IMPL``."""
-        self._global_ranks = ([dist.get_global_rank(group, r) if group is not None else r
-                               for r in range(self.world_size)] if self.distributed else [0])
         self.device = device if device is not None else (
             _default_device(group) if self.distributed else torch.device("cpu"))
         """Where scratch tensors for metadata collectives live (NCCL needs them on the GPU)."""
@@ -161,7 +184,7 @@ class Communicator:
         ``share_stats=False``, for small checks that are not volume), on the same device and, by default,
         counting into the same statistics."""
         impl = "all_reduce" if self.reduce_scatter_via_all_reduce else "native"
-        other = Communicator(group, impl, device=self.device)
+        other = Communicator(group, impl, device=self.device, ranks_per_node=self.ranks_per_node)
         if share_stats:
             other._stats = self._stats
             other.timer = self.timer  # one place settles the timings of shared statistics
@@ -179,7 +202,11 @@ class Communicator:
         s = self._stats.setdefault(kind, CommStats())
         s.calls += 1
         s.elements += elements
-        s.bytes += elements * element_size
+        nbytes = elements * element_size
+        s.bytes += nbytes
+        inter = nbytes * self.node_crossings // self.world_size  # See [Note: node traffic]
+        s.inter_node_bytes += inter
+        s.intra_node_bytes += nbytes - inter
         s.impl_calls[impl] = s.impl_calls.get(impl, 0) + 1
         return s
 
@@ -252,7 +279,7 @@ class Communicator:
                 chunks = output.view(self.world_size, -1)
                 if chunks[self.rank].data_ptr() != input.data_ptr():
                     chunks[self.rank].copy_(input)
-                work = _Works([dist.broadcast(chunks[r], src=self._global_ranks[r], group=self.group,
+                work = _Works([dist.broadcast(chunks[r], src=self.global_ranks[r], group=self.group,
                                               async_op=True) for r in range(self.world_size)])
             else:
                 work = _all_gather(output, input, group=self.group, async_op=async_op)

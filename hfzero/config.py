@@ -162,6 +162,29 @@ class ZeroConfig:
     (hfzero/parallel/sequence/tiled_loss.py). Applied by prepare_sequence_parallel, ZeroTrainer and
     ZeroAccelerator; by hand: hfzero.parallel.sequence.enable_tiled_loss. 1: the model's own loss."""
 
+    shard_size: int = 0
+    """HSDP / MiCS: shard model states over groups of ``shard_size`` consecutive data-parallel ranks and
+    replicate them across the dp_world / shard_size groups (a 2-D DeviceMesh dp_replicate x dp_shard).
+    Gradients are reduce-scattered inside the shard group, then all-reduced across the replicate group on
+    the shard only; stage 3 gathers parameters inside the shard group; averaging still divides by the whole
+    data-parallel world. 0 (default): the whole data-parallel world is one shard group (flat ZeRO). Must be
+    at least 2 and divide the data-parallel world; stages 1-3. Pick ranks per node (or a divisor of it) so
+    that gathers and reduce-scatters stay inside a node. See docs/multinode.md."""
+
+    secondary_partition: bool = False
+    """hpZ (ZeRO++), stage 3: when a unit is released after a training forward, keep a secondary copy of its
+    parameters sharded over this rank's node (1/ranks_per_node of the unit, PARAM_SECONDARY) so the backward
+    pass gathers it inside the node instead of across the whole group; dropped when the backward is done with
+    the unit (and at every step). Costs (Ψ - P)/ranks_per_node parameter elements per rank from the end of a
+    forward to the backward. Does nothing when the group lies inside one node (e.g. HSDP with shard_size <=
+    ranks per node). See docs/multinode.md."""
+
+    ranks_per_node: int = 0
+    """Ranks per node, for the intra-/inter-node split of every collective's bytes (see [Note: node
+    traffic] in hfzero/comm.py). 0 (default): detected from LOCAL_WORLD_SIZE (torchrun, ``hfzero run
+    --nnodes``), else the whole world is one node. Set it to simulate several nodes on one host (e.g. 2
+    on a 4-rank run: ranks 0-1 form node 0, ranks 2-3 node 1). Must divide the world size."""
+
     partition_activations: bool = False
     """ZeRO-R P_a: keep each activation checkpoint as a 1/tp_size slice on each TP rank and all-gather it
     for the recomputation in backward (needs tp_size > 1 and activation checkpointing)."""
@@ -243,6 +266,24 @@ class ZeroConfig:
                "partitions activation checkpoints over the tensor-parallel group, where every rank holds the same "
                "checkpoint; with tp_size=1 (data parallelism alone) each rank's checkpoints are of its own batch, "
                "so there is nothing to partition: set tp_size > 1 or drop partition_activations")
+        for name in ("shard_size", "ranks_per_node"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 0, name, value, "must be an integer >= 0 (0 = the default)")
+        _check(self.shard_size != 1, "shard_size", 1,
+               "must be 0 (the whole data-parallel world) or at least 2; a shard group of one rank replicates "
+               "everything: use stage 0 for plain data parallelism")
+        _check(isinstance(self.secondary_partition, bool), "secondary_partition", self.secondary_partition,
+               "must be true or false")
+        _check(not self.secondary_partition or self.stage == 3, "secondary_partition", True,
+               "keeps a node-local copy of stage 3's partitioned parameters for backward; set stage=3 (below "
+               "stage 3 parameters are not partitioned, so there is nothing to gather in backward)")
+        _check(not self.shard_size or self.stage != 0, "shard_size", self.shard_size,
+               "shards model states, which stage 0 does not: use stage 1, 2 or 3 (or drop shard_size)")
+        for other, what in (("ep_size", "expert"), ("sp_size", "sequence")):
+            _check(getattr(self, other) == 1 or not (self.shard_size or self.secondary_partition),
+                   "shard_size" if self.shard_size else "secondary_partition", self.shard_size or True,
+                   f"cannot be combined with {other} > 1 yet (HSDP / hpZ x {what} parallelism is not built); "
+                   f"use one of them")
         _check(self.min_loss_scale <= self.initial_loss_scale, "min_loss_scale", self.min_loss_scale,
                f"must not exceed initial_loss_scale ({self.initial_loss_scale})")
 

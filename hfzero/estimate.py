@@ -222,6 +222,48 @@ def comm_elements_per_step(num_params: float, dp: int, stage: int, *, accumulati
     return num_params * reductions + gathers
 
 
+def node_comm_elements_per_step(num_params: float, dp: int, stage: int, *, nodes: int = 1, shard_size: int = 0,
+                                accumulation_steps: int = 1, accumulation: str = "auto",
+                                persistent_params: float = 0, secondary_partition: bool = False) -> tuple[float, float]:
+    """(total, inter-node) elements per rank per step, clipping aside, for ``dp`` ranks on ``nodes`` nodes of
+    consecutive ranks, flat or (``shard_size`` G) HSDP: ZeRO over the shard group of G consecutive ranks
+    (``comm_elements_per_step`` with dp = G) plus one all-reduce of the Ψ/G shard over the dp/G replicas. The
+    inter-node part follows [Note: node traffic] in hfzero/comm.py: a collective's share crossing nodes is its
+    ring's crossing hops over its ranks, for rank 0's groups (every group has the same shape).
+    ``secondary_partition`` (hpZ, stage 3): the backward gathers, (Ψ - P) per micro-batch, run inside the node."""
+    from hfzero.topology import ring_crossings
+
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or dp % nodes:
+        raise EstimateError(f"nodes must be a positive integer dividing dp={dp}, got {nodes!r}")
+    shard = shard_size or dp
+    if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1 or dp % shard:
+        raise EstimateError(f"shard_size must be a positive integer dividing dp={dp}, got {shard_size!r}")
+    if shard < dp and stage == 0:
+        raise EstimateError("shard_size (HSDP) shards model states, which stage 0 does not")
+    per_node = dp // nodes
+    total = comm_elements_per_step(num_params, shard, stage, accumulation_steps=accumulation_steps,
+                                   accumulation=accumulation, persistent_params=persistent_params)
+    inter = total * ring_crossings(range(shard), per_node) / shard
+    if secondary_partition and stage == 3:  # the backward half of the gathers never leaves the node
+        inter -= (num_params - persistent_params) * accumulation_steps * ring_crossings(range(shard), per_node) / shard
+    if shard < dp:
+        replicas = list(range(0, dp, shard))
+        shard_sum = 2.0 * num_params / shard  # the all-reduce of the gradient shard, counted 2n
+        total += shard_sum
+        inter += shard_sum * ring_crossings(replicas, per_node) / len(replicas)
+    return total, inter
+
+
+def secondary_partition_bytes(num_params: float, ranks_per_node: int, *, param_bytes: int = 2,
+                              persistent_params: float = 0) -> float:
+    """hpZ's secondary partition per rank at its peak (PARAM_SECONDARY, after a training forward, before its
+    backward): the node-local slice of every partitioned parameter, (Ψ - P) / ranks_per_node parameter
+    elements (bucket padding aside). Transient: held within one micro-batch, not across steps."""
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise EstimateError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
+    return param_bytes * (num_params - persistent_params) / ranks_per_node
+
+
 def accumulator_held(stage: int, accumulation: str = "auto", accumulation_steps: int = 1) -> bool:
     """True when a full local gradient buffer is held across micro-batches on top of the stage's
     gradients: "local" accumulation of more than one micro-batch at stages 2-3."""

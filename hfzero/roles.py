@@ -31,6 +31,9 @@ class MemoryRole(str, enum.Enum):
         GRAD_FP32: fp32 gradients of the rank's slice, materialized between the end of
             accumulation and the optimizer step (transient).
         PARAM_GATHERED: stage-3 units gathered for compute (transient).
+        PARAM_SECONDARY: hpZ's secondary partition (``secondary_partition``, stage 3): the node-local
+            slices of the units a training forward released, kept for their backward gathers inside the
+            node; at most (Ψ - P) / ranks_per_node elements, held within one micro-batch (transient).
         COMM_BUFFER: communication scratch buffers (transient).
         ACT_CHECKPOINT: activation checkpoints kept for the backward pass, as stored (a 1/tp slice
             with partition_activations, in host memory with cpu_checkpointing); measured by hfzero's
@@ -57,6 +60,7 @@ class MemoryRole(str, enum.Enum):
     ACT_CHECKPOINT = "act_checkpoint"
     ACTIVATIONS = "activations"
     CKPT_STAGING = "ckpt_staging"
+    PARAM_SECONDARY = "param_secondary"
 
 
 MODEL_STATE_ROLES: frozenset[MemoryRole] = frozenset(

@@ -660,3 +660,22 @@ def test_first_view_of_the_main_job_profile() -> None:
     assert len(shown) <= 12 and len({t.legendgroup for t in shown}) <= 6
     legend = figures.legend_html(fig)
     assert legend.count("<b>") == 3 and "measured, by role:" in legend and "framework runtime" in legend
+
+
+def test_comm_view_shows_bytes_between_nodes(tmp_path: Path) -> None:
+    """Issue 22: step records whose comm entries carry the node split show it in the frame and the title;
+    older ones (write_run's) read as NaN and the title does not mention nodes."""
+    path = write_run(tmp_path / "split", stage=2, world_size=2, steps=2)
+    old = data.comm_frame(data.load(path).run)
+    assert old["inter_node_bytes"].isna().all()
+    assert "between nodes" not in figures.comm_figure(old, None, rank=0, stage=2).layout.title.text
+    for rank_file in path.glob("rank*.jsonl"):
+        lines = [json.loads(line) for line in rank_file.read_text().splitlines()]
+        for record in lines:
+            for stats in (record.get("comm") or {}).values():
+                stats["inter_node_bytes"] = stats["bytes"] // 2
+        rank_file.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    comm = data.comm_frame(data.load(path).run)
+    assert list(comm["inter_node_bytes"]) == list(comm["bytes"] // 2)
+    title = figures.comm_figure(comm, None, rank=0, stage=2).layout.title.text
+    assert title.endswith(f" ({PSI * 2:,.0f} bytes between nodes per step)"), title

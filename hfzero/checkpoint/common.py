@@ -165,6 +165,9 @@ class Scope:
     pipeline: dict[str, Any] | None = None
     tensor_parallel: dict[str, int] | None = None
     expert_parallel: dict[str, int] | None = None
+    writes_shard: bool = True
+    """Whether this rank writes its engine's master and optimizer-state slices: False on the replicas of an
+    HSDP shard (replicate rank > 0), which hold the same slices as replicate rank 0's shard group."""
 
     @property
     def spans_stages(self) -> bool:
@@ -182,8 +185,21 @@ def scope_of(model: Any, optimizer: torch.optim.Optimizer) -> tuple[ZeroEngine, 
         return engine, _pipeline_scope(model, engine, groups)
     if tp_info(model) is not None:
         return engine, _tensor_parallel_scope(model, engine, groups)
+    if engine.replicate is not None:
+        return engine, _hsdp_scope(model, engine, groups)
     return engine, Scope(model, engine.comm, engine.rank, engine.world_size, lambda n: n, groups, len(groups),
                          writes_frozen=engine.rank == 0, configs=model)
+
+
+def _hsdp_scope(model: nn.Module, engine: ZeroEngine, groups: list[int]) -> Scope:
+    """HSDP (See [Note: hierarchical sharding] in runtime/engine.py): every rank of the world writes a file (its
+    RNG states); only replicate rank 0's shard group writes master and optimizer-state slices, so each element
+    is saved once and the checkpoint is the same as a flat one's (it loads at any shard size and world)."""
+    import torch.distributed as dist
+
+    world = engine.comm.on_group(dist.group.WORLD, share_stats=False)
+    return Scope(model, world, dist.get_rank(), dist.get_world_size(), lambda n: n, groups, len(groups),
+                 writes_frozen=dist.get_rank() == 0, configs=model, writes_shard=engine.replicate.rank == 0)
 
 
 def _tensor_parallel_scope(model: nn.Module, engine: ZeroEngine, groups: list[int]) -> Scope:

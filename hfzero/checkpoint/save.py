@@ -252,7 +252,7 @@ def _ranges(engine: ZeroEngine, scope: Scope) -> tuple[list[Any], list[Any]]:
     parameter (several runs under TP: tensor_parallel.py)."""
     params = {slot.name: slot.param for slot in engine.layout.slots.values()}
     ranges, runs = [], []
-    for r in written_ranges(engine.layout, engine.rank, engine.world_size):
+    for r in written_ranges(engine.layout, engine.rank, engine.world_size) if scope.writes_shard else []:
         if scope.name(r.name) not in scope.skip:
             runs.append(whole_runs(params[r.name], r.start, r.end))
             ranges.append(dataclasses.replace(r, name=scope.name(r.name)))

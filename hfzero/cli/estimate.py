@@ -4,6 +4,7 @@ activation estimate for a transformer config. See ``docs/estimate.md``."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -44,6 +45,9 @@ class _Request:
     cpu_checkpointing: bool
     device: str
     as_json: bool
+    nodes: int = 1
+    shard_size: int = 0
+    secondary_partition: bool = False
 
 
 def register(subparsers: Any) -> None:
@@ -75,6 +79,15 @@ def register(subparsers: Any) -> None:
     layout.add_argument("--frozen-params", metavar="N", default="0",
                         help="frozen parameters beside --params/--config's trainable ones (a LoRA fine-tune's base "
                              "weights): parameter bytes only, whole at stages 0-2, /N_d at stage 3 (default 0)")
+    layout.add_argument("--nodes", metavar="N", default="1",
+                        help="nodes the dp ranks are spread over (consecutive ranks per node): adds the inter-node "
+                             "part of the communication (docs/multinode.md; default 1)")
+    layout.add_argument("--shard-size", metavar="G", default="0",
+                        help="HSDP / MiCS: model states sharded over groups of G ranks, replicated across dp / G "
+                             "groups (stages 1-3; default 0: the whole dp world)")
+    layout.add_argument("--secondary-partition", action="store_true",
+                        help="hpZ at stage 3: backward gathers inside the node; adds the secondary partition's bytes "
+                             "per rank (needs --nodes)")
     fit = parser.add_argument_group("fitting")
     fit.add_argument("--memory", metavar="BYTES", help="device memory in bytes, e.g. 32e9: adds max_params per stage")
     fit.add_argument("--headroom", metavar="FRACTION", default=str(est.DEFAULT_HEADROOM),
@@ -174,7 +187,17 @@ def _read_request(args: argparse.Namespace) -> _Request:
         cpu_checkpointing=args.cpu_checkpointing,
         device=args.device,
         as_json=args.json,
+        nodes=_number("--nodes", args.nodes, "nodes the dp ranks are spread over", integer=True),
+        shard_size=_number("--shard-size", args.shard_size, "ranks per shard group, 0 = dp", integer=True,
+                           allow_zero=True),
+        secondary_partition=args.secondary_partition,
     )
+    if request.secondary_partition and request.nodes < 2:
+        raise est.EstimateError("--secondary-partition keeps a copy sharded inside the node: give --nodes N (N > 1)")
+    if request.dp % request.nodes:
+        raise est.EstimateError(f"--nodes {request.nodes} must divide --dp {request.dp}")
+    if request.shard_size and (request.shard_size < 2 or request.dp % request.shard_size):
+        raise est.EstimateError(f"--shard-size {request.shard_size} must be at least 2 and divide --dp {request.dp}")
     _check_activation_options(request)
     est.accumulator_held(2, request.accumulation, request.accumulation_steps)  # validates the policy name
     return request
@@ -224,14 +247,24 @@ def _estimate(request: _Request) -> dict[str, Any]:
         "accumulation_steps": request.accumulation_steps, "accumulation": request.accumulation,
         "bytes_per_param": precision._asdict(),
     }
+    result.update(nodes=request.nodes, shard_size=request.shard_size)
+    if request.shard_size:  # HSDP: model states as ZeRO over the shard group
+        request = dataclasses.replace(request, dp=request.shard_size)
     if params is not None:
         result["model_states_bytes"] = _per_stage(est.model_states_bytes, params, request, precision,
                                                   frozen_params=request.frozen_params)
-        result["comm_elements_per_step"] = {
-            str(stage): est.comm_elements_per_step(
-                params / request.mp, request.dp, stage, accumulation_steps=request.accumulation_steps,
-                accumulation=request.accumulation)
+        dp = result["dp"]
+        node_comm = {str(stage): est.node_comm_elements_per_step(
+            params / request.mp, dp, stage, nodes=request.nodes, shard_size=request.shard_size if stage else 0,
+            accumulation_steps=request.accumulation_steps, accumulation=request.accumulation,
+            secondary_partition=request.secondary_partition)
             for stage in est.STAGES}
+        if request.secondary_partition and (request.shard_size or dp) > dp // request.nodes:
+            result["secondary_partition_bytes"] = est.secondary_partition_bytes(
+                params / request.mp, dp // request.nodes, param_bytes=precision.param_bytes,
+                persistent_params=request.persistent_params)
+        result["comm_elements_per_step"] = {stage: total for stage, (total, _) in node_comm.items()}
+        result["comm_inter_node_elements_per_step"] = {stage: inter for stage, (_, inter) in node_comm.items()}
         if request.offload_optimizer:
             result["model_states_cpu_bytes"] = _per_stage(est.model_states_cpu_bytes, params, request, precision)
     if request.config:  # See [Note: stage-3 gather order]: the next unit is gathered ahead whatever its size
@@ -317,7 +350,15 @@ def _render(result: dict[str, Any]) -> str:
     ]
     if result["params"] is not None:
         lines.insert(0, f"model: {result['params'] / 1e9:.4g}B parameters" + (f" ({result['config']})" if result["config"] else ""))
+    if result["nodes"] > 1 or result["shard_size"]:
+        lines.append(f"{result['nodes']} node(s) of {result['dp'] // result['nodes']} rank(s)"
+                     + (f"; HSDP at stages 1-3: model states sharded over {result['shard_size']} rank(s), replicated "
+                        f"{result['dp'] // result['shard_size']} times" if result["shard_size"] else "")
+                     + "; inter-node: the communication that crosses nodes (docs/multinode.md)")
     lines += _stage_table(result)
+    if "secondary_partition_bytes" in result:
+        lines.append(f"stage 3 with hpZ also holds {result['secondary_partition_bytes'] / _GB:.2f} GB of secondary "
+                     "partition per device (transient: from a forward to its backward)")
     if "stage3_gathered_bytes" in result:
         lines.append(f"stage 3 also holds up to {result['stage3_gathered_bytes'] / _GB:.2f} GB of gathered parameters "
                      "(transient: the root unit, the block in use and the next one, prefetched)")
@@ -332,7 +373,8 @@ def _render(result: dict[str, Any]) -> str:
 
 def _stage_table(result: dict[str, Any]) -> list[str]:
     columns = [(key, title) for key, title in (("model_states_bytes", "device GB"), ("model_states_cpu_bytes", "CPU GB"),
-                                              ("max_params", "max params"), ("comm_elements_per_step", "comm/step"))
+                                              ("max_params", "max params"), ("comm_elements_per_step", "comm/step"),
+                                              ("comm_inter_node_elements_per_step", "inter-node"))
                if key in result]
     header = f"{'stage':<14}" + "".join(f"{title:>14}" for _, title in columns)
     rows = [header]
@@ -340,7 +382,7 @@ def _stage_table(result: dict[str, Any]) -> list[str]:
         cells = []
         for key, _ in columns:
             value = result[key][str(stage)]
-            if key == "comm_elements_per_step":
+            if key in ("comm_elements_per_step", "comm_inter_node_elements_per_step"):
                 cells.append(f"{value / max(result['params'] / result['mp'], 1):>13.2f}Ψ")
             else:
                 cells.append(f"{value / 1e9:>13.2f}B" if key == "max_params" else f"{value / _GB:>14.2f}")

@@ -157,7 +157,8 @@ class ZeroAccelerator(Accelerator):
         mixed = getattr(mixed, "value", mixed)  # accelerate's PrecisionType enum
         config = zero_config or config_from_env() or ZeroConfig()
         parallelism = kwargs.pop("parallelism_config", None) or parallelism_from_env()
-        config = zero_config_from_parallelism(parallelism, config)  # sizes read; accelerate builds no mesh
+        # sizes read (dp_replicate x dp_shard as hfzero's HSDP); accelerate builds no mesh (and no FSDP) of its own
+        config = zero_config_from_parallelism(parallelism, config, _world_size_env())
         self.zero_config: ZeroConfig = apply_mixed_precision(config, mixed)
         if kwargs.get("cpu") is None and not torch.accelerator.is_available() and _world_size_env() > 1:
             kwargs["cpu"] = True  # without it accelerate runs torchrun workers on CPU as separate single processes

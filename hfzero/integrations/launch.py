@@ -188,6 +188,7 @@ def plan(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Launc
     env = config_to_env(options)  # validates: raises ConfigError naming the field and the rule
     _check_tp_size(options, args)
     _check_mixed_precision(options, script_args)
+    _check_node_sizes(options, args)
     if profile_dir is not None:
         env[PROFILE_DIR_ENV] = profile_dir
     if not args.module and not os.path.isfile(args.training_script):
@@ -306,6 +307,20 @@ def _check_tp_size(options: Mapping[str, str], args: argparse.Namespace) -> None
             check_ep_size(int(nproc) * int(nnodes[0]), ep)
         if sp > 1:
             check_sp_size(int(nproc) * int(nnodes[0]), sp)
+
+
+def _check_node_sizes(options: Mapping[str, str], args: argparse.Namespace) -> None:
+    """``--zero_shard_size`` and ``--zero_ranks_per_node`` must divide the world (nproc_per_node x nnodes), checked
+    before any process starts when both are plain numbers (the workers check the rest: docs/multinode.md)."""
+    nproc, nnodes = str(args.nproc_per_node), str(args.nnodes).split(":")
+    if not (nproc.isdigit() and len(set(nnodes)) == 1 and nnodes[0].isdigit()):
+        return
+    world = int(nproc) * int(nnodes[0])
+    for field in ("shard_size", "ranks_per_node"):
+        value = int(options.get(field, "0"))
+        if value and world % value:
+            raise ConfigError(f"--zero_{field} {value} does not divide the world of {world} rank(s) "
+                              f"(--nproc_per_node {nproc} x --nnodes {nnodes[0]}); use a divisor of {world}")
 
 
 def launch(argv: Sequence[str]) -> int:

@@ -2,11 +2,12 @@
 ``parallelism_config``, or ``ACCELERATE_USE_PARALLELISM_CONFIG`` + ``PARALLELISM_CONFIG_*``) read into ZeroConfig.
 
 Mapped: ``sp_size`` -> ``ZeroConfig.sp_size`` (hfzero's own Ulysses attention, whatever ``sp_backend`` names:
-accelerate's "deepspeed" backend is replaced, not used), ``tp_size`` -> ``ZeroConfig.tp_size``. Refused by
-name, with a ConfigError: ``dp_replicate_size`` / ``dp_shard_size`` > 1 (hfzero shards model states over
-every data-parallel rank; a replicate x shard split, HSDP, is not built here), ``cp_size`` > 1 (context
-parallelism: use sp_size), and the handlers' non-default options. The data-parallel size is what remains:
-world / (tp x sp).
+accelerate's "deepspeed" backend is replaced, not used), ``tp_size`` -> ``ZeroConfig.tp_size``,
+``dp_replicate_size`` x ``dp_shard_size`` -> HSDP (``ZeroConfig.shard_size = dp_shard_size`` when
+``dp_replicate_size`` > 1; ``dp_shard_size`` alone is flat ZeRO over the data-parallel world; hfzero builds the
+mesh, accelerate builds none; docs/multinode.md). Refused by name, with a ConfigError: ``cp_size`` > 1
+(context parallelism: use sp_size), HSDP together with tp / sp (not built), and the handlers' non-default
+options. The data-parallel size is what remains: world / (tp x sp).
 """
 
 from __future__ import annotations
@@ -20,10 +21,6 @@ from typing import Any
 from hfzero.config import ConfigError, ZeroConfig
 
 _REFUSED = {
-    "dp_replicate_size": "replicated x sharded data parallelism (HSDP) is not built; hfzero shards model states "
-                         "over every data-parallel rank (world / (tp_size x sp_size))",
-    "dp_shard_size": "hfzero's ZeRO shards over every data-parallel rank (world / (tp_size x sp_size)); a "
-                     "separate shard size (HSDP) is not built",
     "cp_size": "context parallelism (ring attention) is not built; hfzero splits sequences with sp_size "
                "(Ulysses all-to-all attention)",
 }
@@ -46,9 +43,10 @@ def _refuse_handlers(pc: Any) -> None:
                               "(its tensor / sequence parallelism takes sizes only); drop them")
 
 
-def zero_config_from_parallelism(pc: Any, config: ZeroConfig) -> ZeroConfig:
-    """``config`` with ``pc``'s sizes (see the module docstring); a ConfigError for what hfzero cannot honour
-    or for a size that contradicts an explicit ``--zero_*`` one."""
+def zero_config_from_parallelism(pc: Any, config: ZeroConfig, world_size: int | None = None) -> ZeroConfig:
+    """``config`` with ``pc``'s sizes (see the module docstring); a ConfigError for what hfzero cannot honour,
+    for a size that contradicts an explicit ``--zero_*`` one, or (given ``world_size``) for sizes that do not
+    cover the world."""
     if pc is None:
         return config
     for name, why in _REFUSED.items():
@@ -56,7 +54,7 @@ def zero_config_from_parallelism(pc: Any, config: ZeroConfig) -> ZeroConfig:
             raise ConfigError(f"hfzero: ParallelismConfig.{name}={_size(pc, name)} is not supported: {why}. "
                               f"Drop {name} (leave it 1)")
     _refuse_handlers(pc)
-    mapped = {}
+    mapped: dict[str, int] = {}
     for name in ("sp_size", "tp_size"):
         wanted, have = _size(pc, name), getattr(config, name)
         if wanted > 1 and have > 1 and wanted != have:
@@ -64,7 +62,32 @@ def zero_config_from_parallelism(pc: Any, config: ZeroConfig) -> ZeroConfig:
                               f"(--zero_{name}); give it once")
         if wanted > 1:
             mapped[name] = wanted
+    mapped.update(_hsdp_sizes(pc, config, world_size))
     return dataclasses.replace(config, **mapped) if mapped else config
+
+
+def _hsdp_sizes(pc: Any, config: ZeroConfig, world_size: int | None) -> dict[str, int]:
+    """``dp_replicate_size`` x ``dp_shard_size`` as ``shard_size`` (HSDP), checked."""
+    replicate, shard = _size(pc, "dp_replicate_size"), _size(pc, "dp_shard_size")
+    if replicate == 1 and shard == 1:
+        return {}
+    split = _size(pc, "tp_size") * _size(pc, "sp_size")
+    if world_size is not None and replicate * shard * split != world_size:
+        raise ConfigError(f"hfzero: ParallelismConfig(dp_replicate_size={replicate}, dp_shard_size={shard}) covers "
+                          f"{replicate * shard * split} rank(s) with tp x sp, the world has {world_size}")
+    if replicate == 1:
+        return {}  # dp_shard_size alone: ZeRO over the whole data-parallel world, as without it
+    for name in ("tp_size", "sp_size"):
+        if _size(pc, name) > 1:
+            raise ConfigError(f"hfzero: ParallelismConfig(dp_replicate_size={replicate}) with {name}="
+                              f"{_size(pc, name)}: HSDP x tensor / sequence parallelism is not built; use one")
+    if shard == 1:
+        raise ConfigError("hfzero: ParallelismConfig(dp_shard_size=1) replicates everything: use "
+                          "ZeroConfig(stage=0) (plain data parallelism) instead")
+    if config.shard_size not in (0, shard):
+        raise ConfigError(f"hfzero: ParallelismConfig(dp_shard_size={shard}) disagrees with "
+                          f"ZeroConfig.shard_size={config.shard_size}; set one of them")
+    return {"shard_size": shard}
 
 
 _ENV = "ACCELERATE_USE_PARALLELISM_CONFIG"

@@ -74,3 +74,46 @@ def build_mesh(pp_size: int) -> PipelineMesh:
     mesh = world_mesh((pp_size, dp_size), ("pp", "dp"))
     coords = mesh.get_coordinate()
     return PipelineMesh(mesh, pp_size, dp_size, coords[0], coords[1], mesh.get_group("pp"), mesh.get_group("dp"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardMesh:
+    """The calling rank's place in a dp_replicate x dp_shard mesh (HSDP / MiCS; ``ZeroConfig.shard_size``).
+
+    Rank layout: ``rank = replicate_rank * shard_size + shard_rank``, so a shard group is ``shard_size``
+    consecutive ranks (inside one node when ``shard_size`` divides the ranks per node) and a replicate group
+    holds the ranks with the same shard index, ``shard_size`` apart (one per node when ``shard_size`` equals
+    the ranks per node).
+
+    Attributes:
+        mesh: the DeviceMesh with dimensions ("dp_replicate", "dp_shard").
+        shard_size: ranks per shard group (G): model states are sharded over them.
+        replicate_size: shard groups (dp world / G): each holds a full copy of the model states.
+        shard_group: this rank's shard group: reduce-scatters, stage-3 gathers, the post-step all-gather.
+        replicate_group: the ranks holding the same shard: the per-step all-reduce of the gradient shard.
+    """
+
+    mesh: DeviceMesh
+    shard_size: int
+    replicate_size: int
+    shard_group: dist.ProcessGroup
+    replicate_group: dist.ProcessGroup
+
+
+def check_shard_size(dp_size: int, shard_size: int) -> int:
+    """The number of replicas for ``shard_size`` over ``dp_size`` data-parallel ranks; a clear ConfigError when
+    it does not divide."""
+    if shard_size > dp_size or dp_size % shard_size:
+        divisors = [d for d in range(2, dp_size + 1) if dp_size % d == 0]
+        raise ConfigError(f"hfzero: ZeroConfig.shard_size={shard_size} (--zero_shard_size) does not divide the "
+                          f"data-parallel world of {dp_size} rank(s); use one of {divisors} (usually the ranks "
+                          "per node), or 0 to shard over the whole data-parallel world")
+    return dp_size // shard_size
+
+
+def build_shard_mesh(shard_size: int) -> ShardMesh:
+    """The dp_replicate x dp_shard mesh over the whole world (collective: every rank calls it, in the same
+    order). ``shard_size`` must divide the world (``check_shard_size``)."""
+    replicate = check_shard_size(initialized_world_size("shard_size"), shard_size)
+    mesh = world_mesh((replicate, shard_size), ("dp_replicate", "dp_shard"))
+    return ShardMesh(mesh, shard_size, replicate, mesh.get_group("dp_shard"), mesh.get_group("dp_replicate"))

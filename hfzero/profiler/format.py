@@ -17,7 +17,8 @@ has a ``pipeline`` section, forward/backward records a ``stage`` and step record
 and the top-level ``prediction`` is null (per-stage predictions live in the header's ``pipeline``).
 Issue 12 added ``tp_rank`` to every record (the rank in its tensor-parallel group, 0 without TP) within
 version 2: an optional key, absent from earlier version-2 files. Issue 23 added ``sp_rank`` the same way
-(only under sequence parallelism, where ``dp_rank`` is then the data-parallel replica, world rank // sp)."""
+(only under sequence parallelism, where ``dp_rank`` is then the data-parallel replica, world rank // sp), and
+issue 22 the ``NODE_COMM_FIELDS`` of each collective kind's ``comm`` entry and the header's ``topology``."""
 
 READABLE_VERSIONS = (1, 2)
 """Versions the reader accepts: a version-1 file reads as a run without pipeline (pp rank 0)."""
@@ -48,6 +49,10 @@ EVENT_CUDA_SNAPSHOT = "cuda_snapshot"
 
 COMM_FIELDS = ("calls", "elements", "bytes", "seconds")
 """Fields of one collective kind's entry in a record's ``comm`` mapping."""
+
+NODE_COMM_FIELDS = ("intra_node_bytes", "inter_node_bytes")
+"""Optional fields of a ``comm`` entry (issue 22; absent from earlier files): the part of ``bytes`` that stays
+inside a node and the part that crosses nodes, by [Note: node traffic] in hfzero/comm.py."""
 
 
 def rank_file_name(rank: int) -> str:

@@ -159,6 +159,7 @@ def build_header(*, run_id: str, engine: Any, model: torch.nn.Module, optimizer:
         "config": config.to_dict(),
         "accumulation": {"policy": config.accumulation_policy, "steps": int(accumulation_steps)},
         "comm_timing": engine.comm.timing,
+        **_topology(engine, global_world_size),
         "model": {
             "class": type(model).__name__,
             "module": type(model).__module__,
@@ -231,3 +232,15 @@ def activation_prediction(model: torch.nn.Module, engine: Any, batch_size: int, 
         return None
     estimate = model_activation_estimate(model, engine.config, batch_size, seq_len, dtype=dtype, device=device)
     return None if estimate is None else estimate.to_dict()
+
+
+def _topology(engine: Any, global_world_size: int) -> dict[str, Any]:
+    """The header's ``topology`` (issue 22; absent from earlier profiles and for engines without a node
+    layout): ranks per node, nodes, the shard group's size (``world_size``) and its replicas (HSDP, 1 flat)."""
+    per_node = getattr(engine.comm, "ranks_per_node", None)
+    if per_node is None:
+        return {}
+    replicate = getattr(engine, "replicate", None)
+    return {"topology": {"ranks_per_node": int(per_node), "nodes": max(int(global_world_size) // int(per_node), 1),
+                         "shard_size": int(engine.world_size),
+                         "replicate_size": int(replicate.world_size) if replicate is not None else 1}}

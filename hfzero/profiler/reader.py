@@ -22,6 +22,7 @@ from typing import Any
 
 from hfzero.profiler.format import (
     COMM_FIELDS,
+    NODE_COMM_FIELDS,
     EVENT_START,
     HEADER_FILE,
     KINDS,
@@ -296,7 +297,7 @@ def _record_problem(record: Record) -> str | None:
             if not _is_number(value):
                 return f"{part}.{key} is {_short(value)}, not a number"
     for kind, stats in (record.get("comm") or {}).items():
-        if not isinstance(stats, dict) or not all(_is_number(stats.get(f, 0)) for f in COMM_FIELDS):
+        if not isinstance(stats, dict) or not all(_is_number(stats.get(f, 0)) for f in COMM_FIELDS + NODE_COMM_FIELDS):
             return f"comm.{kind} is {_short(stats)}, not an object of numbers {list(COMM_FIELDS)}"
     for key in ("model_state_bytes", "host_model_state_bytes", "pinned_bytes", "seconds"):
         if record.get(key) is not None and not _is_number(record[key]):
@@ -358,7 +359,7 @@ def summarize(run: Run) -> dict[str, Any]:
     ``predicted_model_state_bytes`` and ``ratio`` (measured / predicted, None without a prediction),
     ``roles_peak`` (per role maximum), ``allocator_peak`` (maximum of each numeric allocator field),
     ``comm_per_step`` (mean per step record, per collective kind), ``comm_elements_per_step`` (all
-    kinds), ``steps`` (step records), ``step_seconds`` (median), ``truncated`` and ``stopped``.
+    kinds), ``comm_inter_node_bytes_per_step`` (all kinds; None in profiles before issue 22), ``steps`` (step records), ``step_seconds`` (median), ``truncated`` and ``stopped``.
     Under pipeline parallelism each rank entry also has ``pp_rank``, its prediction is its stage's
     (the header's ``pipeline.ranks``), and ``pipeline`` is ``hfzero.profiler.stages.stage_table``
     (None without pipeline).
@@ -416,6 +417,8 @@ def _summarize_rank(log: RankLog, predicted: float | None) -> dict[str, Any]:
         "comm_per_step": comm,
         "comm_elements_per_step": sum(c["elements"] for c in comm.values()),
         "comm_bytes_per_step": sum(c["bytes"] for c in comm.values()),
+        "comm_inter_node_bytes_per_step": (sum(c["inter_node_bytes"] for c in comm.values())
+                                           if any("inter_node_bytes" in c for c in comm.values()) else None),
         "step_seconds": statistics.median(seconds) if seconds else None,
         "truncated": log.truncated,
         "stopped": log.stopped,
@@ -423,14 +426,17 @@ def _summarize_rank(log: RankLog, predicted: float | None) -> dict[str, Any]:
 
 
 def _comm_per_step(steps: list[Record]) -> dict[str, dict[str, float]]:
-    """Mean of each collective kind's fields over the step records (a kind absent from a step counts 0)."""
+    """Mean of each collective kind's fields over the step records (a kind absent from a step counts 0). The
+    node split (``NODE_COMM_FIELDS``) is there only when the steps recorded it (issue 22 and later)."""
     if not steps:
         return {}
+    split = any(f in stats for step in steps for stats in (step.get("comm") or {}).values() for f in NODE_COMM_FIELDS)
+    fields = COMM_FIELDS + (NODE_COMM_FIELDS if split else ())
     totals: dict[str, dict[str, float]] = {}
     for step in steps:
         for kind, stats in (step.get("comm") or {}).items():
-            entry = totals.setdefault(kind, dict.fromkeys(COMM_FIELDS, 0))
-            for field in COMM_FIELDS:
+            entry = totals.setdefault(kind, dict.fromkeys(fields, 0))
+            for field in fields:
                 entry[field] += stats.get(field, 0)
     return {kind: {f: v / len(steps) for f, v in entry.items()} for kind, entry in sorted(totals.items())}
 

@@ -67,7 +67,8 @@ import torch.distributed as dist
 from hfzero.logging import get_logger
 from hfzero.profiler.allocator import AllocatorProbe
 from hfzero.profiler.decompose import decompose
-from hfzero.profiler.format import EVENT_CUDA_SNAPSHOT, EVENT_START, EVENT_STOP, FORMAT_VERSION, rank_file_name
+from hfzero.profiler.format import (EVENT_CUDA_SNAPSHOT, EVENT_START, EVENT_STOP, FORMAT_VERSION, NODE_COMM_FIELDS,
+                                    rank_file_name)
 from hfzero.profiler.header import activation_prediction, build_header
 from hfzero.profiler.writer import RankWriter, remove_stale_rank_files, write_header
 from hfzero.roles import MODEL_STATE_ROLES
@@ -498,6 +499,8 @@ def _comm_delta(now: dict[str, Any], before: dict[str, Any]) -> dict[str, dict[s
                 "elements": stats.elements - (prev.elements if prev else 0),
                 "bytes": stats.bytes - (prev.bytes if prev else 0),
                 "seconds": round(stats.seconds - (prev.seconds if prev else 0.0), _ROUND),
+                **{field: getattr(stats, field) - (getattr(prev, field) if prev else 0)
+                   for field in NODE_COMM_FIELDS if hasattr(stats, field)},  # See [Note: node traffic] in comm.py
             }
     return delta
 

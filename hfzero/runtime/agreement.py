@@ -34,8 +34,11 @@ class StepMismatchError(RuntimeError):
 class StepAgreement:
     """Counts training forwards of ``model`` and checks, once per step, that every rank has the same count."""
 
-    def __init__(self, model: nn.Module, comm: Communicator):
+    def __init__(self, model: nn.Module, comm: Communicator, *, replicate: Communicator | None = None):
         self.comm = comm
+        self.replicate = replicate
+        """HSDP: the replicate group; the check MAX-reduces the shard group's result over it too, before the
+        one read, so the whole data-parallel world agrees (See [Note: hierarchical sharding] in engine.py)."""
         self.forwards = 0
         """Forward passes of the prepared model run with gradients enabled on this rank."""
         self._pending: tuple[Handle, int] | None = None
@@ -66,6 +69,13 @@ class StepAgreement:
         handle, mine = self._pending
         self._pending = None
         handle.wait()
+        if self.replicate is not None:
+            if overflow is not None:
+                self._values[2].copy_(overflow[0])
+            else:
+                self._values[2].zero_()
+            self.replicate.all_reduce(self._values, op=dist.ReduceOp.MAX)
+            overflow = self._values[2:3]
         if overflow is None:
             (most, negated_least), overflowed = self._counts.tolist(), 0  # the step's one host synchronization
         else:

@@ -29,6 +29,24 @@ replicate group) is the same pattern with every parameter replicated. Under sequ
 divisor is smaller than the group: the engine shards over the whole world, but the S ranks of an SP group
 train on parts of the same sequences, so the step averages over world / S replicas ([Note: sequence-parallel
 gradients] in hfzero/parallel/sequence/loss.py).
+
+[Note: hierarchical sharding]
+With a ``replicate`` communicator (HSDP / MiCS, ``ZeroConfig.shard_size``; groups from
+hfzero.parallel.mesh.build_shard_mesh) ``comm`` is the rank's shard group: the layout, the buckets, the
+reduce-scatters, stage 3's gathers and the post-step all-gather all run inside it, exactly as flat ZeRO
+over a world of G ranks, so each rank holds 1/G of the sharded model states. The replicate group joins the
+ranks holding the same shard; once per optimizer step (``materialize_grads``, after every micro-batch's
+reduction into the shard, whatever the accumulation policy) the owned gradient sums are all-reduced over
+it, so each shard holds the sum over the whole data-parallel world. Stage 3's late gradients (reduced at
+the step check) are all-reduced over it as they are added (reducer.py). Hence:
+- ``average_over`` (the divisor of the summed gradients) is the data-parallel world, G x replicas, not G;
+- the initial state is broadcast from shard rank 0 inside each shard group, then from replicate rank 0
+  across the replicate group: everyone ends with global dp rank 0's values;
+- the step's checks (agreement, fp16 overflow, stage 3's gather order and late flags) MAX-reduce inside the
+  shard group, then once more over the replicate group before their one host read: the whole world agrees;
+- the gradient norm sums inside the shard group only: the replicas' shards are equal, each parameter
+  element is counted once;
+- checkpoints are written by replicate rank 0's shard group (the other replicas write RNG states only).
 """
 
 from __future__ import annotations
@@ -65,8 +83,16 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, param_groups: list[list[nn.Parameter]], config: ZeroConfig,
                  comm: Communicator, device: torch.device, *, bucket_units: Sequence[str] | None = None,
                  average_over: int | None = None, replica_comm: Communicator | None = None,
-                 check_comm: Communicator | None = None):
+                 check_comm: Communicator | None = None, replicate: Communicator | None = None):
         self.model = model
+        self.replicate = replicate if replicate is not None and replicate.world_size > 1 else None
+        """HSDP: the ranks holding the same shard as this one (None: flat). See [Note: hierarchical sharding]."""
+        replicas = self.replicate.world_size if self.replicate is not None else 1
+        self.average_over = average_over if average_over is not None else comm.world_size * replicas
+        """How many data-parallel ranks' summed gradients the step averages: the divisor of the gradient sums.
+        Default: every rank the sums span (the group, times its replicas under HSDP); fewer where ranks of the
+        group train on the same samples (the S ranks of a sequence-parallel group), more where the group is not
+        the whole data-parallel world (expert parallelism). See [Note: average_over]."""
         self._bucket_units = bucket_units
         """Stages 0-2: module names whose parameters never share a bucket with another's (prepare's ``units=``)."""
         self.config = config
@@ -86,11 +112,6 @@ class ZeroEngine:
         self.unused_ranges: list[tuple[int, int, int]] = []
         self.norm_group: Communicator | None = None
         """The tensor-parallel group (set by prepare with a dp x tp mesh): the gradient norm spans it too."""
-        self.average_over = comm.world_size if average_over is None else average_over
-        """How many data-parallel ranks' summed gradients the step averages: the divisor of the gradient sums
-        (default: the group's size; fewer where ranks of the group train on the same samples, as the S ranks
-        of a sequence-parallel group do; more where the group is not the whole data-parallel world, as under
-        expert parallelism). See [Note: average_over]."""
         self.replica_comm = replica_comm
         """A second group over which the parameters replicated on it (plain tensors, not DTensor shards) have
         their gradients summed as well, once per step (expert parallelism: the EP group). See [Note: average_over]."""
@@ -132,11 +153,13 @@ class ZeroEngine:
                                        sink=self.offload)
         self.reducer.before_first_grad = self._before_backward
         self.reducer.always_find_unused = config.find_unused_parameters
+        self.reducer.replicate = self.replicate
         # an eager hook: a graph boundary under torch.compile (See [Note: compiled regions] in runtime/compile.py)
         self._forward_hook = model.register_forward_hook(eager_hook(lambda m, a, out: self.reducer.record_graph_roots(out)))
         self.agreement: StepAgreement | None = None
         if self.stage < 3 and self.check_comm.world_size > 1:  # See [Note: step agreement] in agreement.py
-            self.agreement = StepAgreement(model, self.check_comm.on_group(self.check_comm.group, share_stats=False))
+            self.agreement = StepAgreement(model, self.check_comm.on_group(self.check_comm.group, share_stats=False),
+                                           replicate=self._check_replicas())
             self.reducer.on_step_begin = self.agreement.launch
         logger.info("stage %d over %d rank(s): %d trainable parameters in %d bucket(s) of <= %d elements, %d padded, "
                     "dtype %s, accumulation %s", self.stage, self.world_size, self.num_params, len(self.layout.buckets),
@@ -146,6 +169,10 @@ class ZeroEngine:
                         "host memory; %d bytes pinned (%s); host step on %d thread(s)", self.offload.pinned_bytes(),
                         ", ".join(k for k, v in self.offload.pin_plan.items() if v and self.offload.pinned) or "none",
                         self.offload.step_threads)
+
+    def _check_replicas(self) -> Communicator | None:
+        """HSDP: the replicate group with a ledger of its own, for the step's checks (bookkeeping, not volume)."""
+        return None if self.replicate is None else self.replicate.on_group(self.replicate.group, share_stats=False)
 
     # ---- construction steps (overridden by the stage-3 engine) ----------------------------------
     def _backward_positions(self) -> dict[nn.Parameter, int]:
@@ -200,23 +227,30 @@ class ZeroEngine:
             return self._owned_param(bucket)
         return self.master_flat[bucket.shard_offset: bucket.shard_offset + bucket.chunk]
 
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        """``tensor`` from data-parallel rank 0 to every rank: inside the shard group, then (HSDP) across the
+        replicate group (See [Note: hierarchical sharding])."""
+        self.comm.broadcast(tensor)
+        if self.replicate is not None:
+            self.replicate.broadcast(tensor)
+
     def _broadcast_initial_state(self) -> None:
         """Start every rank from rank 0's parameters and buffers, as DDP does."""
-        if self.world_size == 1:
+        if self.world_size == 1 and self.replicate is None:
             return
-        self.comm.broadcast(self.param_flat)
+        self._broadcast(self.param_flat)
         self._broadcast_untracked()
 
     def _broadcast_untracked(self) -> None:
         """Broadcast, from rank 0, the parameters outside the layout (frozen ones) and the buffers."""
-        if self.world_size == 1:
+        if self.world_size == 1 and self.replicate is None:
             return
         in_layout = set(self.layout.slots)
         for p in self.model.parameters():
             if p not in in_layout:
-                self.comm.broadcast(local_tensor(p).data)
+                self._broadcast(local_tensor(p).data)
         for b in self.model.buffers():
-            self.comm.broadcast(b)
+            self._broadcast(b)
 
     # ---- backward -------------------------------------------------------------------------------
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -295,8 +329,9 @@ class ZeroEngine:
         if self._materialized:
             return
         self.reducer.reduce_pending()
+        self._reduce_shard_over_replicas()  # HSDP: before the checks, so fp16's overflow flag sees whole sums
         self.overflow = self._check_step(self._overflow_flag())
-        self._reduce_over_replicas()
+        self._reduce_over_replica_comm()
         if self.offload is not None:  # the host writes master weights next: See [Note: offload copies]
             self.offload.wait_uploads()
         factor = 1.0 / (self.average_over * self.scaler.scale)
@@ -311,7 +346,7 @@ class ZeroEngine:
         self._materialized = True
         self.unused_ranges = self._find_unused_ranges() if self.config.find_unused_parameters else []
 
-    def _reduce_over_replicas(self) -> None:
+    def _reduce_over_replica_comm(self) -> None:
         """Sum the owned gradient slices of the parameters replicated over ``replica_comm`` across it (one
         all-reduce of their concatenation per bucket that has any; none without ``replica_comm``). Every rank
         of the group holds the same layout, so the slices line up. See [Note: average_over]."""
@@ -339,6 +374,18 @@ class ZeroEngine:
             if start < end and keep(slot.param):
                 ranges.append((start - lo, end - lo))
         return ranges
+
+    def _reduce_shard_over_replicas(self) -> None:
+        """HSDP: all-reduce the owned gradient sums over the replicate group (once per step); See [Note:
+        hierarchical sharding]. Stages 2-3 hold the shard in one flat buffer: one collective."""
+        if self.replicate is None:
+            return
+        if self.reducer.grad_shard is not None:
+            self.replicate.all_reduce(self.reducer.grad_shard)
+            return
+        handles = [self.replicate.all_reduce(self.reducer.owned_grad(b), async_op=True) for b in self.layout.buckets]
+        for handle in handles:
+            handle.wait()
 
     def _overflow_flag(self) -> torch.Tensor | None:
         """fp16: a 1-element float32 tensor on the communication device, 1 where a reduced gradient sum this
@@ -370,6 +417,8 @@ class ZeroEngine:
         flags = torch.tensor([slot.param in self.reducer.used for slot in slots], dtype=torch.uint8,
                              device=self.comm_device)
         self.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        if self.replicate is not None:  # used on any rank of the world
+            self.replicate.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         ranges = []
         for slot, used in zip(slots, flags.tolist()):
             if used:

@@ -19,6 +19,7 @@ from hfzero.logging import get_logger
 from hfzero.runtime.activations.checkpoint import CheckpointPolicy, enable_checkpointing
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.hostmem import configure_host_allocator
+from hfzero.runtime.offload import offload_active
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.placement import check_placement
 from hfzero.runtime.pending import PendingWeights, find_pending, materialize_whole
@@ -42,6 +43,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
             process_group: dist.ProcessGroup | None = None, *, units: Sequence[str] | None = None,
             verify_gather_order: bool = True, weights: WeightSource | None = None,
             tp_group: dist.ProcessGroup | None = None, ep_group: dist.ProcessGroup | None = None,
+            replicate_group: dist.ProcessGroup | None = None,
             average_over: int | None = None) -> tuple[nn.Module, ZeroOptimizer]:
     """Apply ZeRO to ``model`` and ``optimizer`` over ``process_group`` (default: the world group).
 
@@ -67,6 +69,10 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     parallelism passes world / sp_size, as an SP group's ranks train on the same samples: build it with
     ``hfzero.parallel.sequence.prepare_sequence_parallel``); see [Note: average_over] in engine.py and
     [Note: sequence-parallel gradients].
+    ``config.shard_size`` (HSDP / MiCS) shards over groups of that many ranks of the world and replicates
+    across them: prepare builds the dp_replicate x dp_shard mesh itself (``hfzero.parallel.mesh.
+    build_shard_mesh``); a caller with a mesh of its own passes its shard group as ``process_group`` and
+    ``replicate_group`` (see [Note: hierarchical sharding] in runtime/engine.py).
 
     A transformers model's activation checkpointing (enabled before or after this call) runs through
     hfzero's checkpoint function, which measures the checkpoints and applies ``partition_activations``,
@@ -102,6 +108,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
                           f"{ep_size} rank(s); build the edp x ep mesh and the expert-parallel model with "
                           "hfzero.parallel.expert.prepare_expert_parallel(model, optimizer, config)")
     _check_sequence_parallel(model, config, process_group, average_over)
+    process_group, replicate_group = _shard_groups(config, process_group, replicate_group, tp_size)
     pending = find_pending(model) if weights is None else None
     if pending is not None:  # See [Note: pending weights] in runtime/pending.py
         weights = _read_pending(model, optimizer, config, process_group, pending)
@@ -119,21 +126,29 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         # glibc's own trim of the heap's top stays unless the growth-triggered trim replaces it.
         by_growth = config.host_trim and config.host_trim_slack > 0
         configure_host_allocator(config.host_mmap_threshold, top_trim=not by_growth)  # See [Note: host allocator]
-    comm = Communicator(process_group, config.reduce_scatter_impl, device=device)
+    comm = Communicator(process_group, config.reduce_scatter_impl, device=device, ranks_per_node=config.ranks_per_node)
+    replicate = comm.on_group(replicate_group) if replicate_group is not None else None  # counted with comm's
+    if replicate is not None and offload_active(config.offload_optimizer, device, comm.rank):
+        raise ConfigError("hfzero.prepare: shard_size (HSDP) with offload_optimizer is not built yet: the replicate "
+                          "all-reduce would run on the host copy of the gradient shard; drop one of them")
     _check_ranks_agree(comm, config, model, optimizer, groups)
     groups_kw = {"average_over": average_over}
     if ep_group is not None:  # See [Note: average_over] in engine.py
         groups_kw = {"average_over": average_over or dist.get_world_size(), "check_comm": comm.on_group(None),
                      "replica_comm": comm.on_group(ep_group)}
+    if replicate is not None:  # the other shard groups too: the whole world passes the same
+        _check_ranks_agree(replicate.on_group(replicate.group, share_stats=False), config, model, optimizer, groups)
+    secondary = _node_comm(comm, process_group, replicate) if config.secondary_partition else None
     if config.stage == 3:
         try:
             engine = Stage3Engine(model, groups, config, comm, device, units=units,
-                                  verify_gather_order=verify_gather_order, weights=weights, **groups_kw)
+                                  verify_gather_order=verify_gather_order, weights=weights, replicate=replicate,
+                                  secondary=secondary, **groups_kw)
         finally:
             if pending is not None:
                 weights.close()
     else:
-        engine = ZeroEngine(model, groups, config, comm, device, bucket_units=units, **groups_kw)
+        engine = ZeroEngine(model, groups, config, comm, device, bucket_units=units, replicate=replicate, **groups_kw)
     if tp_group is not None:
         engine.norm_group = Communicator(tp_group, device=device)
     if hasattr(model, "_set_gradient_checkpointing"):
@@ -198,6 +213,63 @@ def _check_sequence_parallel(model: nn.Module, config: ZeroConfig, group: dist.P
 
 def _is_positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _shard_groups(config: ZeroConfig, process_group: dist.ProcessGroup | None,
+                  replicate_group: dist.ProcessGroup | None,
+                  tp_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """The shard group ZeRO runs over and the replicate group (None: flat), checked before any collective.
+    With ``config.shard_size`` over the whole world, builds the dp_replicate x dp_shard mesh (a collective
+    every rank reaches at the same point: here)."""
+    if replicate_group is not None:
+        shard = dist.get_world_size(process_group)
+        if config.shard_size not in (0, shard):
+            raise ConfigError(f"hfzero.prepare: config.shard_size={config.shard_size} but the shard group passed as "
+                              f"process_group has {shard} rank(s)")
+        return process_group, replicate_group
+    if not config.shard_size or not (dist.is_available() and dist.is_initialized()):
+        if config.shard_size > 1:
+            raise ConfigError(f"hfzero.prepare: shard_size={config.shard_size} needs torch.distributed initialized "
+                              f"with a world that it divides; launch with `hfzero run` or torchrun")
+        return process_group, None
+    from hfzero.parallel.mesh import build_shard_mesh, check_shard_size
+
+    dp_size = dist.get_world_size(process_group)
+    check_shard_size(dp_size, config.shard_size)
+    if config.shard_size == dp_size:
+        return process_group, None  # one shard group: flat ZeRO
+    whole_world = process_group is None or dist.get_world_size(process_group) == dist.get_world_size()
+    if tp_size > 1 or not whole_world:
+        raise ConfigError("hfzero.prepare: shard_size (HSDP) over a sub-group (pipeline or tensor parallelism) is not "
+                          "built yet; use shard_size with plain data parallelism, or build the mesh yourself and "
+                          "pass process_group=<shard group>, replicate_group=<replicate group>")
+    mesh = build_shard_mesh(config.shard_size)
+    logger.info("HSDP: model states sharded over %d rank(s), replicated %d times (dp_replicate x dp_shard mesh)",
+                mesh.shard_size, mesh.replicate_size)
+    return mesh.shard_group, mesh.replicate_group
+
+
+def _node_comm(comm: Communicator, process_group: dist.ProcessGroup | None,
+               replicate: Communicator | None) -> Communicator | None:
+    """hpZ: a communicator over this rank's node inside ``comm``'s group (sharing its statistics), or None when
+    the group lies inside one node (nothing would change). Every rank creates every node's group, in order (a
+    collective of the world). Supported where nodes cut the group into whole blocks of consecutive ranks: the
+    world group, or an HSDP shard group of a multiple of the ranks per node."""
+    per_node = comm.ranks_per_node
+    if comm.node_crossings == 0:
+        logger.info("secondary_partition: the group of %d rank(s) lies inside one node; nothing to do", comm.world_size)
+        return None
+    ranks = comm.global_ranks
+    blocks = ranks == list(range(ranks[0], ranks[0] + len(ranks))) and ranks[0] % per_node == 0
+    if not blocks or len(ranks) % per_node or (replicate is None and len(ranks) != dist.get_world_size()):
+        raise ConfigError("hfzero.prepare: secondary_partition (hpZ) over a sub-group (pipeline or tensor "
+                          "parallelism) is not built yet; use it with plain data parallelism or HSDP")
+    mine = None
+    for node in range(dist.get_world_size() // per_node):
+        group = dist.new_group(list(range(node * per_node, (node + 1) * per_node)))
+        if node == dist.get_rank() // per_node:
+            mine = comm.on_group(group)
+    return mine
 
 
 def _check_process_group(group: dist.ProcessGroup | None) -> None:

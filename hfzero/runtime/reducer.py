@@ -120,6 +120,10 @@ class GradientReducer:
         self.policy = policy
         self.sink = sink
         """Where reduced slices go when the optimizer is offloaded (None: they stay on the device)."""
+        self.replicate: Communicator | None = None
+        """HSDP (set by the engine): late gradients reduced at the step are all-reduced over it before they are
+        added to the shard, whose earlier sums the step already all-reduced (See [Note: hierarchical
+        sharding] in engine.py)."""
         self.sync = True
         self.state = GradState.EMPTY
         self.grad_full: torch.Tensor | None = None
@@ -414,6 +418,8 @@ class GradientReducer:
         if self.stage == 1:
             source[:lo].zero_()  # See [Note: gradient sums]
             source[hi:].zero_()
+        if self.replicate is not None and self._late.get(bucket.index) is source:
+            self.replicate.all_reduce(source[lo:hi])
         copied = self.sink.push(bucket, source[lo:hi]) if self.sink is not None else None
         if self.stage < 2:
             return

@@ -95,7 +95,7 @@ def train_zero(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
     model, optimizer = hfzero.prepare(model, torch.optim.AdamW(param_groups(model), lr=spec.lr), config)
     engine = hfzero.get_engine(model)
     scheduler = _schedule(optimizer)
-    losses, skipped, peak_states, comm_steps = [], [], 0, []
+    losses, skipped, peak_states, comm_steps, node_bytes = [], [], 0, [], []
     for step, batch in enumerate(token_batches(spec.steps, spec.global_batch, spec.seq_len)):
         before = engine.comm.stats()
         total = torch.zeros(())
@@ -121,6 +121,9 @@ def train_zero(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
         after = engine.comm.stats()
         moved = {k: after[k].elements - (before[k].elements if k in before else 0) for k in after}
         comm_steps.append({k: v for k, v in moved.items() if v})
+        node_bytes.append({k: [after[k].intra_node_bytes - (before[k].intra_node_bytes if k in before else 0),
+                               after[k].inter_node_bytes - (before[k].inter_node_bytes if k in before else 0)]
+                           for k in after if moved[k]})
         if world_size > 1:
             dist.all_reduce(total)
             total /= world_size
@@ -133,9 +136,11 @@ def train_zero(rank: int, world_size: int, spec: TrainSpec) -> dict[str, Any]:
         "peak_model_state_bytes": peak_states,
         "roles": {k.value: v for k, v in engine.memory_by_role().items()},
         "comm_per_step": comm_steps,
+        "node_bytes_per_step": node_bytes,  # per step and kind: [intra, inter] bytes (See [Note: node traffic])
         "num_params": engine.num_params,
         "accumulation_policy": engine.accumulation,
         "num_params_padded": engine.num_params_padded,
+        "shard_numel": engine.layout.shard_numel,
         "buckets": len(engine.layout.buckets),
     }
 

@@ -86,7 +86,8 @@ class Stage3Engine(ZeroEngine):
                  comm: Communicator, device: torch.device, *, units: Sequence[str] | None = None,
                  verify_gather_order: bool = True, weights: WeightSource | None = None,
                  average_over: int | None = None, replica_comm: Communicator | None = None,
-                 check_comm: Communicator | None = None):
+                 check_comm: Communicator | None = None, replicate: Communicator | None = None,
+                 secondary: Communicator | None = None):
         self._weights = weights  # see [Note: stage-3 sharded construction] in weights.py
         trainable = {p for group in param_groups for p in group if p.requires_grad}
         # See [Note: stage-3 frozen parameters]
@@ -98,9 +99,12 @@ class Stage3Engine(ZeroEngine):
                 persistent = local_tensor(p).numel() < config.param_persistence_threshold
                 self._unit_of[p] = _PERSISTENT if persistent else spec.index
         self.gather_comm, verify_comm = _gather_group_comms(comm)
+        self.secondary = secondary if secondary is not None and secondary.world_size > 1 else None
+        """hpZ: the node's communicator for backward gathers from the secondary partition (None: off). See
+        [Note: secondary partition] in unit.py."""
         self._verify_gather_order = verify_gather_order
         super().__init__(model, param_groups, config, comm, device, average_over=average_over,
-                         replica_comm=replica_comm, check_comm=check_comm)
+                         replica_comm=replica_comm, check_comm=check_comm, replicate=replicate)
         self.gather_pool = GatherBufferPool(self.policy.param_dtype, device)
         self.units = [self._make_unit(spec) for spec in self.unit_specs]
         partitioned_frozen = set(self.frozen_layout.slots)
@@ -120,7 +124,8 @@ class Stage3Engine(ZeroEngine):
         self.reducer.launch_on_fill = False
         check = self.check_comm
         self.step_check = None if check.world_size == 1 else StepCheck(check.on_group(check.group, share_stats=False),
-                                                                       len(self.layout.buckets))
+                                                                       len(self.layout.buckets),
+                                                                       replicate=self._check_replicas())
         """The step's one check collective (gather order, late gradients): See [Note: stage-3 step check]."""
         self.scheduler.on_unit_done = lambda unit: self.reducer.force_ready(unit.buckets)
         self._partitioned = {p for p, unit in self._unit_of.items() if unit != _PERSISTENT}
@@ -187,14 +192,14 @@ class Stage3Engine(ZeroEngine):
 
     def _broadcast_untracked(self) -> None:
         """Rank 0's buffers and whole parameters outside both layouts (frozen ones below the threshold)."""
-        if self.world_size == 1:
+        if self.world_size == 1 and self.replicate is None:
             return
         placed = set(self.layout.slots) | set(self.frozen_layout.slots)
         for p in dict.fromkeys(self.model.parameters()):
             if p not in placed:
-                self.comm.broadcast(local_tensor(p).data)
+                self._broadcast(local_tensor(p).data)
         for b in self.model.buffers():
-            self.comm.broadcast(b)
+            self._broadcast(b)
 
     def _place_params(self) -> None:
         """Sync each bucket from rank 0, keep this rank's slice (or all of a persistent bucket)."""
@@ -229,7 +234,7 @@ class Stage3Engine(ZeroEngine):
         full = torch.zeros(bucket.padded, dtype=self.policy.param_dtype, device=self.device)
         for slot in bucket.slots:
             full[slot.offset: slot.offset + slot.numel].copy_(local_tensor(slot.param).detach().reshape(-1))
-        self.comm.broadcast(full)
+        self._broadcast(full)
         return full
 
     def _fill(self, bucket: Bucket, lo: int, hi: int, out: torch.Tensor, full: torch.Tensor | None) -> None:
@@ -244,7 +249,7 @@ class Stage3Engine(ZeroEngine):
         frozen = [b for b in self.frozen_layout.buckets if self._unit_of[b.slots[0].param] == spec.index]
         return GatherUnit(spec.index, spec.name, spec.module, [(b, self._shard_views[b.index]) for b in buckets],
                           [(b, self._frozen_views[b.index]) for b in frozen], self.gather_comm,
-                          self.policy.param_dtype, self.device, self.gather_pool)
+                          self.policy.param_dtype, self.device, self.gather_pool, secondary=self.secondary)
 
     def _gather_pool_limit(self) -> int:
         """Bytes the gather pool may hold: the most gathered at once (``stage3_gathered_numel``: the
@@ -306,6 +311,7 @@ class Stage3Engine(ZeroEngine):
             MemoryRole.PARAM_SHARD: (self.param_shard.numel() + self.frozen_shard.numel()) * element,
             MemoryRole.PARAM_FULL: roles.get(MemoryRole.PARAM_FULL, 0) + self.persistent_flat.numel() * element,
             MemoryRole.PARAM_GATHERED: sum(u.resident_bytes() for u in self.units),
+            MemoryRole.PARAM_SECONDARY: sum(u.secondary_bytes() for u in self.units),
             MemoryRole.COMM_BUFFER: roles.get(MemoryRole.COMM_BUFFER, 0) + self.gather_pool.idle_bytes(),
         }
         roles.update(extra)

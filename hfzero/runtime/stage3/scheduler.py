@@ -108,6 +108,9 @@ class UnitScheduler:
         self.verify_comm = verify_comm
         self.prefetch_numel = prefetch_numel
         self.phase = Phase.IDLE
+        self._secondary_window = False
+        """From a training forward's start until its backward begins: releases keep hpZ's secondary partition
+        (See [Note: secondary partition] in unit.py)."""
         self.orders: dict[Phase, list[int]] = {Phase.FORWARD: [], Phase.BACKWARD: []}
         self._pass: _Pass | None = None
         self._in_use: list[int] = []  # units between their pre- and post-forward (a stack)
@@ -150,9 +153,17 @@ class UnitScheduler:
         return sum(u.numel for u in self.units if u.state is not UnitState.SHARDED)
 
     def release_all(self) -> None:
+        """Release every unit and drop hpZ's secondary partitions (the parameters are about to change)."""
         self._carry.clear()
+        self._secondary_window = False
         for unit in self.units:
             unit.release()
+            unit.drop_secondary()
+
+    def _release(self, unit: GatherUnit) -> None:
+        """Release ``unit``, keeping its secondary partition inside a training forward (hpZ; See [Note:
+        secondary partition] in unit.py)."""
+        unit.release(keep_secondary=self._secondary_window)
 
     def begin_planned_step(self, plan: list[Phase] | None) -> None:
         """Start a step whose passes follow ``plan`` (the kinds of the previous such step's passes, or None
@@ -166,7 +177,7 @@ class UnitScheduler:
         passes, self._step_passes, self.pass_plan = self._step_passes or [], None, []
         for index in sorted(self._carry):
             self._log("release", self.units[index])
-            self.units[index].release()
+            self._release(self.units[index])
         self._carry.clear()
         return passes
 
@@ -197,6 +208,7 @@ class UnitScheduler:
             if unit is self.root and self.phase is Phase.IDLE:
                 self.phase = Phase.FORWARD
                 self._pass = _Pass(self.orders[Phase.FORWARD], torch.is_grad_enabled())
+                self._secondary_window = torch.is_grad_enabled()  # the same on every rank
                 self._carry = set()  # units carried into this pass are its own now
             self._enter(unit)
         return eager_hook(hook)  # See [Note: compiled regions] in runtime/compile.py
@@ -256,7 +268,7 @@ class UnitScheduler:
                     t.register_hook(self._hook_pre_backward(unit))
         self._log("forward_end", unit)
         if unit.index not in self._in_use and not self.keep_gathered:
-            unit.release()
+            self._release(unit)
 
     def _hook_pre_backward(self, unit: GatherUnit) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -292,12 +304,13 @@ class UnitScheduler:
                 self.on_unit_done(unit)
             if not self.keep_gathered:
                 self._log("release", unit)
-                unit.release()
+                self._release(unit)
 
     # ---- passes ---------------------------------------------------------------------------------
     def _begin_backward(self) -> None:
         if self.phase is Phase.FORWARD:  # backward inside the root's forward: end that pass first
             self._end_pass(Phase.FORWARD, _END_FORWARD)
+        self._secondary_window = False  # backward releases drop the secondary partitions
         self.phase = Phase.BACKWARD
         self._graph_task = torch._C._current_graph_task_id()
         self._pass = _Pass(self.orders[Phase.BACKWARD], True)
@@ -319,7 +332,7 @@ class UnitScheduler:
         for unit in self.units:
             if unit.state is not UnitState.SHARDED and not self.keep_gathered and unit.index not in self._carry:
                 self._log("release", unit)
-                unit.release()
+                self._release(unit)
         issued = current.issued if current is not None else []
         if current is not None and current.seen != current.recorded:
             if current.recorded:

@@ -34,8 +34,11 @@ from hfzero.comm import Communicator
 class StepCheck:
     """The packed all-reduce of [Note: stage-3 step check]. Memory: one int64 tensor of 3 + B elements."""
 
-    def __init__(self, comm: Communicator, num_buckets: int):
+    def __init__(self, comm: Communicator, num_buckets: int, *, replicate: Communicator | None = None):
         self.comm = comm
+        self.replicate = replicate
+        """HSDP: the replicate group, over which the shard group's MAX is reduced once more before the read (the
+        whole data-parallel world agrees; See [Note: hierarchical sharding] in runtime/engine.py)."""
         self._values = torch.zeros(3 + num_buckets, dtype=torch.int64, device=comm.device)
 
     def run(self, fingerprint: int, late: Iterable[int],
@@ -53,5 +56,7 @@ class StepCheck:
             values[3 + index].fill_(1)
         if self.comm.world_size > 1:
             self.comm.all_reduce(values, op=dist.ReduceOp.MAX)
+        if self.replicate is not None:
+            self.replicate.all_reduce(values, op=dist.ReduceOp.MAX)
         read = values.tolist()  # the step's one host synchronization
         return read[0] == -read[1], [i for i, flag in enumerate(read[3:]) if flag], read[2] > 0

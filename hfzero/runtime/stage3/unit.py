@@ -9,6 +9,17 @@ storage before any of them is read. Between uses the parameters point at a 0-ele
 their dtype, so nothing can read stale or freed memory through them. With a buffer pool the
 storage's memory is borrowed for each gather instead of allocated; see [Note: stage-3 gather
 buffers] in buffers.py, which keeps this guarantee.
+
+[Note: secondary partition]
+hpZ (ZeRO++, ``ZeroConfig.secondary_partition``): a unit released in a training forward first copies the
+node-local slice of its gathered buffer, ``full.view(ranks_per_node, -1)[node_rank]`` per bucket (buckets are
+padded to a multiple of the group size, which the ranks per node divide), into ``_secondary_parts``
+(PARAM_SECONDARY). The next gather of that unit (its backward, or an activation-checkpoint recomputation)
+all-gathers those slices over the node's communicator (every rank of the node holds a different slice of the
+same values) instead of the shards over the whole group, so it never leaves the node. A release outside the
+forward window (the backward being done with the unit) drops the slices, and the scheduler drops them all
+whenever the parameters change (``release_all``: the step, a load, a failed pass). Which gathers use the node
+is the same on every rank (the scheduler's window is), so collective order stays rank-independent.
 """
 
 from __future__ import annotations
@@ -44,11 +55,15 @@ class GatherUnit:
 
     def __init__(self, index: int, name: str, module: nn.Module, buckets: list[tuple[Bucket, torch.Tensor]],
                  frozen: list[tuple[Bucket, torch.Tensor]], comm: Communicator, dtype: torch.dtype,
-                 device: torch.device, pool: GatherBufferPool | None = None):
+                 device: torch.device, pool: GatherBufferPool | None = None, secondary: Communicator | None = None):
         """``buckets``/``frozen``: (bucket, this rank's shard slice of it) for the unit's trainable and
         frozen buckets; both are gathered into one full buffer (see [Note: stage-3 frozen parameters]).
         ``pool``: where the full buffer's memory is borrowed from per gather (see [Note: stage-3 gather
-        buffers]); None keeps today's storage resize."""
+        buffers]); None keeps today's storage resize. ``secondary``: the node's communicator for hpZ (See
+        [Note: secondary partition])."""
+        self.secondary = secondary
+        self._secondary_parts: list[torch.Tensor] | None = None
+        """hpZ: this rank's node-local slice of each target, kept from a training forward to its backward."""
         self.index = index
         self.name = name
         self.module = module
@@ -84,9 +99,23 @@ class GatherUnit:
         """Bytes of the full buffer while allocated (PARAM_GATHERED), else 0."""
         return 0 if self.state is UnitState.SHARDED else self._nbytes
 
+    def secondary_bytes(self) -> int:
+        """Bytes of the hpZ secondary partition held now (PARAM_SECONDARY), else 0."""
+        return 0 if self._secondary_parts is None else sum(p.numel() for p in self._secondary_parts) * self.full.element_size()
+
+    def drop_secondary(self) -> None:
+        """Forget the secondary partition (the parameters changed, or the backward is done with the unit)."""
+        self._secondary_parts = None
+
+    def _keep_secondary(self) -> None:
+        """Copy this rank's node-local slice of the gathered unit (See [Note: secondary partition])."""
+        size, rank = self.secondary.world_size, self.secondary.rank
+        self._secondary_parts = [full.view(size, -1)[rank].clone() for full, _ in self._targets]
+
     def start_gather(self) -> None:
         """Give the full buffer memory (a pool buffer, else a fresh allocation) and launch its
-        all-gathers (asynchronously); no-op unless SHARDED."""
+        all-gathers (asynchronously): from the shards over the group, or with a secondary partition held
+        (hpZ) from it over the node; no-op unless SHARDED."""
         if self.state is not UnitState.SHARDED:
             return
         if self.pool is None:
@@ -94,7 +123,11 @@ class GatherUnit:
         else:  # See [Note: stage-3 gather buffers]
             self._borrowed = self.pool.borrow(self._nbytes)
             self.full.untyped_storage()._swap_data_ptr_(self._borrowed)
-        self._handles = [self.comm.all_gather(full, shard, async_op=True) for full, shard in self._targets]
+        if self._secondary_parts is not None:  # See [Note: secondary partition]
+            self._handles = [self.secondary.all_gather(full, part, async_op=True)
+                             for (full, _), part in zip(self._targets, self._secondary_parts)]
+        else:
+            self._handles = [self.comm.all_gather(full, shard, async_op=True) for full, shard in self._targets]
         self.state = UnitState.GATHERING
 
     def wait(self) -> None:
@@ -108,11 +141,16 @@ class GatherUnit:
             local_tensor(param).data = view
         self.state = UnitState.GATHERED
 
-    def release(self) -> None:
-        """Drop the full buffer (the shard stays); no-op when SHARDED."""
+    def release(self, keep_secondary: bool = False) -> None:
+        """Drop the full buffer (the shard stays); no-op when SHARDED. ``keep_secondary`` (a training forward's
+        release, with hpZ): keep the node-local slice for the backward; otherwise any secondary is dropped."""
         if self.state is UnitState.SHARDED:
             return
         self.wait()
+        if keep_secondary and self.secondary is not None:
+            self._keep_secondary()
+        else:
+            self._secondary_parts = None
         self._point_at_empty()
         self._free_storage()
         self.state = UnitState.SHARDED
