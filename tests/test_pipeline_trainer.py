@@ -7,6 +7,13 @@ from_pretrained loads and that equal DDP's, and a PP checkpoint resumed at pp=1 
 next losses equal. Stage 1 runs the GPipe schedule, stages 2 and 3 1F1B (the default). The stage-2 run is
 profiled (--zero_profile_dir): every record carries its (pp, dp) coordinates, and the per-stage memory,
 communication and bubble figures hold against the cost model; it logs the global batch over dp replicas.
+
+train_clm.py's GPT-2 has no loss type transformers maps, so the Trainer counts every label (T per row of T
+tokens) and DDP divides the shifted token-loss sum by T: a pipeline recounting labels the same way matched it.
+The token-divisor cases (one spawn each for ZeroTrainer pp=2 x dp=1 and transformers' own Trainer in one
+process) train a tiny Llama, whose loss is ForCausalLMLoss (the Trainer counts ``labels[..., 1:]``, T - 1 per
+row), on rows whose labels are all valid and on rows with -100 labels: equal losses, gradient norms, evaluation
+losses and trained weights.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 from test_integration_common import STEPS, assert_losses_match, clm_args, hfzero_run, losses, run_variants
+
+from hfzero.testing import run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -120,3 +129,80 @@ def test_profile_under_pp_has_coordinates_and_per_stage_figures(runs: dict[str, 
 def test_batch_size_log_counts_data_parallel_replicas(runs: dict[str, Path]) -> None:
     """pp=2 x dp=2: per-device 2 x accumulation 2 x 2 replicas = 8 (the world of 4 would say 16), DDP's figure."""
     assert "Total train batch size (w. parallel, distributed & accumulation) = 8" in runs["profiled_log"].read_text()
+
+
+# ---- the token divisor: a model whose loss shifts the labels, rows with and without -100 labels -------------
+DIVISOR_CASES = ("all_valid", "ignored")
+SEQ, TRAIN_ROWS, EVAL_ROWS = 16, 24, 8
+
+
+def _divisor_rows(case: str) -> list[dict[str, torch.Tensor]]:
+    """Random token rows; "ignored": a prefix and a suffix of each row's labels -100, of lengths varying by row
+    (so the micro-batches of a step hold different numbers of targets), the attention whole (PP's condition)."""
+    from hfzero.testing.models import VOCAB
+
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (TRAIN_ROWS + EVAL_ROWS, SEQ), generator=g)
+    rows = []
+    for i, row in enumerate(ids):
+        labels = row.clone()
+        if case == "ignored":
+            labels[: i % 5] = -100
+            labels[SEQ - (3 * i) % 7:] = -100
+        rows.append({"input_ids": row, "labels": labels})
+    return rows
+
+
+def _divisor_trainer(rank: int, world: int, case: str, out_dir: str) -> dict:
+    """Three steps of 8 rows (per-device 4 x accumulation 2: the pipeline's 2 micro-batches), an evaluation at
+    the end; ZeroTrainer at pp=2 x dp=1 (ZeRO-2, 1F1B) on 2 ranks, transformers' Trainer on 1."""
+    from transformers import Trainer, TrainingArguments
+
+    import hfzero
+    from hfzero.testing.models import tiny_causal_lm
+
+    common = dict(output_dir=out_dir, max_steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                  per_device_eval_batch_size=4, eval_strategy="steps", eval_steps=3, learning_rate=1e-3,
+                  max_grad_norm=1.0, logging_steps=1, report_to="none", disable_tqdm=True, save_strategy="no",
+                  seed=0, lr_scheduler_type="constant", use_cpu=True)
+    model = tiny_causal_lm("llama")
+    rows = _divisor_rows(case)
+    data = dict(train_dataset=rows[:TRAIN_ROWS], eval_dataset=rows[TRAIN_ROWS:])
+    if world == 1:
+        trainer = Trainer(model=model, args=TrainingArguments(**common), **data)
+    else:
+        args = hfzero.ZeroTrainingArguments(**common, zero_stage=2, zero_pp_size=2)
+        trainer = hfzero.ZeroTrainer(model=model, args=args, **data)
+    trainer.train()
+    history = trainer.state.log_history
+    weights = (trainer.pipeline.full_state_dict() if world > 1
+               else {n: t.detach().clone() for n, t in trainer.model.state_dict().items()})
+    return {key: {h["step"]: h[key] for h in history if key in h} for key in ("loss", "grad_norm", "eval_loss")} | {
+        "weights": weights}
+
+
+def _divisor_runs(rank: int, world: int, out_dir: str) -> dict[str, dict]:
+    return {case: _divisor_trainer(rank, world, case, f"{out_dir}/{case}") for case in DIVISOR_CASES}
+
+
+@pytest.fixture(scope="module")
+def divisor_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    root = tmp_path_factory.mktemp("pp_divisor")
+    reference = run_distributed(_divisor_runs, 1, str(root / "reference"), timeout=600)[0]
+    pipelined = run_distributed(_divisor_runs, 2, str(root / "pp"), timeout=600)[0]
+    return pipelined, reference
+
+
+@pytest.mark.parametrize("case", DIVISOR_CASES)
+def test_token_divisor_is_the_trainers_count(divisor_runs: tuple[dict, dict], case: str) -> None:
+    """The Trainer counts T - 1 targets per all-valid row of this Llama (and fewer with -100 labels); the
+    pipeline divided its shifted token-loss sum by T per row before (losses and gradient norms 15/16 of DDP's
+    on these 16-token rows). Its per-step losses, gradient norms (before clipping) and evaluation loss equal the
+    one-process Trainer's, and so do the trained weights (the saved models' bound above)."""
+    got, want = divisor_runs[0][case], divisor_runs[1][case]
+    assert sorted(want["loss"]) == [1, 2, 3] and sorted(want["eval_loss"]) == [3]
+    for key in ("loss", "grad_norm", "eval_loss"):
+        assert_losses_match(got[key], want[key], rel=1e-5)
+    assert got["weights"].keys() == want["weights"].keys() - {"lm_head.weight"}  # the tied embedding once
+    for name, tensor in got["weights"].items():
+        torch.testing.assert_close(tensor, want["weights"][name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

@@ -445,7 +445,7 @@ class ZeroTrainer(Trainer):
             ids.shape[0], len(self._pending), resolve_schedule(self.pipeline_config.schedule),
             self.pipeline_config.pp_size)  # the accumulated batches, split further when fewer than the stages
         self._pending = []
-        divisor = self._token_divisor(labels) if num_items_in_batch is not None else None
+        divisor = self._token_divisor(num_items_in_batch) if num_items_in_batch is not None else None
         loss = pipe.forward_backward(ids, labels, n_microbatches=n_micro, token_divisor=divisor)
         return torch.tensor(loss, device=self.args.device)
 
@@ -459,21 +459,25 @@ class ZeroTrainer(Trainer):
         if not prediction_loss_only:
             raise ConfigError("ZeroTrainer: under pipeline parallelism evaluation computes the loss only; drop "
                               "compute_metrics / --prediction_loss_only false")
-        ids, labels = _pipeline_batch([self._prepare_inputs(inputs)])
-        divisor = self._token_divisor(labels) if self.model_accepts_loss_kwargs else None
+        inputs = self._prepare_inputs(inputs)
+        ids, labels = _pipeline_batch([inputs])
+        counted = self._get_num_items_in_batch([inputs], self.args.device)  # as the Trainer's prediction_step
+        divisor = self._token_divisor(counted) if counted is not None else None
         loss = pipe.evaluate(ids, labels, over_dp=False, token_divisor=divisor)
         return torch.tensor(loss, device=self.args.device), None, None
 
-    def _token_divisor(self, labels: torch.Tensor) -> float:
-        """The Trainer's loss normalization (``num_items_in_batch``: labels counted, ``-100`` excluded) as the
-        pipeline's token divisor: with ``average_tokens_across_devices`` the count over the global batch / dp
-        (each replica's share; the dp mean is then sum / count, as DDP's), else this replica's count."""
-        pipe = self.pipeline
-        count = labels.ne(-100).sum().reshape(1).to(pipe.dp_scalars.device, torch.float32)
-        if self.args.average_tokens_across_devices:
-            pipe.dp_scalars.all_reduce(count)
-            count /= pipe.mesh.dp_size
-        return float(count)
+    def _token_divisor(self, num_items_in_batch: Any) -> float:
+        """The Trainer's token count as the pipeline's divisor: with ``average_tokens_across_devices`` the
+        count over the global batch / dp (each replica's share; the dp mean is then sum / count, as DDP's),
+        else this replica's count.
+
+        The count is the Trainer's own ``num_items_in_batch`` (``_get_num_items_in_batch``, gathered with one
+        copy per replica by ``ZeroAccelerator.gather``), never recounted here: the Trainer alone decides which
+        labels the loss averages over (transformers 5 counts ``labels[..., 1:]`` for a model whose loss is
+        ``ForCausalLMLoss``, e.g. Llama, and all labels for one whose ``loss_type`` it does not map, e.g.
+        GPT-2), so the pipeline's shifted token-loss sum is divided by what DDP divides it by."""
+        count = float(num_items_in_batch)
+        return count / self.pipeline.mesh.dp_size if self.args.average_tokens_across_devices else count
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """At stage 3, or under pipeline parallelism, every rank gathers the full weights first (a
