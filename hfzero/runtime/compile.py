@@ -53,9 +53,14 @@ def eager_hook(fn: _F) -> _F:
 
 def region_names(model: nn.Module) -> list[str]:
     """The modules ``compile_regions`` compiles: the children of the model's block stacks (the decoder
-    blocks, the stage-3 units by default; see [Note: stage-3 units])."""
+    blocks, the stage-3 units by default; see [Note: stage-3 units]). A pipeline's stage module (``pipe.module``:
+    a DecoderStage, or the StageChunks of a multi-stage schedule) names its own blocks."""
+    from hfzero.parallel.pipeline.split import DecoderStage
     from hfzero.runtime.stage3.units import default_unit_names  # stage3 imports this module
 
+    stages = [(name, m) for name, m in model.named_modules() if isinstance(m, DecoderStage)]
+    if stages:
+        return [f"{name}.{block}" if name else block for name, stage in stages for block in stage.block_names]
     return default_unit_names(model)
 
 
@@ -79,6 +84,7 @@ def compile_regions(model: nn.Module, names: list[str] | None = None, **compile_
     if unknown:
         raise ConfigError(f"hfzero.compile_regions: {unknown} are not submodules of the model; pass names from "
                           "model.named_modules(), e.g. 'model.layers.0'")
+    check_no_tensor_parallel(model, names)
     for name in names:
         module = modules[name]
         if getattr(module, _COMPILED_ATTR, None) is not None:
@@ -92,6 +98,30 @@ def compile_regions(model: nn.Module, names: list[str] | None = None, **compile_
     logger.info("compiled %d block(s) in place (%s ... %s) with %s", len(names), names[0], names[-1],
                 compile_kwargs or "torch.compile's defaults")
     return model
+
+
+TP_REFUSAL = ("torch.compile of tensor-parallel blocks under hfzero is not supported: hfzero keeps each DTensor "
+              "parameter's local shard in its flat buffer, and dynamo (torch {version}) fails to fake such a DTensor "
+              "('Attempted to set the storage of a tensor on device \"cpu\" to a storage on different device "
+              "\"meta\"'). Train tensor parallelism eagerly (tp_size=1 to compile, or do not compile), or use "
+              "pipeline parallelism with compile_regions(pipe.module)")
+
+
+def check_no_tensor_parallel(model: nn.Module, names: list[str]) -> None:
+    """Refuse compiling blocks with DTensor (tensor-parallel) parameters; see docs/compile.md."""
+    from torch.distributed.tensor import DTensor
+
+    modules = dict(model.named_modules())
+    if any(isinstance(p, DTensor) for name in names for p in modules[name].parameters()):
+        raise ConfigError("hfzero.compile_regions: " + TP_REFUSAL.format(version=torch.__version__))
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """True when ``model`` is a ``torch.compile`` wrapper or holds blocks ``compile_regions`` compiled."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(isinstance(m, OptimizedModule) or getattr(m, _COMPILED_ATTR, None) is not None
+               for m in model.modules())
 
 
 def checkpointed_body(function: Callable[..., Any]) -> Callable[..., Any]:
