@@ -3,7 +3,8 @@ after ``hfzero.pipeline`` trains as eagerly, with no graph break and no recompil
 (DTensor) blocks is refused with a ConfigError, in either order.
 
 One spawn (2 gloo ranks) runs every case: a tiny Llama (2 blocks, hidden 32), fp32, 3 steps, clipping at 0.5.
-Pipeline: pp=2 x dp=1 at ZeRO stage 1, 1F1B over 2 micro-batches, the block of each rank's stage compiled;
+Pipeline: pp=2 x dp=1 at ZeRO stages 1 and 3 (stage 3 with every parameter partitioned and gathered per
+micro-batch: stage3_gather="micro"), 1F1B over 2 micro-batches, the block of each rank's stage compiled;
 trained once eagerly and once compiled, every loss and every final (whole) parameter agree within 1e-6. The
 backend is "aot_eager" (dynamo + AOTAutograd: the layers where guards, graph breaks and the pipeline's
 autograd matter), wrapped to count compiled forward runs so the case cannot pass by compiling nothing;
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 WARMUP = 2
 CLIP = 0.5
-CASES = {"pp2-stage1": 1}  # name: ZeRO stage
+CASES = {"pp2-stage1": 1, "pp2-stage3": 3}  # name: ZeRO stage
 TP_ORDERS = ["after", "before"]
 
 
@@ -59,9 +60,9 @@ def _pp(rank: int, stage: int, backend):
     from hfzero.testing.pipeline import stage_params
 
     model = tiny_causal_lm("llama")
-    pipe = hfzero.pipeline(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                           hfzero.ZeroConfig(stage=stage, dtype="fp32"), pp_size=2, schedule="1F1B",
-                           n_microbatches=2)
+    config = hfzero.ZeroConfig(stage=stage, dtype="fp32", param_persistence_threshold=0)
+    pipe = hfzero.pipeline(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config, pp_size=2,
+                           schedule="1F1B", n_microbatches=2, stage3_gather="micro")
     if backend is not None:
         hfzero.compile_regions(pipe.module, backend=backend)
 
@@ -153,7 +154,8 @@ def test_no_graph_break_and_no_recompile_after_warmup(results: list[dict], name:
     for rank, out in enumerate(results):
         compiled = out[name]["compiled"]
         assert compiled["breaks"] == [], f"rank {rank}: graph breaks {compiled['breaks']}"
-        assert compiled["recompiled"] is None, f"rank {rank}: a guard failed after step {WARMUP}: {compiled['recompiled']}"
+        assert compiled["recompiled"] is None, \
+            f"rank {rank}: a guard failed after step {WARMUP}: {compiled['recompiled']}"
         assert compiled["new_graphs_after_warmup"] == 0, f"rank {rank}: new graphs after step {WARMUP}"
 
 
