@@ -9,8 +9,9 @@ trained once eagerly and once compiled, every loss and every final (whole) param
 backend is "aot_eager" (dynamo + AOTAutograd: the layers where guards, graph breaks and the pipeline's
 autograd matter), wrapped to count compiled forward runs so the case cannot pass by compiling nothing;
 inductor's code generation is not what is tested and would cost minutes of compilation on 2 CPU cores.
-TP: tp=2 x dp=1 at stage 1, ``compile_regions`` after ``prepare_tensor_parallel`` and before it: both refused
-(dynamo fails on the DTensor parameters whose local shards live in hfzero's flat buffer; see TP_REFUSAL).
+TP: tp=2 x dp=1 at stage 1, ``compile_regions`` after ``prepare_tensor_parallel`` and before it, and a
+ZeroAccelerator with tp_size=2 and a dynamo backend (the Trainer's `--torch_compile`): all refused (dynamo
+fails on the DTensor parameters whose local shards live in hfzero's flat buffer; see TP_REFUSAL).
 """
 
 from __future__ import annotations
@@ -126,7 +127,20 @@ def _cases(rank: int, world: int) -> dict:
         out[name] = {"eager": eager, "compiled": compiled}
     for order in TP_ORDERS:
         out[f"tp-{order}"] = _tp_refusal(order)
+    out["tp-accelerate"] = _accelerate_refusal()  # last: it creates accelerate's process-wide state
     return out
+
+
+def _accelerate_refusal() -> dict:
+    """ZeroAccelerator (the Trainer's `--torch_compile` path) with tp_size=2 and a dynamo backend: refused."""
+    import hfzero
+    from hfzero.integrations.accelerate import ZeroAccelerator
+
+    try:
+        ZeroAccelerator(zero_config=hfzero.ZeroConfig(stage=1, tp_size=2), dynamo_backend="aot_eager", cpu=True)
+    except hfzero.ConfigError as error:
+        return {"refusal": str(error)}
+    return {"refusal": None}
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +173,7 @@ def test_no_graph_break_and_no_recompile_after_warmup(results: list[dict], name:
         assert compiled["new_graphs_after_warmup"] == 0, f"rank {rank}: new graphs after step {WARMUP}"
 
 
-@pytest.mark.parametrize("order", TP_ORDERS)
+@pytest.mark.parametrize("order", [*TP_ORDERS, "accelerate"])
 def test_compiling_tensor_parallel_blocks_is_refused(results: list[dict], order: str) -> None:
     for rank, out in enumerate(results):
         error = out[f"tp-{order}"]["refusal"]

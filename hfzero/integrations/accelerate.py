@@ -171,6 +171,12 @@ class ZeroAccelerator(Accelerator):
             raise ConfigError(f"ZeroAccelerator: accelerate is configured for {self.distributed_type.value} "
                               "(accelerate config / ACCELERATE_USE_* environment); hfzero's ZeRO replaces it: "
                               "launch with `hfzero run` or plain torchrun instead")
+        dynamo = getattr(getattr(self.state.dynamo_plugin, "backend", None), "value", "NO")
+        if self.zero_config.tp_size > 1 and str(dynamo).upper() != "NO":
+            from hfzero.runtime.compile import TP_REFUSAL
+
+            raise ConfigError(f"ZeroAccelerator: tp_size={self.zero_config.tp_size} with torch.compile (dynamo "
+                              f"backend {dynamo}; --torch_compile): " + TP_REFUSAL.format(version=torch.__version__))
         self.pipeline_config = pipeline_config if pipeline_config is not None and pipeline_config.pp_size > 1 \
             else None
         if self.pipeline_config is not None and self.zero_config.tp_size > 1:
