@@ -118,3 +118,22 @@ def test_tensor_parallel_bad_input_is_a_clear_error():
     with pytest.raises(hfzero.ConfigError, match="GPT2LMHeadModel has no tensor-parallel plan.*Give one: "
                                                  "config.base_model_tp_plan = .*parallelize_module"):
         shard_model_and_optimizer(gpt2, torch.optim.SGD(gpt2.parameters(), lr=0.1), SimpleNamespace(tp_size=2))
+
+
+def test_combinations_not_built_are_refused_before_anything_starts():
+    """Expert x sequence parallelism (in ZeroConfig, so also on `hfzero run`), and pipeline() with a tensor-,
+    expert- or sequence-parallel config: refused by name before any mesh or collective."""
+    from pathlib import Path
+
+    from hfzero.integrations.launch import plan
+
+    with pytest.raises(hfzero.ConfigError, match="sp_size cannot be combined with ep_size > 1 yet"):
+        hfzero.ZeroConfig(ep_size=2, sp_size=2)
+    script = str(Path(__file__).resolve().parent / "scripts" / "llama_trainer.py")
+    with pytest.raises(hfzero.ConfigError, match="sp_size cannot be combined with ep_size > 1 yet"):
+        plan(["--nproc_per_node", "4", script, "--zero_ep_size", "2", "--zero_sp_size", "2"], environ={})
+    model = tiny_causal_lm("gpt2")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for name, what in (("tp_size", "tensor"), ("ep_size", "expert"), ("sp_size", "sequence")):
+        with pytest.raises(hfzero.ConfigError, match=rf"pipeline x {what} parallelism \({name} > 1\) is not built"):
+            hfzero.pipeline(model, optimizer, hfzero.ZeroConfig(**{name: 2}), pp_size=2)
