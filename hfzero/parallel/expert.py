@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from hfzero.comm import Communicator
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.logging import get_logger
-from hfzero.parallel.mesh import check_divides, split_world_mesh
+from hfzero.parallel.mesh import check_divides, initialized_world_size, split_world_mesh
 from hfzero.runtime.pending import find_pending
 
 if TYPE_CHECKING:
