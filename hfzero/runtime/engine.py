@@ -412,13 +412,22 @@ class ZeroEngine:
 
     def _find_unused_ranges(self) -> list[tuple[int, int, int]]:
         """(bucket index, start, end) ranges of master views whose parameters no rank used since the
-        last step (one all-reduce of a flag per parameter)."""
+        last step (one all-reduce of a flag per parameter; one more over the replicate group (HSDP) or
+        over ``replica_comm`` for the parameters replicated on it (EP))."""
         slots = list(self.layout.slots.values())
         flags = torch.tensor([slot.param in self.reducer.used for slot in slots], dtype=torch.uint8,
                              device=self.comm_device)
         self.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         if self.replicate is not None:  # used on any rank of the world
             self.replicate.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        if self.replica_comm is not None and self.replica_comm.world_size > 1:
+            # EP: a dense parameter's gradient is summed over the EP group too, so it is used when any rank of
+            # the world used it (else its replicas would drift apart); an expert's slot holds other experts
+            # on the other EP ranks, so its flag stays the edp group's
+            dense = torch.tensor([is_replicated_over_tp(slot.param) for slot in slots], dtype=torch.uint8,
+                                 device=self.comm_device) * flags
+            self.replica_comm.all_reduce(dense, op=torch.distributed.ReduceOp.MAX)
+            flags = torch.maximum(flags, dense)
         ranges = []
         for slot, used in zip(slots, flags.tolist()):
             if used:
