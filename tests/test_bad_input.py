@@ -137,3 +137,22 @@ def test_combinations_not_built_are_refused_before_anything_starts():
     for name, what in (("tp_size", "tensor"), ("ep_size", "expert"), ("sp_size", "sequence")):
         with pytest.raises(hfzero.ConfigError, match=rf"pipeline x {what} parallelism \({name} > 1\) is not built"):
             hfzero.pipeline(model, optimizer, hfzero.ZeroConfig(**{name: 2}), pp_size=2)
+
+
+def _one_rank_shard_groups(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    model = tiny_causal_lm("gpt2")
+    try:
+        hfzero.prepare(model, torch.optim.AdamW(model.parameters()), hfzero.ZeroConfig(stage=2),
+                       process_group=singles[rank], replicate_group=dist.group.WORLD)
+    except hfzero.ConfigError as err:
+        return str(err)
+    return "no error"
+
+
+def test_hsdp_shard_group_of_one_rank_is_refused():
+    """Like ZeroConfig(shard_size=1): a caller's own shard groups of one rank are refused on every rank."""
+    for message in run_distributed(_one_rank_shard_groups, 2, timeout=120):
+        assert "the shard group passed as process_group has one rank" in message, message

@@ -223,6 +223,10 @@ def _shard_groups(config: ZeroConfig, process_group: dist.ProcessGroup | None,
     every rank reaches at the same point: here)."""
     if replicate_group is not None:
         shard = dist.get_world_size(process_group)
+        if shard < 2 and dist.get_world_size(replicate_group) > 1:
+            raise ConfigError("hfzero.prepare: the shard group passed as process_group has one rank, so it shards "
+                              "nothing and the replicas' step checks would not run; pass a shard group of at least "
+                              "2 ranks, or use stage 0 (plain data parallelism) over the whole world")
         if config.shard_size not in (0, shard):
             raise ConfigError(f"hfzero.prepare: config.shard_size={config.shard_size} but the shard group passed as "
                               f"process_group has {shard} rank(s)")
