@@ -506,17 +506,13 @@ class ZeroEngine:
         return total
 
     def _replicated_norm_power(self, norm_type: float, device: torch.device) -> torch.Tensor:
-        """Sum of |g|^p over this rank's slice of the parameters replicated over the TP group."""
+        """Sum of |g|^p over this rank's slice of the parameters replicated over the TP group (tensor
+        parallelism) or over ``replica_comm`` (expert parallelism: the dense ones)."""
         total = torch.zeros((), device=device, dtype=torch.float32)
-        for slot in self.layout.slots.values():
-            if not is_replicated_over_tp(slot.param):
-                continue
-            bucket = self.layout.buckets[slot.bucket]
-            lo, hi = bucket.owned(self.rank) if self.layout.shard_world > 1 else (0, bucket.padded)
-            start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-            if start < end:
-                g = self.master_views[bucket.index].grad[start - lo: end - lo]
-                total = total + torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
+        for bucket in self.layout.buckets:
+            grad = self.master_views[bucket.index].grad
+            for start, end in self._owned_ranges(bucket, is_replicated_over_tp):
+                total = total + torch.linalg.vector_norm(grad[start:end], norm_type, dtype=torch.float32) ** norm_type
         return total
 
     def publish_params(self) -> None:
