@@ -136,6 +136,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     if ep_group is not None:  # See [Note: average_over] in engine.py
         groups_kw = {"average_over": average_over or dist.get_world_size(), "check_comm": comm.on_group(None),
                      "replica_comm": comm.on_group(ep_group)}
+    if ep_group is not None:  # the other edp groups too (their experts differ, not the shapes): the whole world
+        _check_ranks_agree(comm.on_group(ep_group, share_stats=False), config, model, optimizer, groups)
     if replicate is not None:  # the other shard groups too: the whole world passes the same
         _check_ranks_agree(replicate.on_group(replicate.group, share_stats=False), config, model, optimizer, groups)
     secondary = _node_comm(comm, process_group, replicate) if config.secondary_partition else None
