@@ -262,6 +262,8 @@ class ZeroConfig:
                "must be a positive integer (1: untiled)")
         _check(self.sp_size == 1 or self.tp_size == 1, "sp_size", self.sp_size,
                "cannot be combined with tp_size > 1 yet (tensor x sequence parallelism is not built); use one of them")
+        _check(self.sp_size == 1 or self.ep_size == 1, "sp_size", self.sp_size,
+               "cannot be combined with ep_size > 1 yet (expert x sequence parallelism is not built); use one of them")
         _check(not self.partition_activations or self.tp_size > 1, "partition_activations", True,
                "partitions activation checkpoints over the tensor-parallel group, where every rank holds the same "
                "checkpoint; with tp_size=1 (data parallelism alone) each rank's checkpoints are of its own batch, "

@@ -118,3 +118,41 @@ def test_tensor_parallel_bad_input_is_a_clear_error():
     with pytest.raises(hfzero.ConfigError, match="GPT2LMHeadModel has no tensor-parallel plan.*Give one: "
                                                  "config.base_model_tp_plan = .*parallelize_module"):
         shard_model_and_optimizer(gpt2, torch.optim.SGD(gpt2.parameters(), lr=0.1), SimpleNamespace(tp_size=2))
+
+
+def test_combinations_not_built_are_refused_before_anything_starts():
+    """Expert x sequence parallelism (in ZeroConfig, so also on `hfzero run`), and pipeline() with a tensor-,
+    expert- or sequence-parallel config: refused by name before any mesh or collective."""
+    from pathlib import Path
+
+    from hfzero.integrations.launch import plan
+
+    with pytest.raises(hfzero.ConfigError, match="sp_size cannot be combined with ep_size > 1 yet"):
+        hfzero.ZeroConfig(ep_size=2, sp_size=2)
+    script = str(Path(__file__).resolve().parent / "scripts" / "llama_trainer.py")
+    with pytest.raises(hfzero.ConfigError, match="sp_size cannot be combined with ep_size > 1 yet"):
+        plan(["--nproc_per_node", "4", script, "--zero_ep_size", "2", "--zero_sp_size", "2"], environ={})
+    model = tiny_causal_lm("gpt2")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for name, what in (("tp_size", "tensor"), ("ep_size", "expert"), ("sp_size", "sequence")):
+        with pytest.raises(hfzero.ConfigError, match=rf"pipeline x {what} parallelism \({name} > 1\) is not built"):
+            hfzero.pipeline(model, optimizer, hfzero.ZeroConfig(**{name: 2}), pp_size=2)
+
+
+def _one_rank_shard_groups(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    model = tiny_causal_lm("gpt2")
+    try:
+        hfzero.prepare(model, torch.optim.AdamW(model.parameters()), hfzero.ZeroConfig(stage=2),
+                       process_group=singles[rank], replicate_group=dist.group.WORLD)
+    except hfzero.ConfigError as err:
+        return str(err)
+    return "no error"
+
+
+def test_hsdp_shard_group_of_one_rank_is_refused():
+    """Like ZeroConfig(shard_size=1): a caller's own shard groups of one rank are refused on every rank."""
+    for message in run_distributed(_one_rank_shard_groups, 2, timeout=120):
+        assert "the shard group passed as process_group has one rank" in message, message

@@ -14,8 +14,11 @@ from torch import nn
 from hfzero.checkpoint.errors import CheckpointError
 from hfzero.checkpoint.tensor_parallel import refuse_sharded_frozen, replicated_names, tp_info
 from hfzero.comm import Communicator
+from hfzero.logging import get_logger
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.prepare import get_engine
+
+logger = get_logger(__name__)
 
 
 def engine_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> ZeroEngine:
@@ -73,6 +76,17 @@ def inventory(model: nn.Module, engine: ZeroEngine) -> Inventory:
     tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or []
     inv.tied_targets = sorted(str(k) for k in tied)
     return inv
+
+
+def guard(fn: Callable[[], Any], what: str) -> str | None:
+    """Runs ``fn``: None when it returns, else its exception in one line (logged with the traceback as ``what``
+    failing), for ``agree`` to raise on every rank."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree(), then raised there
+        logger.exception("%s failed", what)
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def agree(comm: Communicator, error: str | None, what: str) -> None:

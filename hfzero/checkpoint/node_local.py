@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from hfzero.checkpoint import format as fmt
-from hfzero.checkpoint.common import agree, gather_json, scope_of
+from hfzero.checkpoint.common import agree, gather_json, guard, scope_of
 from hfzero.checkpoint.errors import CheckpointError
 from hfzero.checkpoint.load import load_checkpoint
 from hfzero.checkpoint.save import _prepare_dir, save_checkpoint, swap_into_place
@@ -52,6 +52,9 @@ from hfzero.runtime.optimizer import ZeroOptimizer
 
 logger = get_logger(__name__)
 
+_STEP = "node-local checkpoint step"
+"""What ``guard`` logs as failing."""
+
 CHUNK_BYTES = 1 << 24
 """Bytes per broadcast when a file moves between nodes (the resident buffer on every rank)."""
 
@@ -60,7 +63,7 @@ def storage_groups(comm: Communicator, rank: int, directory: Path) -> list[list[
     """The groups of ranks that see the same ``directory.parent`` (see [Note: node-local checkpoints])."""
     nonce = json.loads(comm.all_gather_bytes(json.dumps(secrets.token_hex(8) if rank == 0 else "").encode())[0])
     probe = directory.parent / f".{directory.name}.probe-{nonce}"
-    error = _guard(lambda: (probe.mkdir(parents=True, exist_ok=True), (probe / f"rank{rank}").touch()))
+    error = guard(lambda: (probe.mkdir(parents=True, exist_ok=True), (probe / f"rank{rank}").touch()), _STEP)
     agree(comm, error, f"checking which ranks share {directory.parent}")
     seen = [r for r in range(comm.world_size) if (probe / f"rank{r}").exists()]  # by name: no stale listing
     gathered = gather_json(comm, seen)
@@ -74,19 +77,25 @@ def storage_groups(comm: Communicator, rank: int, directory: Path) -> list[list[
     return sorted({tuple(g): list(g) for g in gathered}.values())
 
 
+def _storage(directory: str | os.PathLike[str], model: Any,
+             optimizer: ZeroOptimizer) -> tuple[Communicator, int, Path, list[list[int]]]:
+    """The checkpoint scope's communicator and rank, ``directory`` made absolute, and its storage groups
+    (``storage_groups``; a collective)."""
+    scope = scope_of(model, optimizer)[1]
+    path = Path(directory).absolute()
+    return scope.comm, scope.rank, path, storage_groups(scope.comm, scope.rank, path)
+
+
 def save_checkpoint_node_local(directory: str | os.PathLike[str], model: Any, optimizer: ZeroOptimizer, *,
                                extra: dict[str, Any] | None = None) -> Path:
     """``save_checkpoint`` for ranks without a shared file system: each node writes its own ranks' files
     into its own ``directory`` (see [Note: node-local checkpoints]). A collective. Returns ``directory``."""
-    engine, scope = scope_of(model, optimizer)
-    comm, rank = scope.comm, scope.rank
-    directory = Path(directory).absolute()
-    groups = storage_groups(comm, rank, directory)
+    comm, rank, directory, groups = _storage(directory, model, optimizer)
     if len(groups) == 1:
         return save_checkpoint(directory, model, optimizer, extra=extra)
     group = next(g for g in groups if rank in g)
     tmp = fmt.partial_dir(directory)
-    error = _guard(lambda: _prepare_dir(directory, tmp)) if rank == group[0] and 0 not in group else None
+    error = guard(lambda: _prepare_dir(directory, tmp), _STEP) if rank == group[0] and 0 not in group else None
     agree(comm, error, f"save_checkpoint_node_local({directory}): preparing {tmp} on every node")
     # synchronous whatever ZeroConfig.async_save says: the other nodes' copies are made from rank 0's
     # finished files right after (asynchronous node-local saves are not built)
@@ -102,7 +111,7 @@ def save_checkpoint_node_local(directory: str | os.PathLike[str], model: Any, op
     errors = [_transfer(comm, rank, name, size, 0, directory, leaders) for name, size in zip(names[::-1], sizes[::-1])]
     error = next((e for e in errors if e), None)  # the configs first, the manifest last (reversed order)
     if error is None and rank in leaders:
-        error = _guard(lambda: (fsync_dir(tmp), swap_into_place(tmp, directory)))
+        error = guard(lambda: (fsync_dir(tmp), swap_into_place(tmp, directory)), _STEP)
     agree(comm, error, f"save_checkpoint_node_local({directory}): completing the other nodes' copies")
     logger.info("saved node-local checkpoint %s on %d storage groups %s", directory, len(groups), groups)
     return directory
@@ -112,10 +121,7 @@ def load_checkpoint_node_local(directory: str | os.PathLike[str], model: Any, op
                                verify: bool = True) -> dict[str, Any] | None:
     """``load_checkpoint`` from node-local copies: files a node lacks are fetched from a node holding them
     first, and deleted after the load (see [Note: node-local checkpoints]). A collective; returns ``extra``."""
-    engine, scope = scope_of(model, optimizer)
-    comm, rank = scope.comm, scope.rank
-    directory = Path(directory).absolute()
-    groups = storage_groups(comm, rank, directory)
+    comm, rank, directory, groups = _storage(directory, model, optimizer)
     if len(groups) == 1:
         return load_checkpoint(directory, model, optimizer, verify=verify)
     group = next(g for g in groups if rank in g)
@@ -221,12 +227,3 @@ def _transfer(comm: Communicator, rank: int, name: str, size: int, source: int, 
     if writer is not None and error is None:
         os.rename(target / f".{name}.fetching", target / name)
     return error
-
-
-def _guard(fn: Any) -> str | None:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree(), then raised there
-        logger.exception("node-local checkpoint step failed")
-        return f"{type(exc).__name__}: {exc}"
-    return None

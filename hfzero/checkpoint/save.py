@@ -39,7 +39,7 @@ import torch
 import hfzero
 from hfzero.checkpoint import background, rng, staging
 from hfzero.checkpoint import format as fmt
-from hfzero.checkpoint.common import Inventory, Scope, agree, gather_json, inventory, scope_of
+from hfzero.checkpoint.common import Inventory, Scope, agree, gather_json, guard, inventory, scope_of
 from hfzero.checkpoint.errors import CheckpointError
 from hfzero.checkpoint.ranges import written_ranges
 from hfzero.checkpoint.stream import (TensorEntry, dtype_name, fsync_dir, write_bytes_durably,
@@ -51,6 +51,9 @@ from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.stage3.engine import Stage3Engine
 
 logger = get_logger(__name__)
+
+_STEP = "checkpoint save step"
+"""What ``guard`` logs as failing."""
 
 
 def _pause(phase: str, rank: int) -> None:
@@ -99,7 +102,7 @@ def save_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: Ze
 
     error = None
     if rank == 0:
-        error = _guard(lambda: _prepare_dir(directory, tmp))
+        error = guard(lambda: _prepare_dir(directory, tmp), _STEP)
     agree(comm, error, f"save_checkpoint({directory}): preparing {tmp}")
 
     inv = inventory(scope.module, engine)
@@ -119,7 +122,7 @@ def save_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: Ze
         if async_save:
             _stage(engine, files, private)
 
-    error = _guard(plan)
+    error = guard(plan, _STEP)
     gathered = gather_json(comm, {"error": error, "report": report})
     failed = [f"rank {r}: {g['error']}" for r, g in enumerate(gathered) if g["error"]]
     if failed:  # every rank sees the same list, so every rank raises
@@ -127,8 +130,8 @@ def save_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: Ze
     manifest: dict[str, Any] = {}
     error = None
     if rank == 0:  # the manifest as training stands now (hyper-parameters, loss scale, step counters)
-        error = _guard(lambda: manifest.update(_manifest(engine, optimizer, scope, [g["report"] for g in gathered],
-                                                         extra, configs=_config_files(scope.configs))))
+        error = guard(lambda: manifest.update(_manifest(engine, optimizer, scope, [g["report"] for g in gathered],
+                                                        extra, configs=_config_files(scope.configs))), _STEP)
     agree(comm, error, f"save_checkpoint({directory}): building the manifest")
 
     def finish(comm: Any) -> None:
@@ -144,15 +147,6 @@ def save_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: Ze
     else:
         finish(comm)
     return directory
-
-
-def _guard(fn) -> str | None:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree(), then raised there
-        logger.exception("checkpoint save step failed")
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def _prepare_dir(directory: Path, tmp: Path) -> None:
@@ -283,7 +277,7 @@ def _write_and_swap(comm: Any, rank: int, directory: Path, tmp: Path, files: lis
     """Write and fsync this rank's files; the ranks exchange digests; rank 0 writes the manifest and swaps the
     directory in; every rank raises any rank's failure (a collective over ``comm``)."""
     digests: dict[str, Any] = {}
-    error = _guard(lambda: [digests.update(f.write(tmp)) for f in files])
+    error = guard(lambda: [digests.update(f.write(tmp)) for f in files], _STEP)
     if error is None:
         _pause("rank_file_written", rank)
     gathered = gather_json(comm, {"error": error, "files": digests})
@@ -294,7 +288,7 @@ def _write_and_swap(comm: Any, rank: int, directory: Path, tmp: Path, files: lis
     if rank == 0:
         for g in gathered:
             manifest["files"].update(g["files"])
-        error = _guard(lambda: _finish(directory, tmp, manifest))
+        error = guard(lambda: _finish(directory, tmp, manifest), _STEP)
     agree(comm, error, f"save_checkpoint({directory}): writing the manifest")
 
 

@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from hfzero.comm import Communicator
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.logging import get_logger
-from hfzero.parallel.mesh import initialized_world_size, world_mesh
+from hfzero.parallel.mesh import check_divides, initialized_world_size, split_world_mesh
 from hfzero.runtime.pending import find_pending
 
 if TYPE_CHECKING:
@@ -86,17 +86,12 @@ class ExpertMesh:
 
 def check_ep_size(world_size: int, ep_size: int) -> int:
     """The edp size for ``ep_size`` over ``world_size`` ranks; a clear error when it does not divide."""
-    if world_size % ep_size:
-        raise ConfigError(f"hfzero: ep_size={ep_size} does not divide the world size {world_size}; use a divisor "
-                          f"of {world_size} (the expert-data-parallel size is world / ep_size)")
-    return world_size // ep_size
+    return check_divides(world_size, "ep_size", ep_size, "expert-data-parallel")
 
 
 def build_ep_mesh(ep_size: int) -> ExpertMesh:
     """The edp x ep mesh over the whole world (collective: every rank calls it)."""
-    world = initialized_world_size("expert parallelism")
-    edp = check_ep_size(world, ep_size)
-    mesh = world_mesh((edp, ep_size, 1), ("edp", "ep", "tp"))
+    mesh, edp = split_world_mesh("expert parallelism", "ep_size", ep_size, ("edp", "ep", "tp"), inner=(1,))
     edp_rank, ep_rank, _ = mesh.get_coordinate()
     return ExpertMesh(mesh, edp, ep_size, edp_rank, ep_rank, mesh.get_group("edp"), mesh.get_group("ep"))
 

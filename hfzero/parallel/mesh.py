@@ -68,6 +68,24 @@ def world_mesh(sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
     return init_device_mesh(device_type, sizes, mesh_dim_names=names)
 
 
+def check_divides(world_size: int, field: str, size: int, rest: str) -> int:
+    """``world_size // size``: the size of the ``rest`` dimension when ``field=size`` ranks split the world;
+    a clear ConfigError when ``size`` does not divide ``world_size``."""
+    if world_size % size:
+        raise ConfigError(f"hfzero: {field}={size} does not divide the world size {world_size}; use a divisor "
+                          f"of {world_size} (the {rest} size is world / {field})")
+    return world_size // size
+
+
+def split_world_mesh(feature: str, field: str, size: int, names: tuple[str, ...],
+                     inner: tuple[int, ...] = ()) -> tuple[DeviceMesh, int]:
+    """A (world / size) x size [x inner] mesh over the whole world, dims ``names`` (the outer one first), and
+    the outer size (collective: every rank calls it, in the same order). ``feature`` names what needs it in the
+    error raised when torch.distributed is not initialized; ``field`` is the option ``size`` comes from."""
+    outer = check_divides(initialized_world_size(feature), field, size, names[0])
+    return world_mesh((outer, size, *inner), names), outer
+
+
 def build_mesh(pp_size: int) -> PipelineMesh:
     """The pp x dp mesh over the whole world (collective: every rank calls it, in the same order)."""
     dp_size = check_sizes(initialized_world_size("pipeline"), pp_size)

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.logging import get_logger
-from hfzero.parallel.mesh import initialized_world_size, world_mesh
+from hfzero.parallel.mesh import check_divides, split_world_mesh
 
 if TYPE_CHECKING:
     from hfzero.runtime.optimizer import ZeroOptimizer
@@ -62,19 +62,14 @@ class TensorMesh:
 
 def check_tp_size(world_size: int, tp_size: int) -> int:
     """The dp size for ``tp_size`` over ``world_size`` ranks; a clear error when it does not divide."""
-    if world_size % tp_size:
-        raise ConfigError(f"hfzero: tp_size={tp_size} does not divide the world size {world_size}; use a divisor "
-                          f"of {world_size} (the data-parallel size is world / tp_size)")
-    return world_size // tp_size
+    return check_divides(world_size, "tp_size", tp_size, "data-parallel")
 
 
 def build_tp_mesh(tp_size: int) -> TensorMesh:
     """The dp x tp mesh over the whole world (collective: every rank calls it)."""
-    world = initialized_world_size("tensor parallelism")
-    check_tp_size(world, tp_size)
-    mesh = world_mesh((world // tp_size, tp_size), ("dp", "tp"))
+    mesh, dp_size = split_world_mesh("tensor parallelism", "tp_size", tp_size, ("dp", "tp"))
     dp_rank, tp_rank = mesh.get_coordinate()
-    return TensorMesh(mesh, world // tp_size, tp_size, dp_rank, tp_rank, mesh.get_group("dp"), mesh.get_group("tp"))
+    return TensorMesh(mesh, dp_size, tp_size, dp_rank, tp_rank, mesh.get_group("dp"), mesh.get_group("tp"))
 
 
 def tp_plan(model: nn.Module) -> dict[str, str]:

@@ -412,13 +412,22 @@ class ZeroEngine:
 
     def _find_unused_ranges(self) -> list[tuple[int, int, int]]:
         """(bucket index, start, end) ranges of master views whose parameters no rank used since the
-        last step (one all-reduce of a flag per parameter)."""
+        last step (one all-reduce of a flag per parameter; one more over the replicate group (HSDP) or
+        over ``replica_comm`` for the parameters replicated on it (EP))."""
         slots = list(self.layout.slots.values())
         flags = torch.tensor([slot.param in self.reducer.used for slot in slots], dtype=torch.uint8,
                              device=self.comm_device)
         self.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         if self.replicate is not None:  # used on any rank of the world
             self.replicate.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        if self.replica_comm is not None and self.replica_comm.world_size > 1:
+            # EP: a dense parameter's gradient is summed over the EP group too, so it is used when any rank of
+            # the world used it (else its replicas would drift apart); an expert's slot holds other experts
+            # on the other EP ranks, so its flag stays the edp group's
+            dense = torch.tensor([is_replicated_over_tp(slot.param) for slot in slots], dtype=torch.uint8,
+                                 device=self.comm_device) * flags
+            self.replica_comm.all_reduce(dense, op=torch.distributed.ReduceOp.MAX)
+            flags = torch.maximum(flags, dense)
         ranges = []
         for slot, used in zip(slots, flags.tolist()):
             if used:
@@ -497,17 +506,13 @@ class ZeroEngine:
         return total
 
     def _replicated_norm_power(self, norm_type: float, device: torch.device) -> torch.Tensor:
-        """Sum of |g|^p over this rank's slice of the parameters replicated over the TP group."""
+        """Sum of |g|^p over this rank's slice of the parameters replicated over the TP group (tensor
+        parallelism) or over ``replica_comm`` (expert parallelism: the dense ones)."""
         total = torch.zeros((), device=device, dtype=torch.float32)
-        for slot in self.layout.slots.values():
-            if not is_replicated_over_tp(slot.param):
-                continue
-            bucket = self.layout.buckets[slot.bucket]
-            lo, hi = bucket.owned(self.rank) if self.layout.shard_world > 1 else (0, bucket.padded)
-            start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-            if start < end:
-                g = self.master_views[bucket.index].grad[start - lo: end - lo]
-                total = total + torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
+        for bucket in self.layout.buckets:
+            grad = self.master_views[bucket.index].grad
+            for start, end in self._owned_ranges(bucket, is_replicated_over_tp):
+                total = total + torch.linalg.vector_norm(grad[start:end], norm_type, dtype=torch.float32) ** norm_type
         return total
 
     def publish_params(self) -> None:

@@ -136,6 +136,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     if ep_group is not None:  # See [Note: average_over] in engine.py
         groups_kw = {"average_over": average_over or dist.get_world_size(), "check_comm": comm.on_group(None),
                      "replica_comm": comm.on_group(ep_group)}
+    if ep_group is not None:  # the other edp groups too (their experts differ, not the shapes): the whole world
+        _check_ranks_agree(comm.on_group(ep_group, share_stats=False), config, model, optimizer, groups)
     if replicate is not None:  # the other shard groups too: the whole world passes the same
         _check_ranks_agree(replicate.on_group(replicate.group, share_stats=False), config, model, optimizer, groups)
     secondary = _node_comm(comm, process_group, replicate) if config.secondary_partition else None
@@ -223,6 +225,10 @@ def _shard_groups(config: ZeroConfig, process_group: dist.ProcessGroup | None,
     every rank reaches at the same point: here)."""
     if replicate_group is not None:
         shard = dist.get_world_size(process_group)
+        if shard < 2 and dist.get_world_size(replicate_group) > 1:
+            raise ConfigError("hfzero.prepare: the shard group passed as process_group has one rank, so it shards "
+                              "nothing and the replicas' step checks would not run; pass a shard group of at least "
+                              "2 ranks, or use stage 0 (plain data parallelism) over the whole world")
         if config.shard_size not in (0, shard):
             raise ConfigError(f"hfzero.prepare: config.shard_size={config.shard_size} but the shard group passed as "
                               f"process_group has {shard} rank(s)")

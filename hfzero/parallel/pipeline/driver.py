@@ -547,9 +547,10 @@ def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroCon
     ``pipeline_config`` is given. Returns the rank's Pipeline: ``train_step(input_ids)`` or
     ``forward_backward`` + ``clip_grad_norm_`` + ``optimizer.step()``; ``evaluate(input_ids)``.
     """
-    if config is not None and config.sp_size > 1:
-        raise ConfigError("hfzero.pipeline: pipeline x sequence parallelism (sp_size > 1) is not built; use one "
-                          "of them")
+    for name, what in (("sp_size", "sequence"), ("tp_size", "tensor"), ("ep_size", "expert")):
+        if config is not None and getattr(config, name) > 1:
+            raise ConfigError(f"hfzero.pipeline: pipeline x {what} parallelism ({name} > 1) is not built; use one "
+                              "of them")
     mesh = options.pop("mesh", None)
     pipeline_config = pipeline_config or PipelineConfig(**options)
     return Pipeline(model, optimizer, config or ZeroConfig(), pipeline_config, mesh=mesh)

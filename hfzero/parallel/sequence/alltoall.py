@@ -34,37 +34,29 @@ def _heads_to_seq(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     return received.transpose(0, 1).reshape(b, s * h, t // s, d)  # (B, H, T/S, D)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return _seq_to_heads(x, comm)
+class _AllToAll(torch.autograd.Function):
+    """One all-to-all re-sharding, its inverse in backward (``_seq_to_heads`` and ``_heads_to_seq`` undo each
+    other)."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _heads_to_seq(grad, ctx.comm), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return _heads_to_seq(x, comm)
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, to_heads: bool) -> torch.Tensor:
+        ctx.comm, ctx.to_heads = comm, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, comm)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _seq_to_heads(grad, ctx.comm), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.comm), None, None
 
 
 def seq_to_heads(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """(B, H, T/S, D) sequence-sharded -> (B, H/S, T, D) head-sharded over ``comm``'s S ranks (differentiable)."""
     if x.shape[1] % comm.world_size:
         raise ValueError(f"seq_to_heads: {x.shape[1]} heads do not split over {comm.world_size} ranks")
-    return _SeqToHeads.apply(x, comm)
+    return _AllToAll.apply(x, comm, True)
 
 
 def heads_to_seq(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """(B, H/S, T, D) head-sharded -> (B, H, T/S, D) sequence-sharded (differentiable)."""
     if x.shape[2] % comm.world_size:
         raise ValueError(f"heads_to_seq: {x.shape[2]} positions do not split over {comm.world_size} ranks")
-    return _HeadsToSeq.apply(x, comm)
+    return _AllToAll.apply(x, comm, False)

@@ -11,8 +11,7 @@ import dataclasses
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from hfzero.config import ConfigError
-from hfzero.parallel.mesh import initialized_world_size, world_mesh
+from hfzero.parallel.mesh import check_divides, split_world_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,16 +35,11 @@ class SequenceMesh:
 
 def check_sp_size(world_size: int, sp_size: int) -> int:
     """The dp size for ``sp_size`` over ``world_size`` ranks; a clear error when it does not divide."""
-    if world_size % sp_size:
-        raise ConfigError(f"hfzero: sp_size={sp_size} does not divide the world size {world_size}; use a divisor "
-                          f"of {world_size} (the data-parallel size is world / sp_size)")
-    return world_size // sp_size
+    return check_divides(world_size, "sp_size", sp_size, "data-parallel")
 
 
 def build_sp_mesh(sp_size: int) -> SequenceMesh:
     """The dp x sp mesh over the whole world (collective: every rank calls it, in the same order)."""
-    world = initialized_world_size("sequence parallelism")
-    dp_size = check_sp_size(world, sp_size)
-    mesh = world_mesh((dp_size, sp_size), ("dp", "sp"))
+    mesh, dp_size = split_world_mesh("sequence parallelism", "sp_size", sp_size, ("dp", "sp"))
     dp_rank, sp_rank = mesh.get_coordinate()
     return SequenceMesh(mesh, dp_size, sp_size, dp_rank, sp_rank, mesh.get_group("sp"))
