@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from hfzero.testing import run_distributed
+from hfzero.testing.compiled import counted_aot_eager
 
 pytestmark = pytest.mark.slow
 
@@ -101,21 +102,10 @@ def _train(rank: int, stage: int, backend) -> dict:
 
 def _cases(rank: int, world: int) -> dict:
     import torch._dynamo
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.backends.debugging import boxed_nop
     from torch._dynamo.utils import counters
 
     torch._dynamo.config.recompile_limit = 64  # the cases share the cache: no case may hit the limit
-    calls = {"graphs": 0}
-
-    def counted(gm, example_inputs):
-        def run(args):
-            calls["graphs"] += 1
-            return gm(*args)
-        run._boxed_call = True
-        return run
-
-    backend = aot_autograd(fw_compiler=counted, bw_compiler=boxed_nop)  # aot_eager, counting forward graph runs
+    backend, calls = counted_aot_eager()  # aot_eager, counting forward graph runs
     out = {}
     for name, stage in CASES.items():
         eager = _train(rank, stage, None)
