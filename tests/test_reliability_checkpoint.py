@@ -146,7 +146,8 @@ def test_trainer_resumes_from_the_previous_copy_of_an_interrupted_swap(tmp_path)
     os.rename(checkpoint / "zero_optimizer", checkpoint / ".zero_optimizer.previous")
     expected = [p.detach().clone() for p in model.parameters()]
     model2, opt2 = build(seed=3)
-    trainer = types.SimpleNamespace(model=model2, optimizer=opt2, lr_scheduler=None)
+    trainer = types.SimpleNamespace(model=model2, optimizer=opt2, lr_scheduler=None,
+                                    args=types.SimpleNamespace(save_on_each_node=False))
     ZeroTrainer._load_optimizer_and_scheduler(trainer, str(checkpoint))  # type: ignore[arg-type]
     assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), expected))
     load_checkpoint(checkpoint / "zero_optimizer", *build(seed=4))  # the library finds it too

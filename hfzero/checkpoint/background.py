@@ -9,8 +9,9 @@ as they are *now*). Then a background thread, one per process, does the rest of 
 it writes and fsyncs the rank file from the staged copies, the ranks exchange the files' digests, rank 0
 writes the manifest and renames the directory into place, and the ranks agree on the outcome.
 - The thread's collectives run on a gloo group of their own over the same ranks (``side_comm``, created once
-  at the first asynchronous save, a point the same on every rank), never on the training's group, so they
-  cannot interleave with the step's collectives. They run in the same order on every rank, and the thread
+  at the first asynchronous save, a point the same on every rank, by the whole world), never on the training's
+  group, so they cannot interleave with the step's collectives. A save whose ranks are not the whole world (a
+  model prepared over a sub-group by hand) runs synchronously, with a warning: see ``side_comm``. They run in the same order on every rank, and the thread
   ends with an agreement: every rank holds the same outcome.
 - Waiting (``wait``) is rank-local: join the thread, raise its outcome. Every rank reaches the same result,
   so every rank raises the same CheckpointError. Points that wait: the next save and any load (both
@@ -58,14 +59,19 @@ _side: dict[tuple[int, ...], Communicator] = {}
 _hooks_installed = False
 
 
-def side_comm(comm: Communicator) -> Communicator:
+def side_comm(comm: Communicator) -> Communicator | None:
     """A gloo communicator over ``comm``'s ranks for the background thread's collectives (created once per set
-    of ranks: a collective of those ranks, called where every one of them saves)."""
+    of ranks, at a save: a point the same on every rank), or None when ``comm`` is not the whole world. A group
+    of some ranks only would have to be made with local synchronization, which hangs once the default group
+    is bound to a device and split (see [Note: one communicator per data-parallel group] in
+    runtime/stage3/engine.py); such a save runs synchronously."""
     if comm.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         return comm  # nothing to exchange
     ranks = tuple(dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD))
+    if len(ranks) != dist.get_world_size():
+        return None
     if ranks not in _side:
-        group = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        group = dist.new_group(list(ranks), backend="gloo")  # a collective of the whole world, at this save
         _side[ranks] = Communicator(group, device=torch.device("cpu"))
     return _side[ranks]
 

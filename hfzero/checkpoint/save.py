@@ -97,6 +97,11 @@ def save_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: Ze
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"save_checkpoint: extra must be JSON-able (numbers, strings, lists, dicts): {exc}")
     comm, rank = scope.comm, scope.rank
+    side = background.side_comm(comm) if async_save else None
+    if async_save and side is None:
+        logger.warning("save_checkpoint(%s): asynchronous saves need a checkpoint group spanning the world; this "
+                       "save's ranks are a sub-group, so it runs synchronously", directory)
+        async_save = False
     tmp = fmt.partial_dir(directory)
     started = time.perf_counter()
 
@@ -140,7 +145,6 @@ def save_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: Ze
                     engine.stage, time.perf_counter() - started, " (asynchronously)" if async_save else "")
 
     if async_save:
-        side = background.side_comm(comm)
         background.start(directory, lambda: finish(side))
         logger.info("checkpoint %s staged in %.3fs; writing it in the background", directory,
                     time.perf_counter() - started)
