@@ -52,6 +52,7 @@ the step check) are all-reduced over it as they are added (reducer.py). Hence:
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import torch
@@ -354,9 +355,12 @@ class ZeroEngine:
             return
         if self._replica_ranges is None:
             self._replica_ranges = [(bucket.index, ranges) for bucket in self.layout.buckets
-                                    if (ranges := self._owned_ranges(bucket, is_replicated_over_tp))]
+                                    if (ranges := self._owned_spans(bucket, is_replicated_over_tp))]
         for index, ranges in self._replica_ranges:
             grad = self.reducer.owned_grad(self.layout.buckets[index])
+            if len(ranges) == 1:  # one run of replicated parameters: summed in place, nothing copied
+                self.replica_comm.all_reduce(grad[ranges[0][0]: ranges[0][1]])
+                continue
             parts = torch.cat([grad[start:end] for start, end in ranges])  # (replicated owned elements,)
             self.replica_comm.all_reduce(parts)
             offset = 0
@@ -367,13 +371,29 @@ class ZeroEngine:
     def _owned_ranges(self, bucket, keep: Callable[[torch.Tensor], bool]) -> list[tuple[int, int]]:
         """(start, end) ranges, relative to this rank's owned slice of ``bucket``, of the parameters ``keep``
         accepts."""
+        return [span for slot, span in self._slot_ranges(bucket) if keep(slot.param)]
+
+    def _owned_spans(self, bucket, keep: Callable[[torch.Tensor], bool]) -> list[tuple[int, int]]:
+        """``_owned_ranges`` with neighbours joined across the alignment padding between them (padding belongs
+        to no parameter: summing it changes nothing that is read), so a bucket whose kept parameters are
+        consecutive is one span."""
+        spans: list[tuple[int, int]] = []
+        joined = False  # whether the previous slot was kept: a kept slot then extends its span
+        for slot, (start, end) in self._slot_ranges(bucket):
+            if keep(slot.param):
+                spans[-1:] = [(spans[-1][0], end)] if joined else [*spans[-1:], (start, end)]
+            joined = keep(slot.param)
+        return spans
+
+    def _slot_ranges(self, bucket) -> list[tuple[Any, tuple[int, int]]]:
+        """(slot, (start, end)) for the slots overlapping this rank's owned slice of ``bucket``, relative to it."""
         lo, hi = bucket.owned(self.rank) if self.layout.shard_world > 1 else (0, bucket.padded)
-        ranges = []
+        out = []
         for slot in bucket.slots:
             start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
-            if start < end and keep(slot.param):
-                ranges.append((start - lo, end - lo))
-        return ranges
+            if start < end:
+                out.append((slot, (start - lo, end - lo)))
+        return out
 
     def _reduce_shard_over_replicas(self) -> None:
         """HSDP: all-reduce the owned gradient sums over the replicate group (once per step); See [Note:
