@@ -67,9 +67,12 @@ def _plain_then_zero(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = tiny_causal_lm("gpt2", hidden=128, layers=2, vocab=VOCAB, positions=128)
     out = {"plain": _faults_per_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))}
-    for name, config in (("default", hfzero.ZeroConfig(stage=1)),  # glibc left alone: must go first
+    # glibc left alone first (mallopt is process-wide), then the opt-in growth-triggered trim (32 MiB, no top
+    # trim), then the control: the pre-issue-21 default (1 MiB threshold, trim after every step)
+    for name, config in (("default", hfzero.ZeroConfig(stage=1)),
                          ("fast", hfzero.ZeroConfig(stage=1, host_mmap_threshold=1 << 25, host_trim=True,
-                                                    host_trim_slack=0.02))):
+                                                    host_trim_slack=0.02)),
+                         ("old", hfzero.ZeroConfig(stage=1, host_mmap_threshold=1 << 20, host_trim=True))):
         model = tiny_causal_lm("gpt2", hidden=128, layers=2, vocab=VOCAB, positions=128)
         model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
         heap = getattr(optimizer, "heap", None)
@@ -79,14 +82,18 @@ def _plain_then_zero(rank: int, world: int) -> dict:
 
 
 @pytest.mark.skipif(not hasattr(resource, "getrusage"), reason="needs getrusage (POSIX)")
-def test_steady_step_faults_no_more_pages_than_plain_torch():
+def test_steady_step_faults_far_below_the_old_per_step_mapping():
     """Plain torch steps first (glibc's defaults), then the same model under hfzero stage 1 with the
-    default config, then with the opt-in growth-triggered trim (32 MiB threshold, no top trim), in the
-    same process. Before issue 21 the default fixed a 1 MiB mmap threshold and trimmed after every step:
-    every activation block of 1 MiB or more was mapped and zero-filled again each step, several times
-    plain torch's page faults (14,591 against 1,793 here), and x1.5 its step time."""
+    default config, with the opt-in growth-triggered trim, and with the old default (1 MiB mmap threshold,
+    trim after every step), in one process. The old default mapped and zero-filled every activation block
+    of 1 MiB or more again each step: here 13-21k page faults per step, x1.5 step time on the bars shape.
+    Whether glibc's own heap-top trim hands back the 8 MiB logits blocks in a step depends on the heap's
+    layout, which varies from run to run (plain torch: 0 to 8.8k faults per step, the default 0 to 9.5k in 22
+    runs), so plain torch is no fixed yardstick; the old policy, measured in the same process, is: the
+    default and the opt-in trim fault at most 0.43 and 0.73 of its pages in those runs, bounded at 0.6 / 0.8."""
     (result,) = run_distributed(_plain_then_zero, 1)
-    for name in ("default", "fast"):
-        assert result[name] <= 1.25 * result["plain"] + 2000, result
+    assert result["old"] >= 8000, result  # the control re-maps every 1 MiB+ block: if not, nothing is measured
+    assert result["default"] <= 0.6 * result["old"], result
+    assert result["fast"] <= 0.8 * result["old"], result
     assert result["default_trims"] is None, result  # no trimmer unless asked for
     assert result["fast_trims"] <= 2, result  # a steady run settles: no trim after the first steps

@@ -55,8 +55,13 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, backe
             dist.init_process_group(backend, rank=rank, world_size=world_size)
         try:
             out = fn(rank, world_size, *args)
+            if dist.is_initialized():
+                # The store lives in rank 0's process: a rank that left while another still waited on it (the
+                # handshake of a group created last) would reset that rank's connection (seen in CI)
+                dist.barrier()
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         # Serialized in band with torch.save (torch's queue reducers share tensors through file
         # descriptors that die with this process) and read back with weights_only=True: results are
         # tensors and plain containers, never arbitrary objects.
