@@ -264,6 +264,7 @@ def _pipeline_scope(pipe: Any, engine: ZeroEngine, groups: list[int]) -> Scope:
     stage_ids = [s.stage_index for s in pipe.stages]
     return Scope(pipe.module, world, dist.get_rank(), dist.get_world_size(), pipe.hf_name, groups, num_groups,
                  skip=skip, aliases=aliases, tied_targets=targets, writes_frozen=mesh.dp_rank == 0,
+                 writes_shard=engine.replicate is None or engine.replicate.rank == 0,  # HSDP inside the stages
                  frozen_file=f"frozen-pp{mesh.pp_rank:05d}.safetensors",
                  configs=types.SimpleNamespace(config=pipe.stages[0].config,
                                                generation_config=pipe.generation_config),

@@ -135,3 +135,16 @@ def build_shard_mesh(shard_size: int) -> ShardMesh:
     replicate = check_shard_size(initialized_world_size("shard_size"), shard_size)
     mesh = world_mesh((replicate, shard_size), ("dp_replicate", "dp_shard"))
     return ShardMesh(mesh, shard_size, replicate, mesh.get_group("dp_shard"), mesh.get_group("dp_replicate"))
+
+
+def build_pipeline_shard_groups(pipe_mesh: PipelineMesh, shard_size: int) -> tuple[dist.ProcessGroup,
+                                                                                    dist.ProcessGroup]:
+    """HSDP inside each pipeline stage: (shard group, replicate group) of a pp x dp_replicate x dp_shard mesh
+    over the whole world (collective: every rank calls it, in the same order). ``rank = pp_rank * dp_size +
+    replicate_rank * shard_size + shard_rank``, the pp x dp layout with each stage's dp ranks cut into shard
+    groups of ``shard_size`` consecutive ranks, so ``pipe_mesh.dp_group`` is the union of this rank's shard
+    group and its replicas. ``shard_size`` must divide the dp size and be below it (``check_shard_size``)."""
+    replicate = check_shard_size(pipe_mesh.dp_size, shard_size)
+    mesh = world_mesh((pipe_mesh.pp_size, replicate, shard_size), ("pp", "dp_replicate", "dp_shard"))
+    return mesh.get_group("dp_shard"), mesh.get_group("dp_replicate")
+

@@ -163,6 +163,8 @@ def _train_pipeline(spec: PipeSpec, stack: contextlib.ExitStack, profile_dir: st
         "step_seconds": times,
         "num_params": engine.num_params,
         "num_params_padded": engine.num_params_padded,
+        "zero_world": engine.world_size,
+        "replicas": engine.replicate.world_size if engine.replicate is not None else 1,
         "cross_prefetches": getattr(getattr(engine, "scheduler", None), "cross_prefetches", 0),
         "released_bytes": released_bytes,
         "source_not_freed": not_freed,

@@ -125,8 +125,14 @@ class Pipeline:
         pending = find_pending(model)
         if pending is not None:  # See [Note: stage-only builds]
             pending.attach(self.module)
+        shard_group = self.mesh.dp_group
+        if zero_config.shard_size and zero_config.shard_size != self.mesh.dp_size:  # HSDP inside each stage
+            from hfzero.parallel.mesh import build_pipeline_shard_groups
+
+            shard_group, prepare_kwargs["replicate_group"] = build_pipeline_shard_groups(self.mesh,
+                                                                                         zero_config.shard_size)
         self.module, self.optimizer = hfzero.prepare(self.module, stage_optimizer, zero_config,
-                                                     process_group=self.mesh.dp_group, **prepare_kwargs)
+                                                     process_group=shard_group, **prepare_kwargs)
         if pending is not None:
             release_pending(model)  # other stages' parameters stay on meta, never read here
         self.engine = hfzero.get_engine(self.module)
