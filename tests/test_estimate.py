@@ -410,3 +410,25 @@ def test_frozen_parameters_count_parameter_bytes_only(capsys: pytest.CaptureFixt
     assert out["model_states_bytes"]["3"] == pytest.approx(16 * psi / 8 + 2 * frozen / 8)
     with pytest.raises(est.EstimateError, match="persistent_params"):
         est.model_states_bytes(psi, 8, 3, frozen_params=1, persistent_params=psi + 2)
+
+
+def test_pipeline_estimate_splits_traffic_by_node_and_refuses_bad_layouts(capsys):
+    """``--pp`` with ``--nodes`` / ``--shard-size``: flat stage 2 over 4 dp ranks on nodes of 2 crosses nodes on
+    half its ring hops; HSDP with shard groups inside a node sends only the replicate all-reduce across."""
+    import json
+
+    assert main(["estimate", "--params", "1e6", "--pp", "2", "--dp", "4", "--nodes", "4", "--stage", "2",
+                 "--accumulation", "sharded", "--micro", "2", "--json"]) == 0
+    (flat,) = json.loads(capsys.readouterr().out)
+    for rank in flat["ranks"]:  # reduce-scatter per micro-batch + all-gather: 3 x 5e5, half of it inter-node
+        assert sum(rank["comm_elements_per_step"].values()) == pytest.approx(1.5e6)
+        assert rank["inter_node_elements_per_step"] == pytest.approx(0.75e6)
+    assert main(["estimate", "--params", "1e6", "--pp", "2", "--dp", "4", "--nodes", "4", "--shard-size", "2",
+                 "--stage", "2", "--accumulation", "sharded", "--micro", "2", "--json"]) == 0
+    (hsdp,) = json.loads(capsys.readouterr().out)
+    for rank in hsdp["ranks"]:  # only the replicate all-reduce of the 2.5e5 shard, 2n, crosses
+        assert rank["inter_node_elements_per_step"] == pytest.approx(2 * 5e5 / 2)
+    assert main(["estimate", "--params", "1e6", "--pp", "2", "--dp", "4", "--nodes", "3"]) == 2
+    assert "--nodes 3 must be a positive integer dividing" in capsys.readouterr().err
+    assert main(["estimate", "--params", "1e6", "--pp", "2", "--dp", "4", "--shard-size", "3"]) == 2
+    assert "--shard-size 3 must divide --dp 4" in capsys.readouterr().err

@@ -33,6 +33,13 @@ def run(args: argparse.Namespace) -> int:
             raise est.EstimateError("--pp, --micro and --dp must be positive integers")
         est.resolve_accumulation(0, args.accumulation)  # validates the policy name
         kind = resolve_schedule(args.schedule)
+        nodes, shard = _int_option("--nodes", args.nodes), _int_option("--shard-size", args.shard_size)
+        world = args.pp * int(args.dp)
+        if nodes < 1 or world % nodes:
+            raise est.EstimateError(f"--nodes {nodes} must be a positive integer dividing the world --pp x --dp "
+                                    f"= {world} (ranks are placed on nodes in blocks: rank = pp_rank x dp + dp_rank)")
+        if shard < 0 or (shard and int(args.dp) % shard):
+            raise est.EstimateError(f"--shard-size {shard} must divide --dp {args.dp} (HSDP inside each stage)")
         if args.config:
             model = est._meta_model(est.load_hf_config(args.config))
             shapes = stage_shapes(model, args.pp, stages_per_rank=kind.stages_per_rank)
@@ -45,26 +52,39 @@ def run(args: argparse.Namespace) -> int:
         results = [estimate_pipeline(shapes, pp=args.pp, dp=int(args.dp), stage=stage, n_micro=args.micro,
                                      schedule=kind.name, dtype=args.dtype, optimizer=args.optimizer,
                                      accumulation=args.accumulation, stage3_gather=args.gather,
-                                     stages_per_rank=kind.stages_per_rank)
+                                     stages_per_rank=kind.stages_per_rank, shard_size=shard if stage else 0,
+                                     ranks_per_node=world // nodes)
                    for stage in ([args.stage] if args.stage is not None else est.STAGES)]
-    except (est.EstimateError, ConfigError) as exc:
+    except (est.EstimateError, ConfigError, ValueError) as exc:
         print(f"hfzero estimate: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(results, indent=2) if args.json else _render(results))
     return 0
 
 
+def _int_option(flag: str, value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise est.EstimateError(f"{flag} must be an integer, got {value!r}") from None
+
+
 def _render(results: list[dict[str, Any]]) -> str:
     first = results[0]
+    nodes = first["pp"] * first["dp"] // first["ranks_per_node"]
     lines = [f"pp {first['pp']} x dp {first['dp']}, {first['n_micro']} micro-batches, {first['schedule']}, "
-             f"{first['dtype']} + {first['optimizer']}; bubble fraction {first['bubble_fraction']:.3f}"]
+             f"{first['dtype']} + {first['optimizer']}; bubble fraction {first['bubble_fraction']:.3f}"
+             + (f"; {nodes} nodes of {first['ranks_per_node']} ranks" if nodes > 1 else "")]
     for result in results:
         lines.append(f"stage {result['stage']} ({result['accumulation']}"
-                     + (f", gather per {result['stage3_gather']}" if result["stage"] == 3 else "") + ")")
+                     + (f", gather per {result['stage3_gather']}" if result["stage"] == 3 else "")
+                     + (f", HSDP over {result['shard_size']} ranks" if result["shard_size"] < result["dp"] else "")
+                     + ")")
         lines.append(f"  {'pp rank':<8}{'params':>14}{'model states GB':>17}{'comm elements/step':>20}"
-                     f"{'mb in flight':>14}")
+                     + (f"{'inter-node':>14}" if nodes > 1 else "") + f"{'mb in flight':>14}")
         for rank in result["ranks"]:
             comm = sum(rank["comm_elements_per_step"].values())
+            inter = f"{rank['inter_node_elements_per_step']:>14,.0f}" if nodes > 1 else ""
             lines.append(f"  {rank['pp_rank']:<8}{rank['params']:>14,.0f}{rank['model_states_bytes'] / 1e9:>17.4f}"
-                         f"{comm:>20,.0f}{rank['microbatches_in_flight']:>14}")
+                         f"{comm:>20,.0f}{inter}{rank['microbatches_in_flight']:>14}")
     return "\n".join(lines)

@@ -132,7 +132,7 @@ def _train_pipeline(spec: PipeSpec, stack: contextlib.ExitStack, profile_dir: st
         from hfzero.profiler import ZeroProfiler
 
         stack.enter_context(ZeroProfiler(pipe, None, profile_dir))
-    losses, comm_steps, times, step_roles, activation_peak = [], [], [], {}, 0
+    losses, comm_steps, inter_steps, times, step_roles, activation_peak = [], [], [], [], {}, 0
     for batch in token_batches(spec.steps, spec.global_batch, spec.seq_len):
         local = batch.chunk(mesh.dp_size)[mesh.dp_rank]  # (B / dp, T): this replica's rows
         before = engine.comm.stats()
@@ -151,6 +151,8 @@ def _train_pipeline(spec: PipeSpec, stack: contextlib.ExitStack, profile_dir: st
         scheduler.step()
         after = engine.comm.stats()
         comm_steps.append({k: after[k].elements - (before[k].elements if k in before else 0) for k in after})
+        inter_steps.append(sum(after[k].inter_node_bytes - (before[k].inter_node_bytes if k in before else 0)
+                               for k in after))
         losses.append(loss)
     return {
         "coords": (mesh.pp_rank, mesh.dp_rank),
@@ -160,6 +162,7 @@ def _train_pipeline(spec: PipeSpec, stack: contextlib.ExitStack, profile_dir: st
         "step_roles": step_roles,
         "activation_peak_bytes": activation_peak,
         "comm_per_step": comm_steps,
+        "inter_node_bytes_per_step": inter_steps,
         "step_seconds": times,
         "num_params": engine.num_params,
         "num_params_padded": engine.num_params_padded,

@@ -164,30 +164,81 @@ def overlap_min_tokens(hidden: int, seq_len: int, dp: int, link_bytes_per_s: flo
     return per_param * flops / (link_bytes_per_s * (48 * hidden**2 + 8 * seq_len * hidden))
 
 
+def node_split(comm: dict[str, float], pp_rank: int, dp: int, per_node: int, *, shard_size: int = 0,
+               replicated: float = 0, tied: float = 0, stage: int = 0, tied_peer: int | None = None) -> float:
+    """Inter-node elements per step of pp rank ``pp_rank``'s ZeRO traffic ``comm`` (``comm_elements``, shard
+    group G = ``shard_size`` or dp, plus under HSDP the all-reduce of the ``replicated`` elements' shard over the
+    replicas), for the pp x dp world on nodes of
+    ``per_node`` consecutive ranks (``rank = pp_rank * dp + dp_rank``), as hfzero/comm.py counts it ([Note: node
+    traffic]): each collective's elements times its ring's crossing hops over its ranks, for dp rank 0's groups.
+    The tied-embedding all-reduce (``tied`` elements, counted in ``comm["all_reduce"]``) runs over the pair
+    (this stage's rank, pp rank ``tied_peer``'s) of the same dp index."""
+    from hfzero.topology import ring_crossings
+
+    shard = shard_size or dp
+    base = pp_rank * dp
+    tied_part = 2 * tied / (1 if stage == 0 else shard) if tied and tied_peer is not None else 0.0
+    replicate_part = 2.0 * replicated / shard if shard < dp else 0.0
+    zero = sum(comm.values()) - tied_part - replicate_part
+    inter = zero * ring_crossings(range(base, base + shard), per_node) / shard
+    if replicate_part:
+        replicas = list(range(base, base + dp, shard))
+        inter += replicate_part * ring_crossings(replicas, per_node) / len(replicas)
+    if tied_part:
+        inter += tied_part * ring_crossings([base, tied_peer * dp], per_node) / 2
+    return inter
+
+
 def estimate_pipeline(shapes: list[StageShape], *, pp: int, dp: int, stage: int, n_micro: int,
                       schedule: str = "1F1B", dtype: str = "bf16", optimizer: str = "adam",
                       accumulation: str = "auto", stage3_gather: str = "step",
-                      stages_per_rank: int = 1) -> dict[str, Any]:
-    """Per-rank figures for every pp rank (its stages summed), as ``hfzero estimate --pp`` prints them."""
+                      stages_per_rank: int = 1, shard_size: int = 0, ranks_per_node: int = 0) -> dict[str, Any]:
+    """Per-rank figures for every pp rank (its stages summed), as ``hfzero estimate --pp`` prints them.
+    ``shard_size`` G (HSDP inside each stage): ZeRO over G of the stage's dp ranks, the gradient shard all-reduced
+    over the dp / G replicas once per step. ``ranks_per_node`` (0: one node) adds each rank's inter-node elements
+    (``node_split``)."""
     from hfzero.parallel.pipeline.schedule import resolve_schedule
+
+    shard = shard_size or dp
+    if shard < 1 or dp % shard:
+        raise ValueError(f"shard_size={shard_size} must divide dp={dp}")
+    world = pp * dp
+    per_node = ranks_per_node or world
+    if world % per_node:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must divide the world pp x dp = {world}")
 
     policy = accumulation if accumulation != "auto" else ("sharded" if stage >= 2 else "local")
     kind = resolve_schedule(schedule)
     ranks = []
     for pp_rank in range(pp):
-        ids = (kind.stage_ids(pp_rank, pp) if kind.stages_per_rank == stages_per_rank
-               else [pp_rank + k * pp for k in range(stages_per_rank)])
+        ids = _ids(kind, pp_rank, pp, stages_per_rank)
         mine = [shapes[i] for i in ids]
         params, tied, shared = rank_params(shapes, ids)
-        roles = model_state_roles(params, dp, stage, dtype=dtype, optimizer=optimizer, accumulation=policy,
+        roles = model_state_roles(params, shard, stage, dtype=dtype, optimizer=optimizer, accumulation=policy,
                                   stage3_gather=stage3_gather)
+        comm = comm_elements(params, shard, stage, n_micro, accumulation=policy, stage3_gather=stage3_gather,
+                             tied=tied, shared=shared)
+        if shard < dp:  # HSDP: the gradient shard's all-reduce over the replicas
+            comm["all_reduce"] += 2.0 * params / shard
+        peers = [r for r in range(pp) if r != pp_rank and rank_params(shapes, _ids(kind, r, pp, stages_per_rank))[1]]
         ranks.append({
             "pp_rank": pp_rank, "params": params, "blocks": sum(s.blocks for s in mine),
             "model_states_by_role": roles, "model_states_bytes": sum(roles.values()),
-            "comm_elements_per_step": comm_elements(params, dp, stage, n_micro, accumulation=policy,
-                                                    stage3_gather=stage3_gather, tied=tied, shared=shared),
+            "comm_elements_per_step": comm,
+            "inter_node_elements_per_step": node_split(comm, pp_rank, dp, per_node, shard_size=shard,
+                                                       replicated=params if shard < dp else 0.0, tied=tied,
+                                                       stage=stage,
+                                                       tied_peer=peers[0] if tied and peers else None),
             "microbatches_in_flight": activation_in_flight(schedule, pp, pp_rank, n_micro),
         })
-    return {"pp": pp, "dp": dp, "stage": stage, "n_micro": n_micro, "schedule": schedule, "dtype": dtype,
+    return {"pp": pp, "dp": dp, "shard_size": shard, "ranks_per_node": per_node, "stage": stage, "n_micro": n_micro,
+            "schedule": schedule, "dtype": dtype,
             "optimizer": optimizer, "accumulation": policy, "stage3_gather": stage3_gather,
             "bubble_fraction": bubble_fraction(pp, n_micro, stages_per_rank), "ranks": ranks}
+
+
+def _ids(kind: Any, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """The global stages of pp rank ``pp_rank`` (the schedule's placement, or round-robin)."""
+    return (kind.stage_ids(pp_rank, pp) if kind.stages_per_rank == stages_per_rank
+            else [pp_rank + k * pp for k in range(stages_per_rank)])
+
