@@ -178,12 +178,14 @@ class AllToAllLedger:
         self.comm: Communicator | None = None
 
     def count(self, send_sizes: list[int], recv_sizes: list[int], hidden: torch.Tensor) -> None:
-        """One dispatch and its combine: the rows this rank sends to other ranks, both ways (and again in
-        backward, whose exchanges mirror them, when gradients flow), counted when the forward runs."""
+        """One dispatch and its combine: the rows of each exchange's input, the dispatched rows and the rows
+        combined back (and again in backward, whose exchanges mirror them, when gradients flow), counted when the
+        forward runs. As every kind is counted (an all-gather its whole output, a sequence-parallel all-to-all its
+        whole input; [Note: node traffic] in hfzero/comm.py), the rows a rank keeps for its own experts are
+        included: the volume is the buffer's, not the (S - 1) / S of it that leaves the rank."""
         if self.comm is None:
             return
-        rank = self.comm.rank
-        rows = sum(send_sizes) - send_sizes[rank] + sum(recv_sizes) - recv_sizes[rank]
+        rows = sum(send_sizes) + sum(recv_sizes)
         passes = 2 if torch.is_grad_enabled() and hidden.requires_grad else 1
         self.comm.account("all_to_all", passes * rows * hidden.shape[-1], hidden.element_size())
 
