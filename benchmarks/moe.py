@@ -7,7 +7,8 @@ per-rank model-state bytes beside ``hfzero.estimate`` (``expert_parallel_bytes``
 torch DDP on the same global batch (fp32; run first and freed before the variants are built; with
 ``--dtype bf16``, against the plain stage-3 run). Every variant is data-parallel on the same global batch, so
 losses agree to fp32 rounding. With ep = world (4) the expert-data-parallel group is one rank, so stages 1-3
-+ EP shard nothing: their model states are each rank's dense parameters and E / 4 experts, whole.
++ EP shard nothing: their model states are each rank's dense parameters and E / 4 experts, whole; stage 3 +
+EP=2 shards them over edp = 2.
 The model measured in docs/moe.md: ``--experts 32 --top-k 4 --hidden 512 --expert-hidden 256 --layers 4``
 (54.1M parameters, 93% in experts); ``--expert-hidden 384`` gives ~79M. The default is a quick small one.
 
@@ -32,7 +33,7 @@ from hfzero.testing import run_distributed
 from hfzero.testing.models import tiny_moe_lm
 
 WORLD = 4
-VARIANTS = {"stage3": (3, 1), "stage3+ep4": (3, 4), "stage2+ep4": (2, 4), "stage1+ep4": (1, 4)}
+VARIANTS = {"stage3": (3, 1), "stage3+ep4": (3, 4), "stage2+ep4": (2, 4), "stage1+ep4": (1, 4), "stage3+ep2": (3, 2)}
 
 
 def _model(args: argparse.Namespace) -> torch.nn.Module:
