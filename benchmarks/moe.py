@@ -4,10 +4,13 @@ A Qwen3-MoE-shaped model from config (most parameters in experts). Per variant: 
 per optimizer step (all of the engine's collectives, the all-to-all token exchange counted under its own
 kind), the median step time (variants interleaved in rounds, so machine noise hits each alike), the
 per-rank model-state bytes beside ``hfzero.estimate`` (``expert_parallel_bytes``), and the losses against
-the plain stage-3 run (every variant is data-parallel on the same global batch, so losses agree to fp32
-rounding). With ep = world (4) the expert-data-parallel group is one rank, so stages 1-3 + EP shard nothing:
-their model states are each rank's dense parameters and E / 4 experts, whole. The issue's model: ``--experts 32 --top-k 4 --hidden 512 --expert-hidden 384 --layers 4``
-(~104M parameters, 96% in experts); the default is a quick small one.
+torch DDP on the same global batch (fp32; run first and freed before the variants are built; with
+``--dtype bf16``, against the plain stage-3 run). Every variant is data-parallel on the same global batch, so
+losses agree to fp32 rounding. With ep = world (4) the expert-data-parallel group is one rank, so stages 1-3
++ EP shard nothing: their model states are each rank's dense parameters and E / 4 experts, whole; stage 3 +
+EP=2 shards them over edp = 2.
+The model measured in docs/moe.md: ``--experts 32 --top-k 4 --hidden 512 --expert-hidden 256 --layers 4``
+(54.1M parameters, 93% in experts); ``--expert-hidden 384`` gives ~79M. The default is a quick small one.
 
     python benchmarks/moe.py [--steps 4] [--rounds 2] [--experts 16] [--json OUT]
 """
@@ -15,6 +18,7 @@ their model states are each rank's dense parameters and E / 4 experts, whole. Th
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -29,7 +33,7 @@ from hfzero.testing import run_distributed
 from hfzero.testing.models import tiny_moe_lm
 
 WORLD = 4
-VARIANTS = {"stage3": (3, 1), "stage3+ep4": (3, 4), "stage2+ep4": (2, 4), "stage1+ep4": (1, 4)}
+VARIANTS = {"stage3": (3, 1), "stage3+ep4": (3, 4), "stage2+ep4": (2, 4), "stage1+ep4": (1, 4), "stage3+ep2": (3, 2)}
 
 
 def _model(args: argparse.Namespace) -> torch.nn.Module:
@@ -52,11 +56,35 @@ def _build(stage: int, ep: int, args: argparse.Namespace):
     return model, optimizer, hfzero.get_engine(model)
 
 
+def _ddp_losses(rank: int, world: int, args: argparse.Namespace, batches: list[torch.Tensor]) -> list[float]:
+    """torch DDP on the same global batch (every rank its own rows, gradients averaged over the world): the
+    losses the ZeRO variants are compared with. Freed before the variants are built."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(_model(args))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    losses = []
+    for ids in batches:
+        mine = ids.chunk(world)[rank]
+        loss = model(input_ids=mine, labels=mine).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    del model, optimizer
+    gc.collect()
+    return losses
+
+
 def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
-    built = {name: _build(stage, ep, args) for name, (stage, ep) in VARIANTS.items()}
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, args.vocab, (args.batch * world, args.seq), generator=g) for _ in range(args.steps)]
+    ddp = _ddp_losses(rank, world, args, batches) if args.fp32_ddp else None
+    built = {name: _build(stage, ep, args) for name, (stage, ep) in VARIANTS.items()}
     out: dict[str, Any] = {name: {"times": [], "losses": [], "bytes": [], "a2a": []} for name in VARIANTS}
+    out["ddp_losses"] = ddp
     for round_ in range(args.rounds):
         for name, (model, optimizer, engine) in built.items():
             for step, ids in enumerate(batches):
@@ -99,6 +127,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    args.fp32_ddp = args.dtype == "fp32"  # the DDP reference runs the model as built (fp32)
 
     model = _model(args)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
@@ -106,11 +135,14 @@ def main() -> None:
     size = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}[args.dtype]
     ranks = run_distributed(_worker, WORLD, args, timeout=3600)
     base = ranks[0]["stage3"]
+    reference = ranks[0]["ddp_losses"] or base["losses"]  # DDP's (fp32), else plain stage 3's
     rows = []
     print(f"model: {dense + experts:,} parameters, {experts / (dense + experts):.0%} in experts; world {WORLD}, "
           f"{args.experts} experts top-{args.top_k}, {args.batch} x {args.seq} tokens per rank, {args.dtype}")
     print(f"{'variant':<12} {'bytes/rank/step':>16} {'of which a2a':>13} {'vs stage3':>10} {'step s':>8} "
           f"{'states/rank':>12} {'estimate':>12} {'max |dloss|':>12}")
+    print(f"losses compared with {'torch DDP' if ranks[0]['ddp_losses'] else 'plain stage 3'} on the same global "
+          "batch")
     for name, (stage, ep) in VARIANTS.items():
         mine = ranks[0][name]
         per_step = statistics.median(max(r[name]["bytes"][i] for r in ranks) for i in range(args.steps))
@@ -119,7 +151,7 @@ def main() -> None:
         estimate = expert_parallel_bytes(dense * ratio, experts * ratio, WORLD, ep, stage, param_bytes=size[0],
                                          grad_bytes=size[1], optimizer_k=size[2]).total
         step = statistics.median(max(r[name]["times"][i] for r in ranks) for i in range(len(mine["times"])))
-        dloss = max(abs(a - b) for a, b in zip(mine["losses"], base["losses"]))
+        dloss = max(abs(a - b) for a, b in zip(mine["losses"], reference, strict=True))
         base_bytes = statistics.median(max(r["stage3"]["bytes"][i] for r in ranks) for i in range(args.steps))
         rows.append({"variant": name, "bytes_per_rank_step": per_step, "all_to_all_bytes": a2a,
                      "bytes_ratio_vs_stage3": base_bytes / per_step, "step_seconds": step,
@@ -128,7 +160,8 @@ def main() -> None:
               f"{mine['model_states']:>12,} {estimate:>12,.0f} {dloss:>12.2e}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "dense_params": dense, "expert_params": experts, "rows": rows}, f, indent=1)
+            json.dump({"args": vars(args), "dense_params": dense, "expert_params": experts, "rows": rows,
+                       "ddp_losses": ranks[0]["ddp_losses"]}, f, indent=1)
 
 
 if __name__ == "__main__":

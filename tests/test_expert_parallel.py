@@ -1,7 +1,7 @@
 """Expert parallelism x ZeRO: a tiny Qwen3-MoE (8 experts, top-2) on 4 gloo ranks, one spawn.
 
-ep2 x edp2 at stages 0-3 (accumulation 2 at stages 1-3, under both accumulation policies) and ep4 x edp1 at
-stage 2: every rank reads its own quarter of the global batch, experts are split over the EP group by the
+ep2 x edp2 and ep4 x edp1, each at stages 0-3, 10 steps (accumulation 2 in 7 of the 8 cases, under both
+accumulation policies): every rank reads its own quarter of the global batch, experts are split over the EP group by the
 model's ``base_model_ep_plan`` and reached by all-to-all, ZeRO shards over the expert-data-parallel group.
 Losses, gradient norms (clipping acts at every step) and every parameter after the steps match a float64
 single-process run on the whole global batch within hfzero.testing.parity's rounding bounds (see [Note:
@@ -23,13 +23,16 @@ from hfzero.testing.models import tiny_moe_lm
 from hfzero.testing.parity import ParityReference, float64_reference
 from hfzero.testing.spawn import run_distributed
 
-STEPS, BATCH, SEQ, WORLD, CLIP, LR = 5, 8, 8, 4, 0.5, 1e-3
+STEPS, BATCH, SEQ, WORLD, CLIP, LR = 10, 8, 8, 4, 0.5, 1e-3
 CASES = {  # name: (stage, ep_size, micro-batches per step, accumulation policy)
-    "s0": (0, 2, 1, "auto"),
-    "s1_acc2": (1, 2, 2, "sharded"),
-    "s2_acc2_local": (2, 2, 2, "local"),
-    "s3_acc2": (3, 2, 2, "sharded"),
-    "s2_ep4": (2, 4, 1, "auto"),
+    "ep2_s0_acc2": (0, 2, 2, "auto"),
+    "ep2_s1_acc2": (1, 2, 2, "sharded"),
+    "ep2_s2_acc2_local": (2, 2, 2, "local"),
+    "ep2_s3_acc2": (3, 2, 2, "sharded"),
+    "ep4_s0": (0, 4, 1, "auto"),
+    "ep4_s1_acc2_local": (1, 4, 2, "local"),
+    "ep4_s2_acc2": (2, 4, 2, "sharded"),
+    "ep4_s3_acc2": (3, 4, 2, "sharded"),
 }
 EXPERTS = 8
 
@@ -207,6 +210,8 @@ def test_expert_parallel_zero_matches_single_process(results, case: str) -> None
     for rank in ranks:
         got = rank[case]
         ref.check_losses(got["losses"])
+        # the issue's acceptance, literally: every step's loss within 1e-5 of the single-process run's
+        assert max(abs(a - b) for a, b in zip(got["losses"], ref.losses, strict=True)) <= 1e-5
         ref.check_norms(got["norms"])
         ref.bound.check(got["params"], ref.params)
 
