@@ -16,12 +16,12 @@ RSS and time from process start to the end of the first optimizer step; see ther
 - ``ddp2``: plain torchrun on 2 ranks (DDP at this size may not fit N ranks on the host).
 
 Every run: one optimizer step (``--max_steps 1``), one 16-token row per rank (``pp2``: two, its two
-micro-batches), ``--optim sgd`` (no optimizer
-state, so that the runs fit a small host; the optimizer is built after loading, so it does not change what
-loading holds), the model's own dtype (bf16). Each rank stops itself if the host's available memory falls
-under ``--min_free_gib`` (default 1.5 GiB; ``ran_out``: the phase it was in). Prints per rank: the baseline after ``import torch,
-transformers``, the peak while ``from_pretrained`` runs above it, RSS and peak when training begins, the peak
-and time to the end of the first step, and issue 20's bounds.
+micro-batches), ``--optim sgd`` (no optimizer state, so that the runs fit a small host; the optimizer is
+built after loading, so it does not change what loading holds), the model's own dtype (bf16). Each rank
+stops itself if the host's available memory falls under ``--min_free_gib`` (default 1.5 GiB; ``ran_out``:
+the phase it was in). Prints per rank: the baseline after ``import torch, transformers``, the peak while
+``from_pretrained`` runs above it, RSS and peak when training begins, the peak and time to the end of the
+first step, and issue 20's bounds. Figures and commands: docs/loading.md.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def _build(path: Path, layers: int, hidden: int, intermediate: int, heads: int, 
 
 def _launch(kind: str, nproc: int, model: Path, out: Path, log: Path, min_free_gib: float) -> int:
     args = [str(PROBE), str(SCRIPT), "--model_name_or_path", str(model), "--output_dir", str(out / "trainer"),
-            "--max_steps", "1", "--per_device_train_batch_size", "2" if kind == "pp2" else "1", "--examples", "64", "--seq_len", "16",
+            "--max_steps", "1", "--per_device_train_batch_size", "2" if kind == "pp2" else "1",
+            "--examples", "64", "--seq_len", "16",
             "--optim", "sgd", "--learning_rate", "1e-4", "--save_strategy", "no", "--report_to", "none",
             "--disable_tqdm", "true", "--logging_steps", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "true",
@@ -134,14 +135,16 @@ def _table(report: dict) -> str:
     load_bound = 1.25 * report["model_bytes"] / n + report["largest_tensor_bytes"]
     lines = [f"Llama {report['params'] / 1e9:.3f}B params, bf16, {report['files']} safetensors files, "
              f"{report['model_bytes'] / gib:.2f} GiB; N={n}; bounds: from_pretrained peak above baseline <= "
-             f"{load_bound / mib:.0f} MiB, peak - RSS at training start <= {0.25 * report['model_bytes'] / mib:.0f} MiB"]
+             f"{load_bound / mib:.0f} MiB, peak - RSS at training start <= "
+             f"{0.25 * report['model_bytes'] / mib:.0f} MiB"]
     for kind, run in report["runs"].items():
         lines.append(f"{kind}: exit status {run['returncode']}")
         for r in run["ranks"]:
             get = lambda k: r.get(k, float("nan"))  # noqa: E731
             line = (f"  baseline {get('baseline_rss') / mib:7.0f} MiB | from_pretrained peak +"
                     f"{(get('from_pretrained_peak') - get('baseline_rss')) / mib:7.0f} MiB in "
-                    f"{get('from_pretrained_seconds'):5.1f} s | at train begin RSS {get('rss_at_train_begin') / mib:6.0f}"
+                    f"{get('from_pretrained_seconds'):5.1f} s | at train begin RSS "
+                    f"{get('rss_at_train_begin') / mib:6.0f}"
                     f" MiB, peak {get('peak_at_train_begin') / mib:6.0f} MiB (peak - RSS "
                     f"{(get('peak_at_train_begin') - get('rss_at_train_begin')) / mib:5.0f}) | to the end of step 1: "
                     f"peak {get('peak_to_first_step') / mib:6.0f} MiB, {get('seconds_to_first_step'):6.1f} s")
