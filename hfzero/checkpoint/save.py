@@ -80,9 +80,10 @@ def save_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: Ze
     replaced only once the new one is complete. Resident memory beyond training: one tensor slice
     at a time (tensors stream to the file; a device tensor is copied to the CPU one at a time).
 
-    ``async_save`` (default: the engine's ``ZeroConfig.async_save``): return once the rank's tensors are
-    copied into its host staging buffer (held from save to save, CKPT_STAGING); a background thread writes
-    the files and swaps the directory in. The next save, a load, or the end of training waits for it and
+    ``async_save`` (default: the engine's ``ZeroConfig.async_save``): return after the small collectives and
+    the copy of the persistent buffers; a background thread copies the rank's master and optimizer-state
+    slices into its host staging buffer (held from save to save, CKPT_STAGING; the next optimizer step
+    waits for that copy: see hfzero/checkpoint/staging.py), writes the files and swaps the directory in. The next save, a load, or the end of training waits for it and
     raises its failure on every rank (see [Note: asynchronous saves] in background.py). The files are
     byte for byte a synchronous save's at the same point.
     Returns ``directory``.
