@@ -6,12 +6,18 @@ Trains a Llama (about 41M parameters with the defaults; fp32, AdamW) on ``--worl
 tiny batch per step so a step is short beside a save. In alternating rounds, each rank runs three steps, saves,
 runs three more steps, both for a synchronous save and for an asynchronous one, and records:
 
-- ``blocked``: seconds ``save_checkpoint`` keeps the training loop (the whole save when synchronous; the copy
-  into the staging buffer and the small collectives when asynchronous);
+- ``blocked``: seconds ``save_checkpoint`` keeps the training loop (the whole save when synchronous; when
+  asynchronous, the small collectives, the manifest and copying the persistent buffers), plus, asynchronous,
+  ``copy_wait``: seconds the next optimizer step waits for the background's copy of the master and
+  optimizer-state slices into the staging buffer (``ZeroEngine.wait_checkpoint_copy``; 0 when the copy ended
+  during that step's forward and backward);
 - ``full``: seconds from the save's start until the checkpoint is complete on disk (synchronous: ``blocked``;
   asynchronous: until the background write ends, taken from a save waited for at once in the same round);
 - ``step``: median seconds of a training step without a save, and of the steps run while the background
   write goes on (they share the CPU with it);
+- ``lost``: per save, ``blocked`` + the three steps after the save - three median steps: the training time the
+  save costs in all (asynchronous: the blocked part plus the slowdown of the steps that share the host with
+  the background copy and write; on a host with no spare cores that slowdown is about the write's CPU time);
 - ``staging``: the staging buffer's bytes (CKPT_STAGING).
 
 Prints the medians over rounds of the busier rank, and ratios side by side; ``--json`` prints everything.
@@ -51,6 +57,16 @@ def _rank(rank: int, world: int, root: str, stage: int, layers: int, hidden: int
     model = _llama(layers, hidden, vocab)
     model, opt = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), hfzero.ZeroConfig(stage=stage))
     batch = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(rank))
+    engine = hfzero.get_engine(model)
+    waited = [0.0]
+    wait_checkpoint_copy = engine.wait_checkpoint_copy
+
+    def timed_wait() -> None:
+        started = time.perf_counter()
+        wait_checkpoint_copy()
+        waited[0] += time.perf_counter() - started
+
+    engine.wait_checkpoint_copy = timed_wait
 
     def step() -> float:
         started = time.perf_counter()
@@ -61,23 +77,33 @@ def _rank(rank: int, world: int, root: str, stage: int, layers: int, hidden: int
 
     for _ in range(2):
         step()  # warm-up
-    out: dict = {"sync": [], "async": [], "async_full": [], "step": [], "step_during_write": []}
+    out: dict = {"sync": [], "async": [], "async_save_call": [], "copy_wait": [], "async_full": [], "step": [],
+                 "step_during_write": []}
     for r in range(rounds):
         for mode in ("sync", "async"):
             out["step"] += [step() for _ in range(3)]
             dist.barrier()
             started = time.perf_counter()
             save_checkpoint(Path(root) / mode, model, opt, async_save=mode == "async")
-            out[mode].append(time.perf_counter() - started)
+            call = time.perf_counter() - started
+            waited[0] = 0.0
             during = [step() for _ in range(3)]
             if mode == "async":
                 out["step_during_write"] += during
+                out["async_save_call"].append(call)
+                out["copy_wait"].append(waited[0])
+                call += waited[0]
                 wait_for_save()
+            out[mode].append(call)
+            out[f"{mode}_during"] = out.get(f"{mode}_during", []) + [sum(during)]
         dist.barrier()  # the full write of an asynchronous save: the save waited for at once
         started = time.perf_counter()
         save_checkpoint(Path(root) / "async-full", model, opt, async_save=True)
         wait_for_save()
         out["async_full"].append(time.perf_counter() - started)
+    typical = statistics.median(out["step"])
+    for mode in ("sync", "async"):
+        out[f"{mode}_lost"] = [b + d - 3 * typical for b, d in zip(out[mode], out.pop(f"{mode}_during"))]
     out["staging"] = hfzero.get_engine(model).memory_by_role().get(MemoryRole.CKPT_STAGING, 0)
     out["params"] = sum(p.numel() for p in hfzero.get_engine(model).layout.slots)
     return out
@@ -101,8 +127,10 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     med = statistics.median
     rows = [{"rank": r, "sync_blocked": med(x["sync"]), "async_blocked": med(x["async"]),
+             "async_save_call": med(x["async_save_call"]), "copy_wait": med(x["copy_wait"]),
              "async_full": med(x["async_full"]), "step": med(x["step"]),
-             "step_during_write": med(x["step_during_write"]), "staging_bytes": x["staging"]}
+             "step_during_write": med(x["step_during_write"]), "sync_lost": med(x["sync_lost"]),
+             "async_lost": med(x["async_lost"]), "staging_bytes": x["staging"]}
             for r, x in enumerate(ranks)]
     busiest = max(rows, key=lambda row: row["sync_blocked"])
     report = {"params": ranks[0]["params"], "world": args.world, "stage": args.stage, "rounds": args.rounds,
@@ -116,8 +144,11 @@ def main() -> None:
     print(f"  training step            {b['step'] * 1e3:8.1f} ms  (during a background write "
           f"{b['step_during_write'] * 1e3:.1f} ms, x{b['step_during_write'] / b['step']:.2f})")
     print(f"  synchronous save blocks  {b['sync_blocked'] * 1e3:8.1f} ms  = {b['sync_blocked'] / b['step']:.2f} steps")
-    print(f"  asynchronous save blocks {b['async_blocked'] * 1e3:8.1f} ms  = {b['async_blocked'] / b['step']:.2f} steps"
-          f"  (x{b['async_blocked'] / b['sync_blocked']:.3f} of synchronous)")
+    print(f"  asynchronous save blocks {b['async_blocked'] * 1e3:8.1f} ms  = {b['async_blocked'] / b['step']:.3f} steps"
+          f"  (x{b['async_blocked'] / b['sync_blocked']:.3f} of synchronous; the save call "
+          f"{b['async_save_call'] * 1e3:.1f} ms + the next step's wait for the copy {b['copy_wait'] * 1e3:.1f} ms)")
+    print(f"  training time lost per save: synchronous {b['sync_lost'] * 1e3:.1f} ms, asynchronous "
+          f"{b['async_lost'] * 1e3:.1f} ms (blocked + the slowdown of the 3 steps after the save)")
     print(f"  asynchronous full write  {b['async_full'] * 1e3:8.1f} ms  = {b['async_full'] / b['step']:.2f} steps")
     print(f"  staging buffer (CKPT_STAGING) {b['staging_bytes'] / 2**20:.1f} MiB per rank")
 

@@ -203,9 +203,10 @@ class ZeroConfig:
 
     async_save: bool = False
     """Asynchronous checkpoint saves (``hfzero.checkpoint.save_checkpoint``, and so ZeroTrainer's and
-    ZeroAccelerator's saves): the step is blocked only while each rank copies its shard into a host staging
-    buffer (kept and reused from save to save: a model state, CKPT_STAGING); the files are written, fsynced
-    and renamed into place by a background thread. The next save, a load, the end of ZeroTrainer.train or
+    ZeroAccelerator's saves): the save blocks the step only for a few small collectives and copying the
+    persistent buffers; a background thread copies the rank's shard into a host staging buffer (kept and
+    reused from save to save: a model state, CKPT_STAGING; the next optimizer step waits for that copy),
+    then writes, fsyncs and renames the files into place. The next save, a load, the end of ZeroTrainer.train or
     ZeroAccelerator.end_training, destroy_process_group and process exit wait for it; a background failure
     is raised there on every rank. See docs/checkpoints.md."""
 

@@ -5,7 +5,9 @@ next save on every rank, and the previous checkpoint in that directory is kept; 
 
 One spawn of 2 ranks runs every case (spawning is the expensive part). The background write is held back by
 a gate (``write_safetensors`` wrapped to wait for an event) until the foreground has trained two more steps,
-so a save that wrote the live tensors instead of its staged copies would differ from the synchronous one.
+so a save that wrote the live tensors instead of its staged copies would differ from the synchronous one;
+the background's copies of the master and optimizer-state slices start 0.5 s late, so an optimizer step that
+did not wait for them would change the slices first and the files would differ too.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import functools
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import hfzero.checkpoint.save as save_module
+import hfzero.checkpoint.staging as staging_module
 from hfzero import MemoryRole, ZeroConfig, prepare
 from hfzero.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, wait_for_save
 from hfzero.testing import run_distributed
@@ -57,17 +61,27 @@ def _files(directory: Path) -> dict[str, bytes]:
 
 
 def _gated_writes():
-    """Make the background writes wait for the returned event (the foreground's writes pass at once)."""
+    """Make the background writes wait for the returned event (the foreground's writes pass at once), and the
+    background's deferred copies into the staging buffer start late (so an optimizer step that did not wait
+    for them would change the slices before they are copied)."""
     gate = threading.Event()
-    original = save_module.write_safetensors
+    original, original_copy = save_module.write_safetensors, staging_module._copy
 
     def write(*args, **kwargs):
         if threading.current_thread() is not threading.main_thread():
             gate.wait(120)
         return original(*args, **kwargs)
 
-    save_module.write_safetensors = write
-    return gate, lambda: setattr(save_module, "write_safetensors", original)
+    def copy(pairs):
+        if pairs and threading.current_thread() is not threading.main_thread():
+            time.sleep(0.5)
+        return original_copy(pairs)
+
+    save_module.write_safetensors, staging_module._copy = write, copy
+
+    def restore():
+        save_module.write_safetensors, staging_module._copy = original, original_copy
+    return gate, restore
 
 
 def _case(root: Path, stage: int, dtype: str, persist: int) -> dict:

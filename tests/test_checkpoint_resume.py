@@ -5,7 +5,9 @@ global batches.
 One spawn of 4 ranks runs everything (spawning is the expensive part):
 1. two world-2 sub-groups run side by side, ranks 0-1 and ranks 2-3, each half of the cases (see
    PAIR_CASES). Each case trains, saves at step K, keeps training (the reference), then builds a fresh
-   differently-initialized model with scrambled RNGs, loads and resumes;
+   differently-initialized model with scrambled RNGs, loads and resumes. The first case of each pair
+   asks for an asynchronous save: over a sub-group it runs synchronously with a warning (complete when
+   the call returns) and resumes exactly like the others;
 2. each rank alone (world 1) loads a world-2 checkpoint: the stage-2 one at stages 3 (without and
    with persistent parameters), 0 and 1; the stage-3 one at stage 1;
 3. all 4 ranks load: the stage-2 checkpoint at stages 1, 2 and 3, the stage-3 one at stage 1, the
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import random
 import tempfile
 from pathlib import Path
@@ -33,8 +36,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import hfzero.checkpoint.save as save_module
 from hfzero import ZeroConfig, prepare
 from hfzero.checkpoint import consolidate, load_checkpoint, save_checkpoint
+from hfzero.checkpoint.background import pending_directory
 from hfzero.runtime.stage3 import full_state_dict
 from hfzero.testing import run_distributed
 from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
@@ -111,15 +116,35 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
+class _Warnings(logging.Handler):
+    """Collects the messages of warnings logged by hfzero.checkpoint.save."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def _world2(rank: int, group, root: str, cases) -> dict:
     batches = token_batches(STEPS, GLOBAL_BATCH, SEQ)
     out = {}
-    for stage, dtype, persist in cases:
+    for index, (stage, dtype, persist) in enumerate(cases):
         torch.manual_seed(10 + rank), random.seed(rank), np.random.seed(rank)
         model, opt = _build(stage, 0, group, dtype, persist=persist)
         ref = _train(model, opt, batches[:K], group)
         ckpt = Path(root) / f"stage{_key(stage, dtype, persist)}"
-        save_checkpoint(ckpt, model, opt, extra={"step": K})
+        # the first case of each pair asks for an asynchronous save over its sub-group (not the whole world):
+        # it runs synchronously with a warning, so the checkpoint is complete when the call returns
+        warnings = _Warnings()
+        save_logger = logging.getLogger(save_module.__name__)
+        save_logger.addHandler(warnings)
+        try:
+            save_checkpoint(ckpt, model, opt, extra={"step": K}, async_save=index == 0)
+        finally:
+            save_logger.removeHandler(warnings)
+        complete_on_return = (ckpt / "manifest.json").is_file() and pending_directory() is None
         at_save = _full_params(model)
         drawn_ref = _draw()
         ref += _train(model, opt, batches[K:], group)
@@ -136,7 +161,8 @@ def _world2(rank: int, group, root: str, cases) -> dict:
         out[_key(stage, dtype, persist)] = {
             "ref": ref, "resumed": resumed, "drawn_ref": drawn_ref, "drawn": drawn, "loaded_equal": loaded_equal,
             "final_equal": final_equal, "at_save": at_save if first else None, "ckpt": str(ckpt),
-            "final": final if first else None}
+            "final": final if first else None, "async_requested": index == 0, "warnings": warnings.messages,
+            "complete_on_return": complete_on_return}
     return out
 
 
@@ -190,6 +216,9 @@ def test_exact_resume_world2(case):
         assert r["loaded_equal"], f"rank {rank}: parameters right after loading differ from the saved ones"
         assert r["final_equal"], f"rank {rank}: final parameters differ from uninterrupted training"
         assert r["drawn"] == r["drawn_ref"], f"rank {rank}: RNG states were not restored"
+        assert r["complete_on_return"], f"rank {rank}: the save into a sub-group's directory returned unfinished"
+        subgroup_warned = any("sub-group" in m and "synchronously" in m for m in r["warnings"])
+        assert subgroup_warned == r["async_requested"], (rank, r["async_requested"], r["warnings"])
     assert per_rank[0]["drawn"] != per_rank[1]["drawn"], "each rank must restore its own RNG state"
 
 

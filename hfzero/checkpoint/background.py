@@ -3,10 +3,12 @@
 [Note: asynchronous saves]
 With ``ZeroConfig.async_save`` a save does in the foreground (the step waits) everything that reads live
 training state or needs the ranks together: it waits for the previous asynchronous save, prepares the
-``.partial`` directory, copies the rank's tensors into the host staging buffer (staging.py), and gathers
+``.partial`` directory, copies the persistent buffers into the host staging buffer (staging.py), and gathers
 every rank's report, from which rank 0 builds the manifest (hyper-parameters, loss scale and step counters
 as they are *now*). Then a background thread, one per process, does the rest of [Note: atomic checkpoint]:
-it writes and fsyncs the rank file from the staged copies, the ranks exchange the files' digests, rank 0
+it copies the rank's master and optimizer-state slices into the staging buffer (only an optimizer step
+changes them, and the next one waits for this copy: ``ZeroEngine.wait_checkpoint_copy``), writes and
+fsyncs the rank file from the staged copies, the ranks exchange the files' digests, rank 0
 writes the manifest and renames the directory into place, and the ranks agree on the outcome.
 - The thread's collectives run on a gloo group of their own over the same ranks (``side_comm``, created once
   at the first asynchronous save, a point the same on every rank, by the whole world), never on the training's

@@ -80,9 +80,10 @@ def save_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: Ze
     replaced only once the new one is complete. Resident memory beyond training: one tensor slice
     at a time (tensors stream to the file; a device tensor is copied to the CPU one at a time).
 
-    ``async_save`` (default: the engine's ``ZeroConfig.async_save``): return once the rank's tensors are
-    copied into its host staging buffer (held from save to save, CKPT_STAGING); a background thread writes
-    the files and swaps the directory in. The next save, a load, or the end of training waits for it and
+    ``async_save`` (default: the engine's ``ZeroConfig.async_save``): return after the small collectives and
+    the copy of the persistent buffers; a background thread copies the rank's master and optimizer-state
+    slices into its host staging buffer (held from save to save, CKPT_STAGING; the next optimizer step
+    waits for that copy: see hfzero/checkpoint/staging.py), writes the files and swaps the directory in. The next save, a load, or the end of training waits for it and
     raises its failure on every rank (see [Note: asynchronous saves] in background.py). The files are
     byte for byte a synchronous save's at the same point.
     Returns ``directory``.
@@ -119,13 +120,15 @@ def save_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: Ze
         inv.frozen.update({n: (whole[t], kind) for n, (t, kind) in inv.frozen.items() if t in whole})
     files: list[_File] = []
     report: dict[str, Any] = {}
+    copies: staging.StagedCopies | None = None
 
     def plan() -> None:
+        nonlocal copies
         rng_tensors, rng_meta = rng.capture(engine.device)
         files.extend(_plan_files(engine, scope, inv, rng_tensors))
         report.update(_report(engine, scope, optimizer, inv, files[0], rng_meta))
         if async_save:
-            _stage(engine, files, private)
+            copies = _stage(engine, files, private)
 
     error = guard(plan, _STEP)
     gathered = gather_json(comm, {"error": error, "report": report})
@@ -140,11 +143,12 @@ def save_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: Ze
     agree(comm, error, f"save_checkpoint({directory}): building the manifest")
 
     def finish(comm: Any) -> None:
-        _write_and_swap(comm, rank, directory, tmp, files, manifest)
+        _write_and_swap(comm, rank, directory, tmp, files, manifest, copies)
         logger.info("saved checkpoint %s (world %d, stage %d) in %.2fs%s", directory, scope.world_size,
                     engine.stage, time.perf_counter() - started, " (asynchronously)" if async_save else "")
 
     if async_save:
+        engine.checkpoint_copy = copies
         background.start(directory, lambda: finish(side))
         logger.info("checkpoint %s staged in %.3fs; writing it in the background", directory,
                     time.perf_counter() - started)
@@ -228,21 +232,25 @@ def _plan_files(engine: ZeroEngine, scope: Scope, inv: Inventory, rng_tensors: d
     return files
 
 
-def _stage(engine: ZeroEngine, files: list[_File], private: set[str]) -> None:
+def _stage(engine: ZeroEngine, files: list[_File], private: set[str]) -> staging.StagedCopies:
     """Point every file's tensors that training may change before the background write at copies in the
-    staging buffer. Frozen *parameters* are not staged: no optimizer steps them (and at stage 3 they are this
-    save's own gathered copies), so a background write reads them as they are; buffers are staged."""
+    staging buffer: the rank file's (master and optimizer-state slices, RNG: copied later, see staging.py)
+    and the frozen file's buffers (copied now: a forward may change them). Frozen *parameters* are not
+    staged: no optimizer steps them (and at stage 3 they are this save's own gathered copies), so a
+    background write reads them as they are."""
     rank_file = files[0]
     frozen = files[1] if len(files) > 1 else None
-    moving = list(rank_file.tensors)
+    buffers = []
     if frozen is not None:
-        moving += [t for e, t, kind in zip(frozen.entries, frozen.tensors, frozen.kinds)
+        buffers = [t for e, t, kind in zip(frozen.entries, frozen.tensors, frozen.kinds)
                    if kind != "parameter" and e.name not in private]
-    staged = iter(staging.stage(engine, moving))
-    rank_file.tensors = [next(staged) for _ in rank_file.tensors]
+    copies = staging.StagedCopies(engine, buffers, rank_file.tensors)
+    rank_file.tensors = list(copies.deferred)
     if frozen is not None:
+        staged = iter(copies.eager)
         frozen.tensors = [t if kind == "parameter" or e.name in private else next(staged)
                           for e, t, kind in zip(frozen.entries, frozen.tensors, frozen.kinds)]
+    return copies
 
 
 def _ranges(engine: ZeroEngine, scope: Scope) -> tuple[list[Any], list[Any]]:
@@ -277,11 +285,19 @@ def _report(engine: ZeroEngine, scope: Scope, optimizer: ZeroOptimizer, inv: Inv
 
 
 def _write_and_swap(comm: Any, rank: int, directory: Path, tmp: Path, files: list[_File],
-                    manifest: dict[str, Any]) -> None:
-    """Write and fsync this rank's files; the ranks exchange digests; rank 0 writes the manifest and swaps the
-    directory in; every rank raises any rank's failure (a collective over ``comm``)."""
+                    manifest: dict[str, Any], copies: staging.StagedCopies | None = None) -> None:
+    """Write and fsync this rank's files (an asynchronous save first completes ``copies``, its deferred copies
+    into the staging buffer); the ranks exchange digests; rank 0 writes the manifest and swaps the directory
+    in; every rank raises any rank's failure (a collective over ``comm``)."""
     digests: dict[str, Any] = {}
-    error = guard(lambda: [digests.update(f.write(tmp)) for f in files], _STEP)
+
+    def write() -> None:
+        if copies is not None:
+            copies.run()  # the next optimizer step waits for this, not for the writing
+        for f in files:
+            digests.update(f.write(tmp))
+
+    error = guard(write, _STEP)
     if error is None:
         _pause("rank_file_written", rank)
     gathered = gather_json(comm, {"error": error, "files": digests})

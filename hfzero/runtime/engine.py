@@ -123,6 +123,9 @@ class ZeroEngine:
         self.checkpoint_staging: torch.Tensor | None = None
         """Host bytes an asynchronous checkpoint save copies this rank's shard into (hfzero/checkpoint/staging.py):
         allocated at the first such save and reused by the next, so held across steps (CKPT_STAGING)."""
+        self.checkpoint_copy: Any = None
+        """An asynchronous save's copies of the master and optimizer-state slices still running on its background
+        thread (a ``StagedCopies``), or None: the next optimizer step waits for them (``wait_checkpoint_copy``)."""
 
         self.layout = self._build_layout(param_groups)
         self.num_params = self.layout.num_params
@@ -561,6 +564,13 @@ class ZeroEngine:
         master weights outside a step (loading a state dict or checkpoint). No-op otherwise."""
         if self.offload is not None:
             self.offload.wait_uploads()
+
+    def wait_checkpoint_copy(self) -> None:
+        """Block until an asynchronous checkpoint save has copied this rank's master and optimizer-state slices
+        (see hfzero/checkpoint/staging.py), before anything changes them. Returns at once without one."""
+        if self.checkpoint_copy is not None:
+            self.checkpoint_copy.wait()
+            self.checkpoint_copy = None
 
     def finish_step(self) -> None:
         """Drop this step's gradients (the step consumed them) and the transient fp32 gradients."""

@@ -117,6 +117,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # A scheduler built on the user's optimizer checks that its step ran (torch's LRScheduler marker).
         self._source._opt_called = True  # type: ignore[attr-defined]
         engine.materialize_grads()
+        engine.wait_checkpoint_copy()  # an asynchronous save still copying the slices this step changes
         self.last_step_skipped = engine.overflow
         if engine.overflow:
             self.skipped_steps += 1
