@@ -29,8 +29,9 @@ a failure is reported with its rank, node and first error line (``failure_messag
 The ``--zero_*`` options are never ignored silently: a worker whose script ends without any model
 prepared by hfzero (a plain torch loop, a custom trainer that builds its own DDP) logs an error
 saying so and exits with ``NOT_APPLIED_EXIT`` (3) even when the script itself succeeded; the
-launcher then repeats the message and returns 3. A script that fails gets the message too, then
-fails as it would have.
+launcher then repeats the message and returns 3. A script that fails before any model is prepared gets a
+message saying that it failed first (it may have failed while loading, before reaching its Trainer), then fails as
+it would have.
 """
 
 from __future__ import annotations
@@ -447,11 +448,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             runpy.run_path(target, run_name="__main__")
     except SystemExit as exit_:
         if exit_.code not in (None, 0):
-            _report_if_not_applied(zero)
+            _report_if_not_applied(zero, failed=True)
             _record_failure(exit_)
             raise  # the script's own failure: exit as Python would, with its message and code
     except BaseException as error:
-        _report_if_not_applied(zero)
+        _report_if_not_applied(zero, failed=True)
         _record_failure(error)
         raise
     _exit_cleanly(NOT_APPLIED_EXIT if _report_if_not_applied(zero) else 0)
@@ -487,12 +488,20 @@ def _load_through_hfzero() -> None:
         enable()
 
 
-def _report_if_not_applied(zero: bool) -> bool:
-    """Log an error when ZeRO options were given but no model was prepared; see [Note: ZeRO not applied]."""
+def _report_if_not_applied(zero: bool, failed: bool = False) -> bool:
+    """Log an error when ZeRO options were given but no model was prepared; see [Note: ZeRO not applied]. When
+    the script ``failed``, it may simply have failed before reaching the Trainer's or accelerator's prepare (while
+    loading, say): the message then says both, without claiming the script could not use hfzero."""
     from hfzero.runtime.prepare import prepared_count
 
     if not zero or prepared_count() > 0:
         return False
+    if failed:
+        logger.error("rank %s: the script failed before any model was prepared with hfzero, so ZeRO was not applied "
+                     "yet (it may have failed while loading, before its Trainer or Accelerator; its error follows). "
+                     "If the script has no Trainer, Accelerator or hfzero.prepare at all: %s",
+                     os.environ.get("RANK", "0"), _not_applied_message(config_strings_from_env()))
+        return True
     logger.error("rank %s: %s", os.environ.get("RANK", "0"), _not_applied_message(config_strings_from_env()))
     return True
 
