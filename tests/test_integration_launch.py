@@ -71,3 +71,24 @@ def test_trainer_arguments_for_cpu_bf16_and_stage3_best_model(tmp_path: Path, mo
     model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32, n_positions=8))
     with pytest.raises(ConfigError, match="drop --save_only_model"):
         ZeroTrainer(model=model, args=args)
+
+
+def test_worker_that_fails_before_prepare_is_reported_as_failing_first(monkeypatch, caplog) -> None:
+    """[Note: ZeRO not applied]: a finished script that prepared nothing is told hfzero could not apply; one that
+    failed before any prepare (while loading, say) is told it failed first."""
+    import logging
+
+    from hfzero.integrations import launch
+
+    monkeypatch.setenv("HFZERO_STAGE", "3")
+    monkeypatch.setattr("hfzero.runtime.prepare.prepared_count", lambda: 0)
+    with caplog.at_level(logging.ERROR, logger=launch.logger.name):
+        assert launch._report_if_not_applied(True, failed=True)
+    assert "the script failed before any model was prepared with hfzero" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger=launch.logger.name):
+        assert launch._report_if_not_applied(True)
+    assert "ZeRO was NOT applied: --zero_stage 3 had no effect" in caplog.text
+    assert "failed before" not in caplog.text
+    monkeypatch.setattr("hfzero.runtime.prepare.prepared_count", lambda: 1)
+    assert not launch._report_if_not_applied(True, failed=True)
