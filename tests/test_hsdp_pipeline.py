@@ -36,6 +36,9 @@ NODE_SPECS = [  # 2 simulated nodes of 4 ranks: each stage's dp group lies in on
     dataclasses.replace(SPECS[3], extra_config=SPECS[3].extra_config + (("ranks_per_node", 2),)),
     # flat stage 2 over the stage's 4 dp ranks on 2 nodes of 2: its ring crosses twice
     dataclasses.replace(SPECS[3], extra_config=(("ranks_per_node", 2),)),
+    # hpZ: flat stage 3 gathering per micro-batch on nodes of 2, the backward gathers inside the node
+    dataclasses.replace(SPECS[5], extra_config=(("param_persistence_threshold", 0), ("ranks_per_node", 2),
+                                                ("secondary_partition", True))),
 ]
 
 
@@ -126,7 +129,7 @@ def test_hsdp_pipeline_checkpoint_resumes_and_consolidates_to_the_trained_weight
 
 
 @pytest.mark.parametrize("spec", NODE_SPECS, ids=["hsdp-stage3-nodes-of-4", "hsdp-stage2-nodes-of-2",
-                                                  "flat-stage2-nodes-of-2"])
+                                                  "flat-stage2-nodes-of-2", "hpz-stage3-nodes-of-2"])
 def test_inter_node_bytes_match_the_pipeline_cost_model(spec):
     """Measured inter-node bytes of every step (fp32: 4 bytes per element) equal ``estimate_pipeline``'s
     ``inter_node_elements_per_step`` for dp rank 0 of each stage (the clip norm's scalars travel on a ledger of
@@ -138,7 +141,8 @@ def test_inter_node_bytes_match_the_pipeline_cost_model(spec):
     shapes = stage_shapes(tiny_causal_lm("llama", layers=spec.layers, hidden=spec.hidden), spec.pp)
     expected = estimate_pipeline(shapes, pp=spec.pp, dp=4, stage=spec.stage, n_micro=spec.n_micro,
                                  accumulation=spec.accumulation, stage3_gather=spec.stage3_gather, dtype="fp32",
-                                 shard_size=config.get("shard_size", 0), ranks_per_node=config["ranks_per_node"])
+                                 shard_size=config.get("shard_size", 0), ranks_per_node=config["ranks_per_node"],
+                                 secondary_partition=config.get("secondary_partition", False))
     outs = _results()[spec]
     ref_losses, _ = _reference()
     for out in outs:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hfzero import topology
 from hfzero.comm import Communicator
 from hfzero.config import STAGE_AUTO, ConfigError, ZeroConfig
 from hfzero.devices import collective_device
@@ -259,20 +260,25 @@ def _shard_groups(config: ZeroConfig, process_group: dist.ProcessGroup | None,
 def _node_comm(comm: Communicator, process_group: dist.ProcessGroup | None,
                replicate: Communicator | None) -> Communicator | None:
     """hpZ: a communicator over this rank's node inside ``comm``'s group (sharing its statistics), or None when
-    the group lies inside one node (nothing would change). Every rank creates every node's group, in order (a
-    collective of the world). Supported where nodes cut the group into whole blocks of consecutive ranks: the
-    world group, or an HSDP shard group of a multiple of the ranks per node."""
-    per_node = comm.ranks_per_node
-    if comm.node_crossings == 0:
-        logger.info("secondary_partition: the group of %d rank(s) lies inside one node; nothing to do", comm.world_size)
-        return None
+    the groups lie inside nodes (nothing would change). Every rank creates every node's group, in order (a
+    collective of the world). Supported where the world is cut into equal blocks of consecutive ranks (the world
+    group, HSDP shard groups, a pipeline's stages, or both) and nodes cut each block into whole nodes. Decided
+    from world-wide facts (block size, ranks per node), so every rank takes the same branch."""
+    per_node, world = comm.ranks_per_node, dist.get_world_size()
     ranks = comm.global_ranks
-    blocks = ranks == list(range(ranks[0], ranks[0] + len(ranks))) and ranks[0] % per_node == 0
-    if not blocks or len(ranks) % per_node or (replicate is None and len(ranks) != dist.get_world_size()):
-        raise ConfigError("hfzero.prepare: secondary_partition (hpZ) over a sub-group (pipeline or tensor "
-                          "parallelism) is not built yet; use it with plain data parallelism or HSDP")
+    size = len(ranks)
+    if ranks != list(range(ranks[0], ranks[0] + size)) or ranks[0] % size or world % size:
+        raise ConfigError("hfzero.prepare: secondary_partition (hpZ) needs its group to be a block of consecutive "
+                          "ranks (the world, an HSDP shard group or a pipeline stage's ranks); with tensor "
+                          "parallelism or a group of your own it is not built yet")
+    if not any(topology.ring_crossings(range(start, start + size), per_node) for start in range(0, world, size)):
+        logger.info("secondary_partition: each group of %d rank(s) lies inside one node; nothing to do", size)
+        return None
+    if size % per_node:
+        raise ConfigError(f"hfzero.prepare: secondary_partition (hpZ) needs the ranks per node ({per_node}) to divide "
+                          f"the group's {size} ranks, so nodes cut it into whole nodes")
     mine = None
-    for node in range(dist.get_world_size() // per_node):
+    for node in range(world // per_node):
         group = dist.new_group(list(range(node * per_node, (node + 1) * per_node)))
         if node == dist.get_rank() // per_node:
             mine = comm.on_group(group)

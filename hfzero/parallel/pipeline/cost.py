@@ -165,21 +165,23 @@ def overlap_min_tokens(hidden: int, seq_len: int, dp: int, link_bytes_per_s: flo
 
 
 def node_split(comm: dict[str, float], pp_rank: int, dp: int, per_node: int, *, shard_size: int = 0,
-               replicated: float = 0, tied: float = 0, stage: int = 0, tied_peer: int | None = None) -> float:
+               replicated: float = 0, tied: float = 0, stage: int = 0, tied_peer: int | None = None,
+               node_local: float = 0) -> float:
     """Inter-node elements per step of pp rank ``pp_rank``'s ZeRO traffic ``comm`` (``comm_elements``, shard
     group G = ``shard_size`` or dp, plus under HSDP the all-reduce of the ``replicated`` elements' shard over the
     replicas), for the pp x dp world on nodes of
     ``per_node`` consecutive ranks (``rank = pp_rank * dp + dp_rank``), as hfzero/comm.py counts it ([Note: node
     traffic]): each collective's elements times its ring's crossing hops over its ranks, for dp rank 0's groups.
     The tied-embedding all-reduce (``tied`` elements, counted in ``comm["all_reduce"]``) runs over the pair
-    (this stage's rank, pp rank ``tied_peer``'s) of the same dp index."""
+    (this stage's rank, pp rank ``tied_peer``'s) of the same dp index. ``node_local``: elements of the gathers
+    that hpZ's secondary partition keeps inside the node (the backward gathers)."""
     from hfzero.topology import ring_crossings
 
     shard = shard_size or dp
     base = pp_rank * dp
     tied_part = 2 * tied / (1 if stage == 0 else shard) if tied and tied_peer is not None else 0.0
     replicate_part = 2.0 * replicated / shard if shard < dp else 0.0
-    zero = sum(comm.values()) - tied_part - replicate_part
+    zero = sum(comm.values()) - tied_part - replicate_part - node_local
     inter = zero * ring_crossings(range(base, base + shard), per_node) / shard
     if replicate_part:
         replicas = list(range(base, base + dp, shard))
@@ -192,11 +194,13 @@ def node_split(comm: dict[str, float], pp_rank: int, dp: int, per_node: int, *, 
 def estimate_pipeline(shapes: list[StageShape], *, pp: int, dp: int, stage: int, n_micro: int,
                       schedule: str = "1F1B", dtype: str = "bf16", optimizer: str = "adam",
                       accumulation: str = "auto", stage3_gather: str = "step",
-                      stages_per_rank: int = 1, shard_size: int = 0, ranks_per_node: int = 0) -> dict[str, Any]:
+                      stages_per_rank: int = 1, shard_size: int = 0, ranks_per_node: int = 0,
+                      secondary_partition: bool = False) -> dict[str, Any]:
     """Per-rank figures for every pp rank (its stages summed), as ``hfzero estimate --pp`` prints them.
     ``shard_size`` G (HSDP inside each stage): ZeRO over G of the stage's dp ranks, the gradient shard all-reduced
     over the dp / G replicas once per step. ``ranks_per_node`` (0: one node) adds each rank's inter-node elements
-    (``node_split``)."""
+    (``node_split``); ``secondary_partition`` (hpZ, stage 3 gathering per micro-batch) keeps the backward gathers,
+    Ψ_s per micro-batch, inside the node (with ``stage3_gather="step"`` the backward gathers nothing)."""
     from hfzero.parallel.pipeline.schedule import resolve_schedule
 
     shard = shard_size or dp
@@ -221,13 +225,14 @@ def estimate_pipeline(shapes: list[StageShape], *, pp: int, dp: int, stage: int,
         if shard < dp:  # HSDP: the gradient shard's all-reduce over the replicas
             comm["all_reduce"] += 2.0 * params / shard
         peers = [r for r in range(pp) if r != pp_rank and rank_params(shapes, _ids(kind, r, pp, stages_per_rank))[1]]
+        node_local = params * n_micro if secondary_partition and stage == 3 and stage3_gather == "micro" else 0.0
         ranks.append({
             "pp_rank": pp_rank, "params": params, "blocks": sum(s.blocks for s in mine),
             "model_states_by_role": roles, "model_states_bytes": sum(roles.values()),
             "comm_elements_per_step": comm,
             "inter_node_elements_per_step": node_split(comm, pp_rank, dp, per_node, shard_size=shard,
                                                        replicated=params if shard < dp else 0.0, tied=tied,
-                                                       stage=stage,
+                                                       stage=stage, node_local=node_local,
                                                        tied_peer=peers[0] if tied and peers else None),
             "microbatches_in_flight": activation_in_flight(schedule, pp, pp_rank, n_micro),
         })
