@@ -8,7 +8,8 @@
    warm-up steps, and each step's inter-node bytes equal to the exact per-bucket model
    (``hfzero.estimate_quantized.layout_*``), and the estimator's Ψ-level model (no block padding) below it by
    at most 15% on this tiny model (exact unquantized; within 2% on benchmarks/scale_out.py's 2.65M model);
-3. fp16 with an inf loss on rank 1 at step 1 under qwZ + qgZ: the step is skipped on every rank.
+3. stage 3's ``full_state_dict`` gathers exactly under qwZ;
+4. fp16 with an inf loss on rank 1 at step 1 under qwZ + qgZ: the step is skipped on every rank.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from hfzero.config import ConfigError
 from hfzero.estimate_quantized import (layout_gather_bytes, layout_reduce_bytes, node_comm_bytes_per_step)
 from hfzero.quantize import dequantize_rows, levels, packed_row_bytes, quantize_rows
 from hfzero.quantized_comm import QuantizedGather, build_quantized_reduce
+from hfzero.runtime.stage3 import full_state_dict
 from hfzero.testing import run_distributed
 from hfzero.testing.models import tiny_causal_lm
 from hfzero.testing.workloads import TrainSpec, train_zero
@@ -156,12 +158,22 @@ def _train(stage: int, extra: dict) -> dict:
         value = loss.detach().reshape(1).clone()
         dist.all_reduce(value)
         losses.append(value.item() / WORLD)
+    exact_state_dict = None
+    if stage == 3:  # full_state_dict gathers exactly even with qwZ
+        state = full_state_dict(model, rank0_only=False)
+        names = {p: n for n, p in model.named_parameters()}
+        exact_state_dict = True
+        for bucket in engine.layout.buckets:
+            full = torch.empty(bucket.padded)
+            engine.comm.all_gather(full, engine._shard_views[bucket.index])
+            exact_state_dict &= all(torch.equal(full[s.offset: s.offset + s.numel].view(s.shape), state[names[s.param]])
+                                    for s in bucket.slots)
     estimate = node_comm_bytes_per_step(
         engine.num_params_padded, WORLD, stage, nodes=WORLD // PER_NODE, param_bytes=4, grad_bytes=4,
         secondary_partition=extra.get("secondary_partition", False), quantize_weights=extra.get("quantize_weights"),
         quantize_gradients=extra.get("quantize_gradients"), quantize_block=extra.get("quantize_block", 256))[1]
     return {"losses": losses, "inter": inter, "layout_inter": _layout_inter_bytes(engine, stage, extra),
-            "estimate_inter": estimate + 4}
+            "estimate_inter": estimate + 4, "exact_state_dict": exact_state_dict}
 
 
 def _collectives() -> dict:
@@ -231,6 +243,12 @@ def test_inter_node_bytes_equal_models(results):
     train = results[0]["train"]
     flat_hpz = train["hpZ"]["layout_inter"]
     assert flat_hpz / train["hpZ+qwZ+qgZ int8"]["layout_inter"] > 2.5  # fp32: qwZ ~4x, qgZ ~4x / 8x on its part
+
+
+def test_state_dict_exact_under_qwz(results):
+    for r in results:
+        for name, run in r["train"].items():
+            assert run["exact_state_dict"] in (True, None), name
 
 
 def test_fp16_overflow_skips_on_every_rank(results):
