@@ -9,7 +9,14 @@ Bytes are deterministic, so a few steps suffice; they follow the paper's logical
 flat stage 3 crosses nodes with half of (A + 2A) Ψ_p x 4 bytes on 2 nodes (2 of 4 ring hops cross), HSDP with the
 shard group = a node with 2 x Ψ_p / G x 4 bytes (the replicate all-reduce of the shard), plus the clip norm;
 stage 3 with hpZ (secondary partition) with half of (A + A) Ψ_p x 4 bytes (backward gathers stay in the node).
+The quantized rows (hpZ + qwZ, hpZ + qwZ + qgZ int8 / int4, ``--block`` elements per scale) are printed beside
+the byte model of hfzero/estimate_quantized.py (which the other flat rows match too), plus the clip norm.
 Step time on gloo is printed too (wall, median), for what it is: all ranks share this host's cores.
+
+    python benchmarks/scale_out.py --loss-steps 200 --lr 1e-3
+
+trains plain hpZ and the three quantized systems for 200 steps on a learnable task (rows counting up by a
+random stride) and prints each quantized system's loss relative to hpZ's every 10 steps from step 20.
 """
 
 from __future__ import annotations
