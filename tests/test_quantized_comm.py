@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-import functools
+import json
 import math
 
 import pytest
@@ -254,3 +254,19 @@ def test_state_dict_exact_under_qwz(results):
 def test_fp16_overflow_skips_on_every_rank(results):
     for r in results:
         assert r["overflow"] == [False, True, False]
+
+
+def test_estimate_cli_quantized(capsys):
+    from hfzero.cli import main
+
+    argv = ["estimate", "--params", "1e8", "--dp", "4", "--nodes", "2", "--secondary-partition", "--json"]
+    assert main(argv + ["--quantize-weights", "int8", "--quantize-gradients", "int4"]) == 0
+    quantized = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert quantized["quantization"] == {"weights": "int8", "gradients": "int4", "block": 256}
+    ratio = plain["comm_inter_node_bytes_per_step"]["3"] / quantized["comm_inter_node_bytes_per_step"]["3"]
+    flat = node_comm_bytes_per_step(1e8, 4, 3, nodes=2)[1]  # both runs have hpZ (1/1.5 of flat): 3.92 / 1.5 apart
+    assert ratio == pytest.approx(flat / quantized["comm_inter_node_bytes_per_step"]["3"] / 1.5)
+    assert ratio == pytest.approx(3.918 / 1.5, rel=1e-3)
+    assert main(argv[:-1] + ["--quantize-gradients", "int4", "--quantize-block", "255"]) == 2
