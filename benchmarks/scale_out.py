@@ -44,7 +44,13 @@ SYSTEMS = {  # name -> (stage, shard_size, hpZ, quantize_weights, quantize_gradi
     "hpZ+qwZ+qgZ int8": (3, 0, True, "int8", "int8"),
     "hpZ+qwZ+qgZ int4": (3, 0, True, "int8", "int4"),
 }
-LOSS_SYSTEMS = ("stage 3 + hpZ", "hpZ + qwZ", "hpZ+qwZ+qgZ int8", "hpZ+qwZ+qgZ int4")
+LOSS_SYSTEMS = {  # name -> (system, micro-batches); the control differs from the baseline in fp32 rounding only
+    "stage 3 + hpZ": ("stage 3 + hpZ", 1),
+    "control: hpZ, 2 mb": ("stage 3 + hpZ", 2),
+    "hpZ + qwZ": ("hpZ + qwZ", 1),
+    "hpZ+qwZ+qgZ int8": ("hpZ+qwZ+qgZ int8", 1),
+    "hpZ+qwZ+qgZ int4": ("hpZ+qwZ+qgZ int4", 1),
+}
 
 
 def _prepare(name: str, args: argparse.Namespace):
@@ -108,17 +114,19 @@ def _sequences(step: int, rows: int, seq: int, vocab: int) -> torch.Tensor:
 def loss_run(rank: int, world: int, args: argparse.Namespace) -> dict[str, list[float]]:
     """Per-step mean loss over the ranks of ``--loss-steps`` steps for each of LOSS_SYSTEMS, the same data."""
     out = {}
-    for name in LOSS_SYSTEMS:
-        model, optimizer = _prepare(name, args)
+    for name, (system, micro) in LOSS_SYSTEMS.items():
+        model, optimizer = _prepare(system, args)
         losses = []
         for step in range(args.loss_steps):
-            (mb,) = micro_batches(_sequences(step, world * 4, args.seq, args.vocab), rank, world, 1)
-            loss = model(input_ids=mb, labels=mb).loss
-            optimizer.backward(loss)
+            total = torch.zeros(())
+            for mb in micro_batches(_sequences(step, world * 4, args.seq, args.vocab), rank, world, micro):
+                loss = model(input_ids=mb, labels=mb).loss / micro
+                optimizer.backward(loss)
+                total += loss.detach().float()
             optimizer.clip_grad_norm_(1.0)
             optimizer.step()
             optimizer.zero_grad()
-            value = loss.detach().float().reshape(1).clone()
+            value = total.reshape(1).clone()
             dist.all_reduce(value)
             losses.append(value.item() / world)
         out[name] = losses
@@ -166,11 +174,12 @@ def _print_losses(losses: dict[str, list[float]], args: argparse.Namespace) -> N
     logged = list(range(20, args.loss_steps, 10)) + [args.loss_steps - 1]
     print(f"{args.loss_steps} steps, {args.dtype} GPT-2 hidden {args.hidden} x {args.layers}, lr {args.lr}, block "
           f"{args.block}; loss of plain hpZ, then each system's relative difference from it, at logged steps")
-    print(f"{'step':>5} {'hpZ loss':>9} " + " ".join(f"{n:>18}" for n in LOSS_SYSTEMS[1:]))
+    others = list(LOSS_SYSTEMS)[1:]
+    print(f"{'step':>5} {'hpZ loss':>9} " + " ".join(f"{n:>18}" for n in others))
     for step in logged:
         print(f"{step:>5} {base[step]:>9.4f} " + " ".join(
-            f"{(losses[n][step] - base[step]) / base[step]:>+18.4%}" for n in LOSS_SYSTEMS[1:]))
-    worst = {n: max(abs(losses[n][s] - base[s]) / base[s] for s in logged) for n in LOSS_SYSTEMS[1:]}
+            f"{(losses[n][step] - base[step]) / base[step]:>+18.4%}" for n in others))
+    worst = {n: max(abs(losses[n][s] - base[s]) / base[s] for s in logged) for n in others}
     print(f"first loss {base[0]:.4f}; worst |relative difference| at logged steps >= 20: "
           + ", ".join(f"{n} {w:.3%}" for n, w in worst.items()))
 
