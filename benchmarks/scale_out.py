@@ -44,18 +44,19 @@ SYSTEMS = {  # name -> (stage, shard_size, hpZ, quantize_weights, quantize_gradi
     "hpZ+qwZ+qgZ int8": (3, 0, True, "int8", "int8"),
     "hpZ+qwZ+qgZ int4": (3, 0, True, "int8", "int4"),
 }
-LOSS_SYSTEMS = {  # name -> (system, micro-batches); the control differs from the baseline in fp32 rounding only
-    "stage 3 + hpZ": ("stage 3 + hpZ", 1),
-    "control: hpZ, 2 mb": ("stage 3 + hpZ", 2),
-    "hpZ + qwZ": ("hpZ + qwZ", 1),
-    "hpZ+qwZ+qgZ int8": ("hpZ+qwZ+qgZ int8", 1),
-    "hpZ+qwZ+qgZ int4": ("hpZ+qwZ+qgZ int4", 1),
+LOSS_SYSTEMS = {  # name -> (system, micro-batches, init seed); controls: fp32 rounding only, another initialization
+    "stage 3 + hpZ": ("stage 3 + hpZ", 1, 0),
+    "control: hpZ, 2 mb": ("stage 3 + hpZ", 2, 0),
+    "control: hpZ, seed 1": ("stage 3 + hpZ", 1, 1),
+    "hpZ + qwZ": ("hpZ + qwZ", 1, 0),
+    "hpZ+qwZ+qgZ int8": ("hpZ+qwZ+qgZ int8", 1, 0),
+    "hpZ+qwZ+qgZ int4": ("hpZ+qwZ+qgZ int4", 1, 0),
 }
 
 
-def _prepare(name: str, args: argparse.Namespace):
+def _prepare(name: str, args: argparse.Namespace, seed: int = 0):
     stage, shard, hpz, qw, qg = SYSTEMS[name]
-    model = tiny_causal_lm("gpt2", hidden=args.hidden, layers=args.layers, vocab=args.vocab, positions=args.seq)
+    model = tiny_causal_lm("gpt2", seed=seed, hidden=args.hidden, layers=args.layers, vocab=args.vocab, positions=args.seq)
     config = hfzero.ZeroConfig(stage=stage, shard_size=args.ranks_per_node if shard < 0 else shard, dtype=args.dtype,
                                ranks_per_node=args.ranks_per_node, param_persistence_threshold=0,
                                secondary_partition=hpz, quantize_weights=qw, quantize_gradients=qg,
@@ -114,8 +115,8 @@ def _sequences(step: int, rows: int, seq: int, vocab: int) -> torch.Tensor:
 def loss_run(rank: int, world: int, args: argparse.Namespace) -> dict[str, list[float]]:
     """Per-step mean loss over the ranks of ``--loss-steps`` steps for each of LOSS_SYSTEMS, the same data."""
     out = {}
-    for name, (system, micro) in LOSS_SYSTEMS.items():
-        model, optimizer = _prepare(system, args)
+    for name, (system, micro, seed) in LOSS_SYSTEMS.items():
+        model, optimizer = _prepare(system, args, seed)
         losses = []
         for step in range(args.loss_steps):
             total = torch.zeros(())
