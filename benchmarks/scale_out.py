@@ -9,7 +9,14 @@ Bytes are deterministic, so a few steps suffice; they follow the paper's logical
 flat stage 3 crosses nodes with half of (A + 2A) Ψ_p x 4 bytes on 2 nodes (2 of 4 ring hops cross), HSDP with the
 shard group = a node with 2 x Ψ_p / G x 4 bytes (the replicate all-reduce of the shard), plus the clip norm;
 stage 3 with hpZ (secondary partition) with half of (A + A) Ψ_p x 4 bytes (backward gathers stay in the node).
+The quantized rows (hpZ + qwZ, hpZ + qwZ + qgZ int8 / int4, ``--block`` elements per scale) are printed beside
+the byte model of hfzero/estimate_quantized.py (which the other flat rows match too), plus the clip norm.
 Step time on gloo is printed too (wall, median), for what it is: all ranks share this host's cores.
+
+    python benchmarks/scale_out.py --loss-steps 200 --lr 1e-3
+
+trains plain hpZ and the three quantized systems for 200 steps on a learnable task (rows counting up by a
+random stride) and prints each quantized system's loss relative to hpZ's every 10 steps from step 20.
 """
 
 from __future__ import annotations
@@ -23,27 +30,45 @@ import torch
 import torch.distributed as dist
 
 import hfzero
+from hfzero.estimate_quantized import node_comm_bytes_per_step
 from hfzero.testing import run_distributed
 from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
 
-SYSTEMS = {  # name -> (stage, shard_size, hpZ); shard_size -1: the ranks per node
-    "flat stage 2": (2, 0, False),
-    "HSDP stage 2": (2, -1, False),
-    "flat stage 3": (3, 0, False),
-    "HSDP stage 3": (3, -1, False),
-    "stage 3 + hpZ": (3, 0, True),
+SYSTEMS = {  # name -> (stage, shard_size, hpZ, quantize_weights, quantize_gradients); shard_size -1: ranks per node
+    "flat stage 2": (2, 0, False, None, None),
+    "HSDP stage 2": (2, -1, False, None, None),
+    "flat stage 3": (3, 0, False, None, None),
+    "HSDP stage 3": (3, -1, False, None, None),
+    "stage 3 + hpZ": (3, 0, True, None, None),
+    "hpZ + qwZ": (3, 0, True, "int8", None),
+    "hpZ+qwZ+qgZ int8": (3, 0, True, "int8", "int8"),
+    "hpZ+qwZ+qgZ int4": (3, 0, True, "int8", "int4"),
 }
+LOSS_SYSTEMS = {  # name -> (system, micro-batches, init seed); controls: fp32 rounding only, another initialization
+    "stage 3 + hpZ": ("stage 3 + hpZ", 1, 0),
+    "control: hpZ, 2 mb": ("stage 3 + hpZ", 2, 0),
+    "control: hpZ, seed 1": ("stage 3 + hpZ", 1, 1),
+    "hpZ + qwZ": ("hpZ + qwZ", 1, 0),
+    "hpZ+qwZ+qgZ int8": ("hpZ+qwZ+qgZ int8", 1, 0),
+    "hpZ+qwZ+qgZ int4": ("hpZ+qwZ+qgZ int4", 1, 0),
+}
+
+
+def _prepare(name: str, args: argparse.Namespace, seed: int = 0):
+    stage, shard, hpz, qw, qg = SYSTEMS[name]
+    model = tiny_causal_lm("gpt2", seed=seed, hidden=args.hidden, layers=args.layers, vocab=args.vocab, positions=args.seq)
+    config = hfzero.ZeroConfig(stage=stage, shard_size=args.ranks_per_node if shard < 0 else shard, dtype=args.dtype,
+                               ranks_per_node=args.ranks_per_node, param_persistence_threshold=0,
+                               secondary_partition=hpz, quantize_weights=qw, quantize_gradients=qg,
+                               quantize_block=args.block)
+    return hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=args.lr), config)
 
 
 def bench(rank: int, world: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     out = {}
     batches = token_batches(args.steps, world * args.accumulation * 2, args.seq, vocab=args.vocab)
-    for name, (stage, shard, hpz) in SYSTEMS.items():
-        model = tiny_causal_lm("gpt2", hidden=args.hidden, layers=args.layers, vocab=args.vocab, positions=args.seq)
-        config = hfzero.ZeroConfig(stage=stage, shard_size=args.ranks_per_node if shard < 0 else shard,
-                                   ranks_per_node=args.ranks_per_node, param_persistence_threshold=0,
-                                   secondary_partition=hpz)
-        model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
+    for name, (stage, _, hpz, qw, qg) in SYSTEMS.items():
+        model, optimizer = _prepare(name, args)
         engine = hfzero.get_engine(model)
         totals, inter, seconds = [], [], []
         for batch in batches:
@@ -62,19 +87,51 @@ def bench(rank: int, world: int, args: argparse.Namespace) -> dict[str, dict[str
             inter.append(sum(s.inter_node_bytes - (before[k].inter_node_bytes if k in before else 0)
                              for k, s in after.items()))
         padded, shard_numel = engine.num_params_padded, engine.layout.shard_numel
+        element = engine.param_shard.element_size() if stage == 3 else engine.param_flat.element_size()
         a = args.accumulation
-        if engine.replicate is None:
-            elements = (a + (2 * a if stage == 3 else 1)) * padded + 2
-            crossing = engine.comm.node_crossings / engine.comm.world_size
-            if hpz:  # the backward gathers stay in the node
-                elements -= a * padded
-            model_inter = 4 * elements * crossing
+        if engine.replicate is None:  # the estimator's bytes (hfzero/estimate_quantized.py) plus the clip norm
+            model_inter = node_comm_bytes_per_step(
+                padded, world, stage, nodes=world // args.ranks_per_node, accumulation_steps=a,
+                secondary_partition=hpz, param_bytes=element, grad_bytes=element, quantize_weights=qw,
+                quantize_gradients=qg, quantize_block=args.block)[1] + 8 * engine.comm.node_crossings / world
         else:
-            model_inter = 4 * 2 * shard_numel
+            model_inter = element * 2 * shard_numel
         out[name] = {"bytes_per_step": statistics.mean(totals), "inter_node_bytes_per_step": statistics.mean(inter),
                      "model_inter_node_bytes": model_inter, "step_seconds": statistics.median(seconds),
                      "model_state_bytes": engine.model_state_bytes(), "params": engine.num_params}
         del model, optimizer, engine
+    return out
+
+
+def _sequences(step: int, rows: int, seq: int, vocab: int) -> torch.Tensor:
+    """A learnable task (loss falls well below ln(vocab)): each row counts up from a random start by a random
+    stride, mod vocab. (rows, seq)"""
+    g = torch.Generator().manual_seed(step)
+    start = torch.randint(0, vocab, (rows, 1), generator=g)
+    stride = torch.randint(1, 8, (rows, 1), generator=g)
+    return (start + stride * torch.arange(seq)) % vocab
+
+
+def loss_run(rank: int, world: int, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Per-step mean loss over the ranks of ``--loss-steps`` steps for each of LOSS_SYSTEMS, the same data."""
+    out = {}
+    for name, (system, micro, seed) in LOSS_SYSTEMS.items():
+        model, optimizer = _prepare(system, args, seed)
+        losses = []
+        for step in range(args.loss_steps):
+            total = torch.zeros(())
+            for mb in micro_batches(_sequences(step, world * 4, args.seq, args.vocab), rank, world, micro):
+                loss = model(input_ids=mb, labels=mb).loss / micro
+                optimizer.backward(loss)
+                total += loss.detach().float()
+            optimizer.clip_grad_norm_(1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            value = total.reshape(1).clone()
+            dist.all_reduce(value)
+            losses.append(value.item() / world)
+        out[name] = losses
+        del model, optimizer
     return out
 
 
@@ -88,20 +145,44 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--block", type=int, default=256, help="quantize_block")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--loss-steps", type=int, default=0,
+                        help="instead of bytes: train this many steps (e.g. 200) of each quantized system and plain hpZ "
+                             "on a learnable task, and print the relative loss difference every 10 steps after 20")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
+    if args.loss_steps:
+        _print_losses(run_distributed(loss_run, args.world, args, timeout=3600)[0], args)
+        return
     figures = run_distributed(bench, args.world, args, timeout=1800)[0]  # rank 0's; every rank moves the same
     if args.json:
         print(json.dumps(figures, indent=1))
         return
     flat = figures["flat stage 3"]["inter_node_bytes_per_step"]
-    print(f"world {args.world} on {args.world // args.ranks_per_node} simulated node(s), gloo, fp32 GPT-2 hidden "
+    print(f"world {args.world} on {args.world // args.ranks_per_node} simulated node(s), gloo, {args.dtype} GPT-2 hidden "
           f"{args.hidden} x {args.layers}, vocab {args.vocab}, accumulation {args.accumulation}; per rank per step")
-    print(f"{'system':<14} {'bytes':>12} {'inter-node':>12} {'model':>12} {'vs flat s3':>10} {'states':>11} {'step s':>7}")
+    print(f"{'system':<18} {'bytes':>12} {'inter-node':>12} {'model':>12} {'vs flat s3':>10} {'states':>11} {'step s':>7}")
     for name, f in figures.items():
-        print(f"{name:<14} {f['bytes_per_step']:>12,.0f} {f['inter_node_bytes_per_step']:>12,.0f} "
+        print(f"{name:<18} {f['bytes_per_step']:>12,.0f} {f['inter_node_bytes_per_step']:>12,.0f} "
               f"{f['model_inter_node_bytes']:>12,.0f} {f['inter_node_bytes_per_step'] / flat:>10.3f} "
               f"{f['model_state_bytes']:>11,} {f['step_seconds']:>7.3f}")
+
+
+def _print_losses(losses: dict[str, list[float]], args: argparse.Namespace) -> None:
+    base = losses["stage 3 + hpZ"]
+    logged = list(range(20, args.loss_steps, 10)) + [args.loss_steps - 1]
+    print(f"{args.loss_steps} steps, {args.dtype} GPT-2 hidden {args.hidden} x {args.layers}, lr {args.lr}, block "
+          f"{args.block}; loss of plain hpZ, then each system's relative difference from it, at logged steps")
+    others = list(LOSS_SYSTEMS)[1:]
+    print(f"{'step':>5} {'hpZ loss':>9} " + " ".join(f"{n:>18}" for n in others))
+    for step in logged:
+        print(f"{step:>5} {base[step]:>9.4f} " + " ".join(
+            f"{(losses[n][step] - base[step]) / base[step]:>+18.4%}" for n in others))
+    worst = {n: max(abs(losses[n][s] - base[s]) / base[s] for s in logged) for n in others}
+    print(f"first loss {base[0]:.4f}; worst |relative difference| at logged steps >= 20: "
+          + ", ".join(f"{n} {w:.3%}" for n, w in worst.items()))
 
 
 if __name__ == "__main__":

@@ -185,6 +185,24 @@ class ZeroConfig:
     --nnodes``), else the whole world is one node. Set it to simulate several nodes on one host (e.g. 2
     on a 4-rank run: ranks 0-1 form node 0, ranks 2-3 node 1). Must divide the world size."""
 
+    quantize_weights: str | None = None
+    """qwZ (ZeRO++): "int8" all-gathers parameters block-quantized (symmetric int8, one fp32 scale per
+    ``quantize_block`` elements, decoded into the compute dtype): stage 3's gathers and the post-step all-gather
+    at stages 1-2; the owner's chunk keeps its exact value, master weights and optimizer states stay fp32, hpZ's
+    intra-node backward gathers stay unquantized. Error per element <= scale / 2, scale = max|x| / 127 of its
+    block. None (default): unquantized. Stages 1-3. See docs/multinode.md."""
+
+    quantize_gradients: str | None = None
+    """qgZ (ZeRO++): "int8" or "int4" replaces the gradient reduce-scatter by a hierarchical quantized one: an
+    all-to-all inside each node, then one across nodes, each hop quantized per ``quantize_block`` (int4: two
+    codes per byte, scale = max|x| / 7), decoded and summed in fp32. No error feedback. A block holding an
+    inf/NaN decodes to NaN, so fp16 overflow still skips the step on every rank. None (default): unquantized.
+    Stages 1-3, the whole data-parallel world or HSDP shard groups. See docs/multinode.md."""
+
+    quantize_block: int = 256
+    """Elements per quantization block (one fp32 scale each) for ``quantize_weights`` / ``quantize_gradients``:
+    smaller blocks bound the error tighter and cost 4 / block bytes per element more. Even with int4."""
+
     partition_activations: bool = False
     """ZeRO-R P_a: keep each activation checkpoint as a 1/tp_size slice on each TP rank and all-gather it
     for the recomputation in backward (needs tp_size > 1 and activation checkpointing)."""
@@ -287,6 +305,21 @@ class ZeroConfig:
                    "shard_size" if self.shard_size else "secondary_partition", self.shard_size or True,
                    f"cannot be combined with {other} > 1 yet (HSDP / hpZ x {what} parallelism is not built); "
                    f"use one of them")
+        _check(self.quantize_weights in (None, "int8"), "quantize_weights", self.quantize_weights,
+               'must be "int8" or unset (None: unquantized all-gathers)')
+        _check(self.quantize_gradients in (None, "int8", "int4"), "quantize_gradients", self.quantize_gradients,
+               'must be "int8", "int4" or unset (None: unquantized reduce-scatter)')
+        _check(_is_int(self.quantize_block) and self.quantize_block >= 1, "quantize_block", self.quantize_block,
+               "must be an integer >= 1 (elements per scale; e.g. 256)")
+        quantized = self.quantize_weights or self.quantize_gradients
+        _check(not quantized or self.stage != 0, "quantize_weights" if self.quantize_weights else "quantize_gradients",
+               quantized, "quantizes ZeRO's all-gathers / reduce-scatters, which stage 0 (an all-reduce) does not run: "
+               "use stage 1, 2 or 3, or drop the quantization")
+        _check(self.quantize_gradients != "int4" or self.quantize_block % 2 == 0, "quantize_block",
+               self.quantize_block, "must be even with quantize_gradients=\"int4\" (two codes per byte): e.g. 256")
+        _check(not self.quantize_gradients or self.ep_size == 1 and self.sp_size == 1 and self.tp_size == 1,
+               "quantize_gradients", self.quantize_gradients, "cannot be combined with tp_size, ep_size or sp_size "
+               "> 1 yet (the node groups are built for the whole data-parallel world or HSDP shard groups); drop one")
         _check(self.min_loss_scale <= self.initial_loss_scale, "min_loss_scale", self.min_loss_scale,
                f"must not exceed initial_loss_scale ({self.initial_loss_scale})")
 
@@ -380,6 +413,8 @@ def _bounded(num_params: int, divisor: int) -> int:
 def _convert(name: str, raw: str, kind: type) -> Any:
     if name == "stage" and raw.strip().lower() == STAGE_AUTO:
         return STAGE_AUTO
+    if kind is type(None):  # an optional text field (quantize_*): "none" / "" unset it
+        return None if raw.strip().lower() in ("", "none", "off") else raw.strip().lower()
     try:
         if kind is bool:
             lowered = raw.strip().lower()

@@ -48,6 +48,9 @@ class _Request:
     nodes: int = 1
     shard_size: int = 0
     secondary_partition: bool = False
+    quantize_weights: str | None = None
+    quantize_gradients: str | None = None
+    quantize_block: int = 256
 
 
 def register(subparsers: Any) -> None:
@@ -88,6 +91,12 @@ def register(subparsers: Any) -> None:
     layout.add_argument("--secondary-partition", action="store_true",
                         help="hpZ at stage 3: backward gathers inside the node; adds the secondary partition's bytes "
                              "per rank (needs --nodes)")
+    layout.add_argument("--quantize-weights", choices=("int8",), default=None,
+                        help="qwZ: parameter all-gathers block-quantized to int8 (stages 1-3); adds bytes per step")
+    layout.add_argument("--quantize-gradients", choices=("int8", "int4"), default=None,
+                        help="qgZ: gradient reduce-scatter as quantized all-to-alls, intra- then inter-node")
+    layout.add_argument("--quantize-block", metavar="B", default="256",
+                        help="elements per quantization scale (default 256)")
     fit = parser.add_argument_group("fitting")
     fit.add_argument("--memory", metavar="BYTES", help="device memory in bytes, e.g. 32e9: adds max_params per stage")
     fit.add_argument("--headroom", metavar="FRACTION", default=str(est.DEFAULT_HEADROOM),
@@ -191,7 +200,12 @@ def _read_request(args: argparse.Namespace) -> _Request:
         shard_size=_number("--shard-size", args.shard_size, "ranks per shard group, 0 = dp", integer=True,
                            allow_zero=True),
         secondary_partition=args.secondary_partition,
+        quantize_weights=args.quantize_weights,
+        quantize_gradients=args.quantize_gradients,
+        quantize_block=_number("--quantize-block", args.quantize_block, "elements per quantization scale", integer=True),
     )
+    if request.quantize_gradients == "int4" and request.quantize_block % 2:
+        raise est.EstimateError(f"--quantize-block {request.quantize_block} must be even with int4 (two codes per byte)")
     if request.secondary_partition and request.nodes < 2:
         raise est.EstimateError("--secondary-partition keeps a copy sharded inside the node: give --nodes N (N > 1)")
     if request.dp % request.nodes:
@@ -263,6 +277,21 @@ def _estimate(request: _Request) -> dict[str, Any]:
             result["secondary_partition_bytes"] = est.secondary_partition_bytes(
                 params / request.mp, dp // request.nodes, param_bytes=precision.param_bytes,
                 persistent_params=request.persistent_params)
+        from hfzero.estimate_quantized import node_comm_bytes_per_step
+
+        quantized = request.quantize_weights or request.quantize_gradients
+        node_bytes = {str(stage): node_comm_bytes_per_step(
+            params / request.mp, dp, stage, nodes=request.nodes, shard_size=request.shard_size if stage else 0,
+            accumulation_steps=request.accumulation_steps, accumulation=request.accumulation,
+            secondary_partition=request.secondary_partition, param_bytes=precision.param_bytes,
+            grad_bytes=precision.grad_bytes, quantize_weights=request.quantize_weights if stage else None,
+            quantize_gradients=request.quantize_gradients if stage else None, quantize_block=request.quantize_block)
+            for stage in est.STAGES}
+        result["comm_bytes_per_step"] = {stage: total for stage, (total, _) in node_bytes.items()}
+        result["comm_inter_node_bytes_per_step"] = {stage: inter for stage, (_, inter) in node_bytes.items()}
+        if quantized:
+            result["quantization"] = {"weights": request.quantize_weights, "gradients": request.quantize_gradients,
+                                      "block": request.quantize_block}
         result["comm_elements_per_step"] = {stage: total for stage, (total, _) in node_comm.items()}
         result["comm_inter_node_elements_per_step"] = {stage: inter for stage, (_, inter) in node_comm.items()}
         if request.offload_optimizer:
@@ -356,6 +385,12 @@ def _render(result: dict[str, Any]) -> str:
                         f"{result['dp'] // result['shard_size']} times" if result["shard_size"] else "")
                      + "; inter-node: the communication that crosses nodes (docs/multinode.md)")
     lines += _stage_table(result)
+    if "quantization" in result:
+        q = result["quantization"]
+        lines.append(f"quantized (weights {q['weights'] or 'no'}, gradients {q['gradients'] or 'no'}, block {q['block']}; "
+                     "stage 0 unquantized), bytes per device per step, total / inter-node: " + ", ".join(
+                         f"stage {s} {result['comm_bytes_per_step'][s] / _GB:.3g} / "
+                         f"{result['comm_inter_node_bytes_per_step'][s] / _GB:.3g} GB" for s in ("1", "2", "3")))
     if "secondary_partition_bytes" in result:
         lines.append(f"stage 3 with hpZ also holds {result['secondary_partition_bytes'] / _GB:.2f} GB of secondary "
                      "partition per device (transient: from a forward to its backward)")

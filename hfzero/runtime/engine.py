@@ -60,6 +60,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hfzero.comm import Communicator
+from hfzero.quantized_comm import QuantizedGather, QuantizedReduceScatter
 from hfzero.config import ZeroConfig
 from hfzero.logging import get_logger
 from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
@@ -84,7 +85,8 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, param_groups: list[list[nn.Parameter]], config: ZeroConfig,
                  comm: Communicator, device: torch.device, *, bucket_units: Sequence[str] | None = None,
                  average_over: int | None = None, replica_comm: Communicator | None = None,
-                 check_comm: Communicator | None = None, replicate: Communicator | None = None):
+                 check_comm: Communicator | None = None, replicate: Communicator | None = None,
+                 grad_reduce: QuantizedReduceScatter | None = None):
         self.model = model
         self.replicate = replicate if replicate is not None and replicate.world_size > 1 else None
         """HSDP: the ranks holding the same shard as this one (None: flat). See [Note: hierarchical sharding]."""
@@ -98,6 +100,10 @@ class ZeroEngine:
         """Stages 0-2: module names whose parameters never share a bucket with another's (prepare's ``units=``)."""
         self.config = config
         self.comm = comm
+        self.param_gather: Communicator | QuantizedGather = (
+            QuantizedGather(comm, config.quantize_weights, config.quantize_block) if config.quantize_weights else comm)
+        """What parameter all-gathers run through: the group's communicator, or qwZ's block-quantized gather
+        (See [Note: quantized collectives] in hfzero/quantized_comm.py)."""
         self.device = device
         self.stage = config.stage
         self.rank = comm.rank
@@ -158,6 +164,8 @@ class ZeroEngine:
         self.reducer.before_first_grad = self._before_backward
         self.reducer.always_find_unused = config.find_unused_parameters
         self.reducer.replicate = self.replicate
+        if grad_reduce is not None:  # qgZ: See [Note: quantized collectives]
+            self.reducer.scatter = grad_reduce
         # an eager hook: a graph boundary under torch.compile (See [Note: compiled regions] in runtime/compile.py)
         self._forward_hook = model.register_forward_hook(eager_hook(lambda m, a, out: self.reducer.record_graph_roots(out)))
         self.agreement: StepAgreement | None = None
@@ -555,7 +563,7 @@ class ZeroEngine:
                 self.offload.upload(bucket, master, self._owned_param(bucket))
             if gather:
                 full = self.param_flat[bucket.offset: bucket.offset + bucket.padded]
-                handles.append(self.comm.all_gather(full, self._owned_param(bucket), async_op=True))
+                handles.append(self.param_gather.all_gather(full, self._owned_param(bucket), async_op=True))
         for handle in handles:
             handle.wait()
 

@@ -142,6 +142,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     if replicate is not None:  # the other shard groups too: the whole world passes the same
         _check_ranks_agree(replicate.on_group(replicate.group, share_stats=False), config, model, optimizer, groups)
     secondary = _node_comm(comm, process_group, replicate) if config.secondary_partition else None
+    if config.quantize_gradients:
+        groups_kw["grad_reduce"] = _quantized_reduce(comm, config, replicate)
     if config.stage == 3:
         try:
             engine = Stage3Engine(model, groups, config, comm, device, units=units,
@@ -283,6 +285,25 @@ def _node_comm(comm: Communicator, process_group: dist.ProcessGroup | None,
         if node == dist.get_rank() // per_node:
             mine = comm.on_group(group)
     return mine
+
+
+def _quantized_reduce(comm: Communicator, config: ZeroConfig, replicate: Communicator | None):
+    """qgZ: the hierarchical quantized reduce-scatter over ``comm``'s group (See [Note: quantized collectives] in
+    hfzero/quantized_comm.py). Its node groups are made for every data-parallel group, in order, by every rank:
+    built where the groups are known on every rank, the whole world or HSDP's shard groups of consecutive ranks."""
+    from hfzero.quantized_comm import build_quantized_reduce
+
+    if not comm.distributed or comm.world_size == 1:
+        return None
+    world = dist.get_world_size()
+    ranks = comm.global_ranks
+    consecutive = ranks == list(range(ranks[0], ranks[0] + len(ranks))) and ranks[0] % len(ranks) == 0
+    if not consecutive or (replicate is None and len(ranks) != world):
+        raise ConfigError("hfzero.prepare: quantize_gradients over a sub-group (pipeline or tensor parallelism) is "
+                          "not built yet; use it with plain data parallelism or HSDP (--zero_shard_size)")
+    size = len(ranks)
+    groups = [list(range(start, start + size)) for start in range(0, world, size)]
+    return build_quantized_reduce(comm, config.quantize_gradients, config.quantize_block, groups)
 
 
 def _check_process_group(group: dist.ProcessGroup | None) -> None:

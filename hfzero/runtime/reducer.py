@@ -69,6 +69,7 @@ import collections
 import contextlib
 import enum
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -111,6 +112,9 @@ class GradientReducer:
                  sink: HostOffload | None = None):
         self.layout = layout
         self.comm = comm
+        self.scatter: Any = comm
+        """What runs the reduce-scatters (stages 1-3): ``comm``, or qgZ's hierarchical quantized reduction (set by
+        the engine; same signature. See [Note: quantized collectives] in hfzero/quantized_comm.py)."""
         self.stage = stage
         self.dtype = dtype
         self._element = torch.empty(0, dtype=dtype).element_size()
@@ -409,7 +413,7 @@ class GradientReducer:
             handle = self.comm.all_reduce(source, async_op=True)
         else:
             lo, hi = bucket.owned(self.comm.rank)
-            handle = self.comm.reduce_scatter(source[lo:hi], source, async_op=True)
+            handle = self.scatter.reduce_scatter(source[lo:hi], source, async_op=True)
         self._inflight.append((bucket, handle, source))
 
     def _complete(self, bucket: Bucket, handle: Handle, source: torch.Tensor) -> None:

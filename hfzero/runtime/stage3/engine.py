@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hfzero.comm import Communicator
+from hfzero.quantized_comm import QuantizedReduceScatter
 from hfzero.config import ZeroConfig, stage3_gathered_numel
 from hfzero.logging import get_logger
 from hfzero.roles import MemoryRole
@@ -87,7 +88,7 @@ class Stage3Engine(ZeroEngine):
                  verify_gather_order: bool = True, weights: WeightSource | None = None,
                  average_over: int | None = None, replica_comm: Communicator | None = None,
                  check_comm: Communicator | None = None, replicate: Communicator | None = None,
-                 secondary: Communicator | None = None):
+                 secondary: Communicator | None = None, grad_reduce: QuantizedReduceScatter | None = None):
         self._weights = weights  # see [Note: stage-3 sharded construction] in weights.py
         trainable = {p for group in param_groups for p in group if p.requires_grad}
         # See [Note: stage-3 frozen parameters]
@@ -104,7 +105,8 @@ class Stage3Engine(ZeroEngine):
         [Note: secondary partition] in unit.py."""
         self._verify_gather_order = verify_gather_order
         super().__init__(model, param_groups, config, comm, device, average_over=average_over,
-                         replica_comm=replica_comm, check_comm=check_comm, replicate=replicate)
+                         replica_comm=replica_comm, check_comm=check_comm, replicate=replicate,
+                         grad_reduce=grad_reduce)
         self.gather_pool = GatherBufferPool(self.policy.param_dtype, device)
         self.units = [self._make_unit(spec) for spec in self.unit_specs]
         partitioned_frozen = set(self.frozen_layout.slots)
@@ -248,7 +250,7 @@ class Stage3Engine(ZeroEngine):
         buckets = [b for b in self.layout.buckets if self._unit_of[b.slots[0].param] == spec.index]
         frozen = [b for b in self.frozen_layout.buckets if self._unit_of[b.slots[0].param] == spec.index]
         return GatherUnit(spec.index, spec.name, spec.module, [(b, self._shard_views[b.index]) for b in buckets],
-                          [(b, self._frozen_views[b.index]) for b in frozen], self.gather_comm,
+                          [(b, self._frozen_views[b.index]) for b in frozen], self.param_gather,
                           self.policy.param_dtype, self.device, self.gather_pool, secondary=self.secondary)
 
     def _gather_pool_limit(self) -> int:
@@ -297,7 +299,7 @@ class Stage3Engine(ZeroEngine):
         elif self.policy.separate_master:
             for bucket, master in zip(self.layout.buckets, self.master_views):
                 self._owned_param(bucket).copy_(master)
-        handles = [self.comm.all_gather(self._persistent_full[b.index], self._shard_views[b.index], async_op=True)
+        handles = [self.param_gather.all_gather(self._persistent_full[b.index], self._shard_views[b.index], async_op=True)
                    for b in self._persistent_buckets()]
         for handle in handles:
             handle.wait()

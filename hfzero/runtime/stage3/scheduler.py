@@ -182,8 +182,9 @@ class UnitScheduler:
         return passes
 
     def gather_now(self, unit: GatherUnit) -> None:
-        """Gather ``unit`` synchronously outside any pass (collective: every rank must call it)."""
-        self._issue(unit)
+        """Gather ``unit`` synchronously outside any pass (collective: every rank must call it), exactly even with
+        qwZ: state dicts and frozen copies read it (See [Note: quantized collectives] in hfzero/quantized_comm.py)."""
+        self._issue(unit, exact=True)
         unit.wait()
 
     def abort_pass(self) -> None:
@@ -390,7 +391,7 @@ class UnitScheduler:
             self.cross_prefetches += 1
             return
 
-    def _issue(self, unit: GatherUnit) -> None:
+    def _issue(self, unit: GatherUnit, exact: bool = False) -> None:
         if unit.state is not UnitState.SHARDED:
             return
         if self._pass is None or not self._pass.recorded:  # recording an order (or outside a pass)
@@ -398,7 +399,7 @@ class UnitScheduler:
         if self._pass is not None:
             self._pass.issued.append(unit.index)
         self._log("gather", unit)
-        unit.start_gather()
+        unit.start_gather(exact=exact)
 
     def _fold(self, marker: int, issued: list[int]) -> None:
         """Add a training pass to the fingerprint checked at the step (host only: no collective)."""

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from hfzero.comm import Communicator, Handle
+from hfzero.quantized_comm import QuantizedGather
 from hfzero.runtime.layout import Bucket
 from hfzero.runtime.tensors import local_tensor
 from hfzero.runtime.stage3.buffers import GatherBufferPool
@@ -54,7 +55,7 @@ class GatherUnit:
     """The gathered (non-persistent) buckets of one unit; see [Note: stage-3 release]."""
 
     def __init__(self, index: int, name: str, module: nn.Module, buckets: list[tuple[Bucket, torch.Tensor]],
-                 frozen: list[tuple[Bucket, torch.Tensor]], comm: Communicator, dtype: torch.dtype,
+                 frozen: list[tuple[Bucket, torch.Tensor]], comm: Communicator | QuantizedGather, dtype: torch.dtype,
                  device: torch.device, pool: GatherBufferPool | None = None, secondary: Communicator | None = None):
         """``buckets``/``frozen``: (bucket, this rank's shard slice of it) for the unit's trainable and
         frozen buckets; both are gathered into one full buffer (see [Note: stage-3 frozen parameters]).
@@ -112,10 +113,11 @@ class GatherUnit:
         size, rank = self.secondary.world_size, self.secondary.rank
         self._secondary_parts = [full.view(size, -1)[rank].clone() for full, _ in self._targets]
 
-    def start_gather(self) -> None:
+    def start_gather(self, exact: bool = False) -> None:
         """Give the full buffer memory (a pool buffer, else a fresh allocation) and launch its
         all-gathers (asynchronously): from the shards over the group, or with a secondary partition held
-        (hpZ) from it over the node; no-op unless SHARDED."""
+        (hpZ) from it over the node; no-op unless SHARDED. ``exact``: unquantized even where ``comm`` is qwZ's
+        quantized gather (state dicts)."""
         if self.state is not UnitState.SHARDED:
             return
         if self.pool is None:
@@ -127,7 +129,8 @@ class GatherUnit:
             self._handles = [self.secondary.all_gather(full, part, async_op=True)
                              for (full, _), part in zip(self._targets, self._secondary_parts)]
         else:
-            self._handles = [self.comm.all_gather(full, shard, async_op=True) for full, shard in self._targets]
+            gather = self.comm.comm if exact and isinstance(self.comm, QuantizedGather) else self.comm
+            self._handles = [gather.all_gather(full, shard, async_op=True) for full, shard in self._targets]
         self.state = UnitState.GATHERING
 
     def wait(self) -> None:

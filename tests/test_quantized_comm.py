@@ -1,0 +1,272 @@
+"""Quantized collectives (ZeRO++ qwZ / qgZ): the block codec's error bound, bad input, the estimator, and one spawn of
+4 gloo ranks simulating 2 nodes of 2 (``ranks_per_node=2``) that checks:
+
+1. the quantized gather (each other rank's chunk within the per-block bound, the own chunk exact) and the
+   hierarchical quantized reduce-scatter (within the two hops' bound of the exact sum);
+2. training a tiny GPT-2 on a learnable sequence task at stage 3 with hpZ, unquantized against hpZ + qwZ + qgZ
+   int8 and int4 and against stage 2 with qwZ + qgZ int8: losses within 1% (relative) at every step after 5
+   warm-up steps, and each step's inter-node bytes equal to the exact per-bucket model
+   (``hfzero.estimate_quantized.layout_*``), and the estimator's Ψ-level model (no block padding) below it by
+   at most 15% on this tiny model (exact unquantized; within 2% on benchmarks/scale_out.py's 2.65M model);
+3. stage 3's ``full_state_dict`` gathers exactly under qwZ;
+4. fp16 with an inf loss on rank 1 at step 1 under qwZ + qgZ: the step is skipped on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hfzero import ZeroConfig, get_engine, prepare
+from hfzero.comm import Communicator
+from hfzero.config import ConfigError
+from hfzero.estimate_quantized import (layout_gather_bytes, layout_reduce_bytes, node_comm_bytes_per_step)
+from hfzero.quantize import dequantize_rows, levels, packed_row_bytes, quantize_rows
+from hfzero.quantized_comm import QuantizedGather, build_quantized_reduce
+from hfzero.runtime.stage3 import full_state_dict
+from hfzero.testing import run_distributed
+from hfzero.testing.models import tiny_causal_lm
+from hfzero.testing.workloads import TrainSpec, train_zero
+
+WORLD, PER_NODE, STEPS, WARMUP, BATCH, SEQ, VOCAB = 4, 2, 16, 5, 16, 16, 128
+BASE = (("ranks_per_node", PER_NODE), ("param_persistence_threshold", 0))
+HPZ = BASE + (("secondary_partition", True),)
+CASES = {  # name -> (stage, extra config)
+    "hpZ": (3, HPZ),
+    "hpZ+qwZ+qgZ int8": (3, HPZ + (("quantize_weights", "int8"), ("quantize_gradients", "int8"))),
+    "hpZ+qwZ+qgZ int4": (3, HPZ + (("quantize_weights", "int8"), ("quantize_gradients", "int4"),
+                                   ("quantize_block", 64))),
+    "stage 2 qwZ+qgZ int8": (2, BASE + (("quantize_weights", "int8"), ("quantize_gradients", "int8"))),
+}
+OVERFLOW = TrainSpec(stage=3, dtype="fp16", steps=3, overflow_step=1,
+                     extra_config=HPZ + (("quantize_weights", "int8"), ("quantize_gradients", "int8")))
+
+
+# ---- the codec -----------------------------------------------------------------------------------------
+def _bound(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
+    """scale / 2 per element (scale = max|x| of its block / L), with fp32 rounding slack."""
+    n = x.numel()
+    padded = torch.zeros(-(-n // block) * block)
+    padded[:n] = x
+    scale = padded.view(-1, block).abs().amax(1, keepdim=True) / levels(bits)
+    return (scale / 2 * (1 + 1e-6) + 1e-30).expand(-1, block).reshape(-1)[:n]
+
+
+@pytest.mark.parametrize("bits,block", [(8, 1), (8, 7), (8, 256), (4, 2), (4, 64), (4, 256)])
+def test_block_error_bound(bits: int, block: int):
+    g = torch.Generator().manual_seed(bits * 1000 + block)
+    x = torch.randn(3, 1001, generator=g) * torch.logspace(-6, 3, 1001)  # magnitudes vary across blocks
+    x[1, :300] = 0  # zero blocks decode exactly
+    packed = quantize_rows(x, bits, block)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, packed_row_bytes(1001, bits, block))
+    decoded = dequantize_rows(packed, 1001, bits, block, torch.empty(3, 1001))
+    for row in range(3):
+        assert torch.all((x[row] - decoded[row]).abs() <= _bound(x[row], bits, block))
+    assert torch.equal(decoded[1, : 300 - 300 % block], x[1, : 300 - 300 % block])
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_nonfinite_block_decodes_to_nan(bad: float):
+    x = torch.randn(1, 64)
+    x[0, 20] = bad
+    decoded = dequantize_rows(quantize_rows(x, 8, 16), 64, 8, 16, torch.empty(1, 64, dtype=torch.bfloat16))
+    assert torch.isnan(decoded[0, 16:32]).all()  # the whole block: an overflow is never hidden
+    assert torch.isfinite(decoded[0, :16]).all() and torch.isfinite(decoded[0, 32:]).all()
+
+
+# ---- bad input and the estimator ------------------------------------------------------------------------
+@pytest.mark.parametrize("options,words", [
+    ({"stage": 3, "quantize_block": 0}, ">= 1"),
+    ({"stage": 0, "quantize_weights": "int8"}, "stage 0"),
+    ({"stage": 0, "quantize_gradients": "int4"}, "stage 0"),
+    ({"stage": 3, "quantize_weights": "int4"}, '"int8"'),
+    ({"stage": 2, "quantize_gradients": "fp8"}, '"int4"'),
+    ({"stage": 2, "quantize_gradients": "int4", "quantize_block": 255}, "even"),
+    ({"stage": 2, "quantize_gradients": "int8", "tp_size": 2}, "tp_size"),
+])
+def test_config_rejects(options: dict, words: str):
+    with pytest.raises(ConfigError, match=words):
+        ZeroConfig(**options)
+
+
+def test_config_strings():
+    config = ZeroConfig.from_strings({"stage": "3", "quantize_weights": "INT8", "quantize_gradients": "none"})
+    assert config.quantize_weights == "int8" and config.quantize_gradients is None
+
+
+def test_estimator_bars_bf16():
+    """ZeRO++'s acceptance in 16-bit on 2 nodes of 2: inter-node bytes vs flat stage 3."""
+    psi = 1e8
+    flat = node_comm_bytes_per_step(psi, 4, 3, nodes=2)[1]
+    hpz = node_comm_bytes_per_step(psi, 4, 3, nodes=2, secondary_partition=True)[1]
+    q8 = node_comm_bytes_per_step(psi, 4, 3, nodes=2, secondary_partition=True, quantize_weights="int8",
+                                  quantize_gradients="int8")[1]
+    q4 = node_comm_bytes_per_step(psi, 4, 3, nodes=2, secondary_partition=True, quantize_weights="int8",
+                                  quantize_gradients="int4")[1]
+    assert flat / hpz >= 1.45 and flat / q8 >= 2.8 and flat / q4 >= 3.5
+
+
+# ---- one spawn -----------------------------------------------------------------------------------------
+def _sequences(step: int) -> torch.Tensor:
+    """A learnable task: each row counts up from a random start by a random stride, mod VOCAB. (BATCH, SEQ)"""
+    g = torch.Generator().manual_seed(step)
+    start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
+    stride = torch.randint(1, 5, (BATCH, 1), generator=g)
+    return (start + stride * torch.arange(SEQ)) % VOCAB
+
+
+def _layout_inter_bytes(engine, stage: int, extra: dict) -> int:
+    """Exact inter-node bytes per step: per bucket, the forward (stage 3) or post-step (stages 1-2) gather crosses
+    with half its bytes (2 of 4 ring hops), hpZ's backward gathers with none, qgZ's inter hop with all of it; plus the
+    clip norm's all-reduce of one fp32 element."""
+    block = extra.get("quantize_block", 256)
+    total = 4  # the norm: 2 x 4 bytes, half crossing
+    for bucket in engine.layout.buckets:
+        chunk = bucket.padded // WORLD
+        total += layout_gather_bytes(chunk, WORLD, extra.get("quantize_weights"), block, 4) // 2
+        if extra.get("quantize_gradients"):
+            total += layout_reduce_bytes(chunk, PER_NODE, WORLD // PER_NODE, extra["quantize_gradients"], block)[1]
+        else:
+            total += chunk * WORLD * 4 // 2
+        if stage == 3 and not extra.get("secondary_partition"):
+            total += layout_gather_bytes(chunk, WORLD, extra.get("quantize_weights"), block, 4) // 2
+    return total
+
+
+def _train(stage: int, extra: dict) -> dict:
+    model = tiny_causal_lm("gpt2", vocab=VOCAB, positions=SEQ)
+    config = ZeroConfig(stage=stage, reduce_bucket_size=8192, **extra)
+    model, opt = prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3), config)
+    engine = get_engine(model)
+    rank = dist.get_rank()
+    losses, inter = [], []
+    for step in range(STEPS):
+        before = engine.comm.stats()
+        mine = _sequences(step).chunk(WORLD)[rank]
+        loss = model(input_ids=mine, labels=mine).loss
+        opt.backward(loss)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        after = engine.comm.stats()
+        inter.append(sum(s.inter_node_bytes - (before[k].inter_node_bytes if k in before else 0)
+                         for k, s in after.items()))
+        value = loss.detach().reshape(1).clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / WORLD)
+    exact_state_dict = None
+    if stage == 3:  # full_state_dict gathers exactly even with qwZ
+        state = full_state_dict(model, rank0_only=False)
+        names = {p: n for n, p in model.named_parameters()}
+        exact_state_dict = True
+        for bucket in engine.layout.buckets:
+            full = torch.empty(bucket.padded)
+            engine.comm.all_gather(full, engine._shard_views[bucket.index])
+            exact_state_dict &= all(torch.equal(full[s.offset: s.offset + s.numel].view(s.shape), state[names[s.param]])
+                                    for s in bucket.slots)
+    estimate = node_comm_bytes_per_step(
+        engine.num_params_padded, WORLD, stage, nodes=WORLD // PER_NODE, param_bytes=4, grad_bytes=4,
+        secondary_partition=extra.get("secondary_partition", False), quantize_weights=extra.get("quantize_weights"),
+        quantize_gradients=extra.get("quantize_gradients"), quantize_block=extra.get("quantize_block", 256))[1]
+    return {"losses": losses, "inter": inter, "layout_inter": _layout_inter_bytes(engine, stage, extra),
+            "estimate_inter": estimate + 4, "exact_state_dict": exact_state_dict}
+
+
+def _collectives() -> dict:
+    """The quantized gather and reduce-scatter on random data, against exact results."""
+    rank = dist.get_rank()
+    comm = Communicator(None, ranks_per_node=PER_NODE)
+    g = torch.Generator().manual_seed(rank)
+    chunk, block = 1000, 64
+    shard = torch.randn(chunk, generator=g) * torch.logspace(-3, 2, chunk)
+    full = torch.empty(WORLD * chunk)
+    QuantizedGather(comm, "int8", block).all_gather(full, shard)
+    exact = torch.empty(WORLD * chunk)
+    comm.all_gather(exact, shard)
+    rows, exact_rows = full.view(WORLD, chunk), exact.view(WORLD, chunk)
+    gather_ok = torch.equal(rows[rank], shard) and all(
+        torch.all((exact_rows[r] - rows[r]).abs() <= _bound(exact_rows[r], 8, block)) for r in range(WORLD))
+    grads = torch.randn(WORLD * chunk, generator=g)
+    reduce = build_quantized_reduce(comm, "int4", block, [list(range(WORLD))])
+    out = torch.empty(chunk)
+    reduce.reduce_scatter(out, grads.clone())
+    total = grads.clone()
+    comm.all_reduce(total)
+    amax = torch.tensor([grads.abs().max().item()])
+    comm.all_reduce(amax, op=dist.ReduceOp.MAX)
+    # two hops, each within scale / 2 per value summed over the ranks it sums: <= W x max|x| / L overall
+    err = (total.view(WORLD, chunk)[rank] - out).abs().max().item()
+    return {"gather_ok": bool(gather_ok), "reduce_err": err, "reduce_bound": WORLD * amax.item() / levels(4),
+            "hops": reduce.hop_sizes()}
+
+
+def _all(rank: int, world: int) -> dict:
+    return {"collectives": _collectives(),
+            "train": {name: _train(stage, dict(extra)) for name, (stage, extra) in CASES.items()},
+            "overflow": train_zero(rank, world, OVERFLOW)["skipped"]}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_distributed(_all, WORLD, timeout=900)
+
+
+def test_quantized_collectives_within_bounds(results):
+    for r in results:
+        c = r["collectives"]
+        assert c["gather_ok"]
+        assert c["hops"] == (PER_NODE, WORLD // PER_NODE)
+        assert c["reduce_err"] <= c["reduce_bound"], c
+
+
+def test_quantized_training_close_to_unquantized(results):
+    base = results[0]["train"]["hpZ"]["losses"]
+    assert base[-1] < 0.9 * base[0]  # the task is learnt, so closeness means something
+    for name, run in results[0]["train"].items():
+        for step in range(WARMUP, STEPS):
+            assert math.isclose(run["losses"][step], base[step], rel_tol=0.01), (name, step, run["losses"], base)
+
+
+def test_inter_node_bytes_equal_models(results):
+    for r in results:
+        for name, run in r["train"].items():
+            assert set(run["inter"]) == {run["layout_inter"]}, (name, run["inter"], run["layout_inter"])
+            # the estimator does not pad each chunk to whole blocks: on this tiny model (chunks of a few hundred
+            # elements in the small units) that is up to ~11%; exact without quantization; benchmarks/scale_out.py
+            # checks 2% on a 2.65M model
+            slack = 0.15 if "q" in name else 0.0
+            assert run["estimate_inter"] <= run["layout_inter"] <= (1 + slack) * run["estimate_inter"], name
+    train = results[0]["train"]
+    flat_hpz = train["hpZ"]["layout_inter"]
+    assert flat_hpz / train["hpZ+qwZ+qgZ int8"]["layout_inter"] > 2.5  # fp32: qwZ ~4x, qgZ ~4x / 8x on its part
+
+
+def test_state_dict_exact_under_qwz(results):
+    for r in results:
+        for name, run in r["train"].items():
+            assert run["exact_state_dict"] in (True, None), name
+
+
+def test_fp16_overflow_skips_on_every_rank(results):
+    for r in results:
+        assert r["overflow"] == [False, True, False]
+
+
+def test_estimate_cli_quantized(capsys):
+    from hfzero.cli import main
+
+    argv = ["estimate", "--params", "1e8", "--dp", "4", "--nodes", "2", "--secondary-partition", "--json"]
+    assert main(argv + ["--quantize-weights", "int8", "--quantize-gradients", "int4"]) == 0
+    quantized = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert quantized["quantization"] == {"weights": "int8", "gradients": "int4", "block": 256}
+    ratio = plain["comm_inter_node_bytes_per_step"]["3"] / quantized["comm_inter_node_bytes_per_step"]["3"]
+    flat = node_comm_bytes_per_step(1e8, 4, 3, nodes=2)[1]  # both runs have hpZ (1/1.5 of flat): 3.92 / 1.5 apart
+    assert ratio == pytest.approx(flat / quantized["comm_inter_node_bytes_per_step"]["3"] / 1.5)
+    assert ratio == pytest.approx(3.918 / 1.5, rel=1e-3)
+    assert main(argv[:-1] + ["--quantize-gradients", "int4", "--quantize-block", "255"]) == 2
