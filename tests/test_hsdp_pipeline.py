@@ -40,6 +40,8 @@ NODE_SPECS = [  # 2 simulated nodes of 4 ranks: each stage's dp group lies in on
     dataclasses.replace(SPECS[5], extra_config=(("param_persistence_threshold", 0), ("ranks_per_node", 2),
                                                 ("secondary_partition", True))),
 ]
+QWZ = dataclasses.replace(SPECS[5], extra_config=SPECS[5].extra_config + (("quantize_weights", "int8"),))
+"""qwZ under a pipeline (HSDP stage 3, per-micro-batch gathers quantized to int8): losses near the reference."""
 
 
 def _checkpointed(root: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -71,7 +73,7 @@ def _checkpointed(root: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.T
 
 
 def _everything(rank: int, world: int, root: str) -> tuple[list[dict], tuple[dict, dict]]:
-    return train_pipelines(rank, world, SPECS + NODE_SPECS), _checkpointed(root)
+    return train_pipelines(rank, world, SPECS + NODE_SPECS + [QWZ]), _checkpointed(root)
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,7 +84,7 @@ def _run() -> tuple[list, Path]:
 
 def _results() -> dict[PipeSpec, list[dict]]:
     per_rank = [r[0] for r in _run()[0]]
-    return {spec: [r[i] for r in per_rank] for i, spec in enumerate(SPECS + NODE_SPECS)}
+    return {spec: [r[i] for r in per_rank] for i, spec in enumerate(SPECS + NODE_SPECS + [QWZ])}
 
 
 @functools.lru_cache(maxsize=None)
@@ -152,3 +154,20 @@ def test_inter_node_bytes_match_the_pipeline_cost_model(spec):
             want = 4 * expected["ranks"][pp_rank]["inter_node_elements_per_step"]
             assert out["inter_node_bytes_per_step"] == [pytest.approx(want, rel=1e-3)] * STEPS, (out["coords"], want)
     assert sum(o["inter_node_bytes_per_step"][0] for o in outs) > 0
+
+
+def test_quantized_weight_gathers_under_a_pipeline_stay_near_the_reference():
+    """int8 block quantization (block 256, error <= max|x| / 254 per element) of every gathered weight moves the
+    losses by far less than the training does; quantize_gradients is refused under a pipeline."""
+    import hfzero
+    from hfzero.parallel.pipeline import PipelineConfig
+    from hfzero.testing.models import tiny_causal_lm
+
+    ref_losses, _ = _reference()
+    for out in _results()[QWZ]:
+        torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(ref_losses), atol=0, rtol=2e-3)
+        assert out["losses"] != ref_losses  # quantized: not the exact run
+    model = tiny_causal_lm("llama")
+    with pytest.raises(hfzero.ConfigError, match="quantize_gradients .qgZ. under a pipeline is not built"):
+        hfzero.pipeline(model, torch.optim.AdamW(model.parameters()), hfzero.ZeroConfig(stage=2,
+                        quantize_gradients="int8"), PipelineConfig(pp_size=2))
