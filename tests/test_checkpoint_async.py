@@ -124,19 +124,25 @@ def _failure(rank: int, root: Path) -> dict:
     ckpt = root / "failing"
     save_checkpoint(ckpt, model, opt, extra={"step": 1}, async_save=True)
     _train(model, opt, batches[1:2])
+    wait_for_save()  # the first save is written (and succeeded) before the failure is injected
     original = save_module.write_safetensors
-    if rank == 1:
-        def fail(*args, **kwargs):
-            raise OSError("No space left on device (injected)")
-        save_module.write_safetensors = fail
-    save_checkpoint(ckpt, model, opt, extra={"step": 2}, async_save=True)  # waits for the first: fine
-    save_module.write_safetensors = original
+    if rank == 1:  # the next write fails, whenever the background thread gets to it; later ones work
+        failed: list[int] = []
+
+        def fail_once(*args, **kwargs):
+            if not failed:
+                failed.append(1)
+                raise OSError("No space left on device (injected)")
+            return original(*args, **kwargs)
+        save_module.write_safetensors = fail_once
+    save_checkpoint(ckpt, model, opt, extra={"step": 2}, async_save=True)
     _train(model, opt, batches[2:3])
     message = None
     try:
         save_checkpoint(root / "next", model, opt, async_save=True)
     except CheckpointError as exc:
         message = str(exc)
+    save_module.write_safetensors = original
     after = save_checkpoint(root / "next", model, opt, async_save=True)  # the failure was raised once
     extra = load_checkpoint(after, *_build(2, "fp32", 0, seed=3))  # waits for that save
     kept = load_checkpoint(ckpt, *_build(2, "fp32", 0, seed=3))
