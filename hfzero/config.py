@@ -275,7 +275,10 @@ class ZeroConfig:
         _check(not self.partition_activations or self.tp_size > 1, "partition_activations", True,
                "partitions activation checkpoints over the tensor-parallel group, where every rank holds the same "
                "checkpoint; with tp_size=1 (data parallelism alone) each rank's checkpoints are of its own batch, "
-               "so there is nothing to partition: set tp_size > 1 or drop partition_activations")
+               "so there is nothing to partition: set tp_size > 1 or drop partition_activations"
+               + (" (under sp_size each rank's checkpoints are already its 1/sp_size of the sequence: they are "
+                  "partitioned over the SP group by construction; cpu_checkpointing offloads them)"
+                  if self.sp_size > 1 else ""))
         for name in ("shard_size", "ranks_per_node"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 0, name, value, "must be an integer >= 0 (0 = the default)")
