@@ -20,7 +20,7 @@ times. Lengths are multiples of 64.
 Beside each measured peak: the estimator's prediction = the rank's runtime RSS (measured at its start,
 before the model, as ``hfzero plan --verify`` does) + model states (``estimate.model_states_bytes``,
 Ψ over the 4 ranks) + stage 3's gathered units (``estimate.stage3_gathered_bytes``) + the activation model
-(``decoder_activation_bytes`` with sp, mlp_tiles, loss_tiles, checkpointing: its ``total``, plus the
+(``decoder_activation_bytes`` with sp, mlp_tiles, loss_tiles, checkpointing: its ``peak``, plus the
 checkpoints it places in host memory, which on a CPU host are the same memory).
 
 On a CPU host ``cpu_checkpointing`` moves nothing (the checkpoints already live in host memory; hfzero
@@ -126,7 +126,7 @@ def _predict(v: Variant, model_kw: dict[str, int], seq: int, runtime: float, wor
     acts = est.decoder_activation_bytes(shape, seq, 1, dtype="bf16", device="cpu", sp=v.sp,
                                         checkpointing=v.checkpointing, cpu=v.checkpointing,
                                         mlp_tiles=v.tiles, loss_tiles=v.tiles)
-    return runtime + states + gathered + acts.total + acts.checkpoints_host
+    return runtime + states + gathered + acts.peak + acts.checkpoints_host
 
 
 def probe(v: Variant, model_kw: dict[str, int], seq: int, budget: float, steps: int = 1) -> dict[str, Any]:

@@ -159,7 +159,11 @@ class DecoderActivationEstimate:
             logits, 8*sb*V; with ``loss_tiles`` N one slice's rebuilt log-softmax and those two, 12*sb*V/N.
             Measured on CPU (bf16 logits, T=2048, V=32000): the loss's backward peaks 12*sb*V above its
             inputs, of which 4*sb*V is the saved log-softmax. Not modelled for encoders (0).
-        total: device bytes at the activation peak: saved - checkpoints_host + max(recompute, loss_work).
+        total: device bytes of what autograd holds at the activation peak: saved - checkpoints_host +
+            recompute (the figure ``hfzero plan`` / autostage reserve and the profiler's roles compare with).
+        peak: device bytes at the activation peak including the loss's backward working set:
+            saved - checkpoints_host + max(recompute, loss_work) (what an allocator or RSS sees;
+            benchmarks/long_context.py compares it with measured peaks).
         inputs: the arguments the estimate was made with.
     """
 
@@ -172,6 +176,7 @@ class DecoderActivationEstimate:
     recompute: float
     loss_work: float
     total: float
+    peak: float
     inputs: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
@@ -350,8 +355,8 @@ def decoder_activation_bytes(shape: DecoderShape, seq_len: int, batch_size: int,
               **({"mlp_tiles": mlp_tiles} if mlp_tiles > 1 else {}), **({"loss_tiles": loss_tiles} if loss_tiles > 1 else {})}
     return DecoderActivationEstimate(per_layer=per_layer, layers=layers, checkpoints=device_ckpt,
                                      checkpoints_host=host, head=head, saved=saved, recompute=recompute,
-                                     loss_work=loss_work, total=saved - host + max(recompute, loss_work),
-                                     inputs=inputs)
+                                     loss_work=loss_work, total=saved - host + recompute,
+                                     peak=saved - host + max(recompute, loss_work), inputs=inputs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -524,4 +529,4 @@ def encoder_activation_bytes(shape: EncoderShape, seq_len: int, batch_size: int,
     return DecoderActivationEstimate(per_layer=per_layer, layers=layers, checkpoints=stored - host,
                                      checkpoints_host=host, head=head, saved=saved, recompute=recompute,
                                      loss_work=0.0, total=saved - host + recompute,
-                                     inputs=inputs)
+                                     peak=saved - host + recompute, inputs=inputs)

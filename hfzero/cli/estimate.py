@@ -325,7 +325,7 @@ def _activations(request: _Request, precision: est.PrecisionBytes) -> dict[str, 
         "device": request.device, "per_layer_bytes": estimate.per_layer, "layers_bytes": estimate.layers,
         "checkpoint_bytes": estimate.checkpoints, "checkpoint_host_bytes": estimate.checkpoints_host,
         "recompute_bytes": estimate.recompute, "loss_work_bytes": estimate.loss_work, "head_bytes": estimate.head, "saved_bytes": estimate.saved,
-        "total_bytes": estimate.total, "korthikanti_total_bytes": paper.total if paper else None,
+        "total_bytes": estimate.total, "peak_bytes": estimate.peak, "korthikanti_total_bytes": paper.total if paper else None,
     }
 
 
@@ -424,6 +424,7 @@ def _activation_lines(acts: dict[str, Any]) -> list[str]:
     return lines + [
         f"  head         {acts['head_bytes'] / _GB:10.3f} GB  (ids, final norm, fp32 log-softmax of the logits)",
         f"  loss work    {acts['loss_work_bytes'] / _GB:10.3f} GB  (the loss's backward, before the layers')",
+        f"  peak         {acts['peak_bytes'] / _GB:10.3f} GB  (total, or with the loss's backward when larger)",
         f"  total        {acts['total_bytes'] / _GB:10.3f} GB"
         + (f"  (Korthikanti et al. 2022: {acts['korthikanti_total_bytes'] / _GB:.3f} GB)"
            if acts["korthikanti_total_bytes"] is not None else ""),
