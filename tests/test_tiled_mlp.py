@@ -113,3 +113,7 @@ def test_bad_mlp_tiles_are_refused() -> None:
         hfzero.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0), hfzero.ZeroConfig(mlp_tiles=3))
     with pytest.raises(ConfigError, match="has none"):
         enable_tiled_mlp(torch.nn.Linear(2, 2), 2)
+    from hfzero.testing.models import tiny_moe_lm
+
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        enable_tiled_mlp(tiny_moe_lm(), 2)

@@ -21,8 +21,9 @@ fp32: within 1e-6, tested). The parameters are used once per slice inside one mo
 module hooks (stage 3's gather) fire once; a recompute runs inside the layer's backward, where the layer's
 stage-3 unit is gathered. Works with transformers' activation checkpointing (the slices' checkpoints nest
 inside the layer's), with sequence parallelism (the slices are of the rank's chunk) and without it.
-An MLP that returns anything but one tensor of its input's shape (a mixture-of-experts block returning
-router logits) is refused at its first call: its output might not be position-wise.
+Mixture-of-experts blocks (an ``mlp`` with ``experts``) are refused when tiling is enabled (their router
+outputs are per call); any other MLP that returns anything but one tensor with its input's positions is
+refused at its first call: its output might not be position-wise.
 """
 
 from __future__ import annotations
@@ -88,6 +89,11 @@ def enable_tiled_mlp(model: nn.Module, tiles: int) -> int:
     if not mlps:
         raise ConfigError(f"hfzero: mlp_tiles needs a transformer whose layers have an ``mlp`` module; "
                           f"{type(model).__name__} has none (leave mlp_tiles at 1)")
+    experts = [type(m).__name__ for m in mlps if hasattr(m, "experts")]
+    if experts:
+        raise ConfigError(f"hfzero: mlp_tiles does not tile mixture-of-experts blocks ({experts[0]}): their router "
+                          "outputs (auxiliary loss, captured router logits) are per call, not per position; leave "
+                          "mlp_tiles at 1 for this model")
     for mlp in mlps:
         mlp.forward = _tiled(mlp.forward, tiles, type(mlp).__name__)
     setattr(model, _ATTR, tiles)
