@@ -162,6 +162,12 @@ class ZeroConfig:
     (hfzero/parallel/sequence/tiled_loss.py). Applied by prepare_sequence_parallel, ZeroTrainer and
     ZeroAccelerator; by hand: hfzero.parallel.sequence.enable_tiled_loss. 1: the model's own loss."""
 
+    mlp_tiles: int = 1
+    """Tiled MLP: every decoder layer's ``mlp`` runs over this many slices of the sequence, each recomputed in
+    backward, so one slice's intermediate activations (B x T/mlp_tiles x intermediate_size) are alive instead
+    of the sequence's and none are kept across the forward (hfzero/runtime/activations/tiled_mlp.py). Applied
+    by hfzero.prepare (every entry point). 1: the model's own MLP."""
+
     shard_size: int = 0
     """HSDP / MiCS: shard model states over groups of ``shard_size`` consecutive data-parallel ranks and
     replicate them across the dp_world / shard_size groups (a 2-D DeviceMesh dp_replicate x dp_shard).
@@ -279,6 +285,8 @@ class ZeroConfig:
         _check(_is_int(self.sp_size) and self.sp_size > 0, "sp_size", self.sp_size, "must be a positive integer")
         _check(_is_int(self.loss_tiles) and self.loss_tiles > 0, "loss_tiles", self.loss_tiles,
                "must be a positive integer (1: untiled)")
+        _check(_is_int(self.mlp_tiles) and self.mlp_tiles > 0, "mlp_tiles", self.mlp_tiles,
+               "must be a positive integer (1: untiled)")
         _check(self.sp_size == 1 or self.tp_size == 1, "sp_size", self.sp_size,
                "cannot be combined with tp_size > 1 yet (tensor x sequence parallelism is not built); use one of them")
         _check(self.sp_size == 1 or self.ep_size == 1, "sp_size", self.sp_size,
@@ -286,7 +294,10 @@ class ZeroConfig:
         _check(not self.partition_activations or self.tp_size > 1, "partition_activations", True,
                "partitions activation checkpoints over the tensor-parallel group, where every rank holds the same "
                "checkpoint; with tp_size=1 (data parallelism alone) each rank's checkpoints are of its own batch, "
-               "so there is nothing to partition: set tp_size > 1 or drop partition_activations")
+               "so there is nothing to partition: set tp_size > 1 or drop partition_activations"
+               + (" (under sp_size each rank's checkpoints are already its 1/sp_size of the sequence: they are "
+                  "partitioned over the SP group by construction; cpu_checkpointing offloads them)"
+                  if self.sp_size > 1 else ""))
         for name in ("shard_size", "ranks_per_node"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 0, name, value, "must be an integer >= 0 (0 = the default)")

@@ -152,8 +152,18 @@ class DecoderActivationEstimate:
         saved: what the profiler measures at the forward's end (its ``activations`` +
             ``act_checkpoint`` roles): layers + checkpoints + checkpoints_host + head.
         recompute: with checkpointing, one layer's working set held during its recomputation in
-            backward (not seen by the profiler's saved-tensor accounting); else 0.
-        total: device bytes at the activation peak: saved - checkpoints_host + recompute.
+            backward (not seen by the profiler's saved-tensor accounting), plus one MLP slice's with
+            ``mlp_tiles``; without checkpointing that slice alone (else 0).
+        loss_work: the loss's backward working set beyond the saved tensors (runs before any layer's
+            backward, while everything saved is alive): the fp32 gradients of the log-softmax and of the
+            logits, 8*sb*V; with ``loss_tiles`` N one slice's rebuilt log-softmax and those two, 12*sb*V/N.
+            Measured on CPU (bf16 logits, T=2048, V=32000): the loss's backward peaks 12*sb*V above its
+            inputs, of which 4*sb*V is the saved log-softmax. Not modelled for encoders (0).
+        total: device bytes of what autograd holds at the activation peak: saved - checkpoints_host +
+            recompute (the figure ``hfzero plan`` / autostage reserve and the profiler's roles compare with).
+        peak: device bytes at the activation peak including the loss's backward working set:
+            saved - checkpoints_host + max(recompute, loss_work) (what an allocator or RSS sees;
+            benchmarks/long_context.py compares it with measured peaks).
         inputs: the arguments the estimate was made with.
     """
 
@@ -164,7 +174,9 @@ class DecoderActivationEstimate:
     head: float
     saved: float
     recompute: float
+    loss_work: float
     total: float
+    peak: float
     inputs: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
@@ -267,7 +279,8 @@ def decoder_head_bytes(shape: DecoderShape, seq_len: int, batch_size: int, *, dt
 def decoder_activation_bytes(shape: DecoderShape, seq_len: int, batch_size: int, *, dtype: str | int = "bf16",
                              attention: str | None = None, checkpointing: bool = False, tp: int = 1,
                              partition: bool = False, cpu: bool = False,
-                             device: str = "cuda", sp: int = 1) -> DecoderActivationEstimate:
+                             device: str = "cuda", sp: int = 1, mlp_tiles: int = 1,
+                             loss_tiles: int = 1) -> DecoderActivationEstimate:
     """ESTIMATE of one micro-batch's activation bytes per device (see [Note: decoder activation model]).
 
     Args:
@@ -281,6 +294,10 @@ def decoder_activation_bytes(shape: DecoderShape, seq_len: int, batch_size: int,
         cpu: P_a+cpu: checkpoints kept in host memory (needs checkpointing).
         device: "cuda" or "cpu" (dropout masks are 1 byte on CUDA, e bytes on CPU).
         sp: sequence-parallel degree S: the figures are one rank's, holding ceil(seq_len / S) positions.
+        mlp_tiles: ZeroConfig.mlp_tiles N: the MLP saves none of its intermediates (its input is the norm's
+            output, counted there); one slice's (1/N of the MLP term) is rebuilt in backward (``recompute``).
+        loss_tiles: ZeroConfig.loss_tiles N: the head saves no log-softmax (4*sb*V); one slice's is rebuilt
+            in backward (``recompute``, with the slice's logits and their fp32 copy: 10/N * sb*V).
 
     Raises:
         EstimateError: non-positive sizes, or P_a / cpu without checkpointing, or P_a without tp > 1, or
@@ -288,7 +305,8 @@ def decoder_activation_bytes(shape: DecoderShape, seq_len: int, batch_size: int,
     """
     from hfzero.estimate import EstimateError
 
-    for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("tp", tp), ("sp", sp)):
+    for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("tp", tp), ("sp", sp),
+                        ("mlp_tiles", mlp_tiles), ("loss_tiles", loss_tiles)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise EstimateError(f"{name} must be a positive integer, got {value!r}")
     if (partition or cpu) and not checkpointing:
@@ -308,24 +326,37 @@ def decoder_activation_bytes(shape: DecoderShape, seq_len: int, batch_size: int,
                                     sp=sp)
     local = -(-seq_len // sp)  # this rank's positions
     head = decoder_head_bytes(shape, local, batch_size, dtype=e, device=device)
+    sb = local * batch_size
+    mlp_slice = 0.0  # one MLP tile's working set rebuilt in backward
+    loss_work = 8.0 * sb * shape.vocab_size  # the loss's backward: fp32 gradients of the log-softmax and logits
+    if mlp_tiles > 1:
+        mlp = _mlp_bytes(shape, sb, e, tp)
+        per_layer -= mlp
+        mlp_slice = mlp / mlp_tiles
+    if loss_tiles > 1:
+        head -= 4 * sb * shape.vocab_size - 4  # no log-softmax; the loss is a sum over slices (one scalar)
+        loss_work = 12.0 * sb * shape.vocab_size / loss_tiles  # one slice's log-softmax rebuilt + those two
     if sp > 1:
         head += 8  # the loss's divisor: the whole sequences' target count (int64), saved by the division
     shared = _shared_inputs(shape, local, batch_size, e, fused)
-    layers, stored, recompute = shape.num_layers * per_layer, 0.0, 0.0
+    layers, stored, recompute = shape.num_layers * per_layer, 0.0, mlp_slice
     if checkpointing:
         elements = local * batch_size * shape.hidden_size
         one = math.ceil(elements / tp) * e if partition else elements * e
-        stored, layers, recompute = shape.num_layers * one + shared, 0.0, per_layer
+        stored, layers = shape.num_layers * one + shared, 0.0
+        recompute = per_layer + mlp_slice
         head -= 2 * local * shape.head_dim * e if shape.rotary else 0  # the rotary tables are checkpoint inputs
     host = stored if cpu else 0.0
     device_ckpt = 0.0 if cpu else stored
     saved = layers + stored + head
     inputs = {"seq_len": seq_len, "batch_size": batch_size, "dtype_bytes": e, "attention": attention,
               "checkpointing": checkpointing, "tp": tp, "partition": partition, "cpu": cpu, "device": device,
-              "shape": dataclasses.asdict(shape), **({"sp": sp} if sp > 1 else {})}
+              "shape": dataclasses.asdict(shape), **({"sp": sp} if sp > 1 else {}),
+              **({"mlp_tiles": mlp_tiles} if mlp_tiles > 1 else {}), **({"loss_tiles": loss_tiles} if loss_tiles > 1 else {})}
     return DecoderActivationEstimate(per_layer=per_layer, layers=layers, checkpoints=device_ckpt,
                                      checkpoints_host=host, head=head, saved=saved, recompute=recompute,
-                                     total=saved - host + recompute, inputs=inputs)
+                                     loss_work=loss_work, total=saved - host + recompute,
+                                     peak=saved - host + max(recompute, loss_work), inputs=inputs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -497,4 +528,5 @@ def encoder_activation_bytes(shape: EncoderShape, seq_len: int, batch_size: int,
               "model": "encoder-decoder" if shape.num_decoder_layers else "encoder", "shape": dataclasses.asdict(shape)}
     return DecoderActivationEstimate(per_layer=per_layer, layers=layers, checkpoints=stored - host,
                                      checkpoints_host=host, head=head, saved=saved, recompute=recompute,
-                                     total=saved - host + recompute, inputs=inputs)
+                                     loss_work=0.0, total=saved - host + recompute,
+                                     peak=saved - host + recompute, inputs=inputs)

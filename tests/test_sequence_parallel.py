@@ -9,23 +9,27 @@ measured activations against the estimator's sp model. One spawn; the bad-input 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import hfzero
 from hfzero.config import ConfigError
+from hfzero.runtime.activations.checkpoint import FORCE_ENV
 from hfzero.parallel.sequence import kv_replication, prepare_sequence_parallel, shift_labels, split_batch
 from hfzero.testing import run_distributed
 from hfzero.testing.workloads import _full_params
 
 STEPS, ROWS, VOCAB = 3, 2, 128  # ROWS: samples per dp replica
-CASES = {  # name: (stage, checkpointing, kv heads, sequence length, loss tiles)
-    "stage0": (0, False, 2, 16, 1),
-    "stage1": (1, False, 2, 16, 1),
-    "stage2": (2, False, 2, 16, 1),
-    "stage3": (3, False, 2, 16, 1),
-    "stage3_checkpointing_tiled_loss": (3, True, 2, 16, 3),
-    "stage2_kv1_odd_length": (2, False, 1, 15, 1),
+CASES = {  # name: (stage, checkpointing, kv heads, sequence length, loss tiles, mlp tiles, checkpoints via host)
+    "stage0": (0, False, 2, 16, 1, 1, False),
+    "stage1": (1, False, 2, 16, 1, 1, False),
+    "stage2": (2, False, 2, 16, 1, 1, False),
+    "stage3": (3, False, 2, 16, 1, 1, False),
+    "stage3_checkpointing_tiled_loss": (3, True, 2, 16, 3, 1, False),
+    "stage3_cpu_checkpoints_tiled_mlp_and_loss": (3, True, 2, 16, 2, 3, True),
+    "stage2_kv1_odd_length": (2, False, 1, 15, 1, 1, False),
 }
 
 
@@ -64,26 +68,33 @@ def _reference(kv_heads: int, seq: int) -> tuple[list[list[float]], list[dict[st
     return losses, params
 
 
-def _sequence_parallel(rank: int, stage: int, checkpointing: bool, kv_heads: int, seq: int, tiles: int):
+def _sequence_parallel(rank: int, stage: int, checkpointing: bool, kv_heads: int, seq: int, tiles: int,
+                       mlp_tiles: int, host: bool):
+    os.environ[FORCE_ENV] = "1" if host else "0"  # host: the checkpoints take the offload path (a CPU device)
     model = _llama(kv_heads)
     if checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    config = hfzero.ZeroConfig(stage=stage, sp_size=2, param_persistence_threshold=0, loss_tiles=tiles)
+    config = hfzero.ZeroConfig(stage=stage, sp_size=2, param_persistence_threshold=0, loss_tiles=tiles,
+                               mlp_tiles=mlp_tiles, cpu_checkpointing=host)
     model, optimizer, mesh = prepare_sequence_parallel(model, torch.optim.SGD(model.parameters(), lr=1.0), config)
     assert (mesh.dp_rank, mesh.sp_rank) == divmod(rank, 2)
     engine = hfzero.get_engine(model)
-    losses, params = [], []
+    losses, params, held = [], [], []
     for batch in _batches(seq):
         replica = batch.chunk(mesh.dp_size)[mesh.dp_rank]
         loss = model(**split_batch({"input_ids": replica}, mesh.sp_rank, mesh.sp_size)).loss
+        held.append(model.hfzero_checkpoint.stored.live)  # the checkpoints held after the forward
         optimizer.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
         params.append(_full_params(model, engine))
     attention = next(m.hfzero_sequence for m in model.modules() if hasattr(m, "hfzero_sequence"))
+    os.environ.pop(FORCE_ENV)
     return {"losses": losses, "params": params, "average_over": engine.average_over,
-            "all_to_alls": attention.comm.stats()["all_to_all"].calls}
+            "all_to_alls": attention.comm.stats()["all_to_all"].calls, "held": held,
+            "hosted": len(model.hfzero_checkpoint._host_buffers), "prefetches": model.hfzero_checkpoint.prefetches,
+            "config": model.config.to_dict()}
 
 
 def _measured_activations(rank: int, root: str) -> dict:
@@ -127,7 +138,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_sp2_dp2_matches_ddp_on_two_ranks(runs: list[dict], name: str) -> None:
-    _, _, kv_heads, seq, _ = CASES[name]
+    _, _, kv_heads, seq, *_ = CASES[name]
     want_losses, want_params = _reference(kv_heads, seq)
     for rank, run in enumerate(runs):
         got = run[name]
@@ -140,6 +151,27 @@ def test_sp2_dp2_matches_ddp_on_two_ranks(runs: list[dict], name: str) -> None:
             for param, value in want_params[step].items():
                 torch.testing.assert_close(got["params"][step][param], value, atol=1e-5, rtol=0,
                                            msg=f"{name} rank {rank} step {step} {param}")
+
+
+@pytest.mark.slow
+def test_checkpoints_offloaded_under_sp_hold_one_chunk(runs: list[dict]) -> None:
+    """cpu_checkpointing under SP (the host path forced on this CPU device): every rank's checkpoints went
+    through host buffers (one per layer, prefetched ahead of their recomputation) and the ACT_CHECKPOINT role
+    holds one layer input per layer of the rank's 8 of 16 positions, the estimator's checkpoints_host."""
+    from transformers import LlamaConfig
+
+    from hfzero import estimate as est
+
+    name = "stage3_cpu_checkpoints_tiled_mlp_and_loss"
+    for run in runs:
+        got = run[name]
+        shape = est.DecoderShape.from_hf_config(LlamaConfig(**got["config"]))
+        assert got["hosted"] == shape.num_layers and got["prefetches"] == STEPS * (shape.num_layers - 1)
+        predicted = est.decoder_activation_bytes(shape, 16, ROWS, dtype="fp32", device="cpu", sp=2,
+                                                 checkpointing=True, cpu=True)
+        layer_inputs = shape.num_layers * ROWS * 8 * shape.hidden_size * 4  # L x B x T/S x h, fp32
+        assert predicted.checkpoints == 0 and predicted.checkpoints_host >= layer_inputs
+        assert got["held"] == [layer_inputs] * STEPS, got["held"]
 
 
 @pytest.mark.slow
@@ -189,6 +221,8 @@ def test_bad_sequence_parallel_configs_are_refused() -> None:
         hfzero.ZeroConfig(sp_size=2, tp_size=2)
     with pytest.raises(ConfigError, match="sp_size"):
         hfzero.ZeroConfig(sp_size=0)
+    with pytest.raises(ConfigError, match="partitioned over the SP group by construction"):
+        hfzero.ZeroConfig(sp_size=2, partition_activations=True)
     model = _llama(2)
     with pytest.raises(ConfigError, match="prepare_sequence_parallel"):
         hfzero.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0), hfzero.ZeroConfig(sp_size=2))

@@ -3,7 +3,8 @@
 (dp=2 x sp=2, tiled logits + loss: ZeroTrainer's data loader shards over the dp replicas and splits each
 sequence with SequenceCollator, the token count and loss scale follow [Note: sequence-parallel gradients])
 against the same script under plain torchrun DDP on 2 ranks: equal per-step training losses, gradient norms,
-evaluation losses and saved models; its checkpoint-2 resumes on 2 ranks without SP (ZeRO-2) with the same next losses. Three launches.
+evaluation losses and saved models; its checkpoint-2 resumes on 2 ranks without SP (ZeRO-2) and on the same 4
+ranks as sp=4 x dp=1 (another sp size) with the same next losses. Four launches.
 accelerate's ParallelismConfig (TrainingArguments.parallelism_config, Accelerator(parallelism_config=...)) is
 read into ZeroConfig, in this process: sp_size / tp_size mapped, the rest refused by name.
 """
@@ -124,6 +125,23 @@ def test_sp2_checkpoint_resumes_without_sp(runs: tuple[Path, Path], tmp_path: Pa
     assert manifest["world_size"] == 4
     out = tmp_path / "resumed"
     hfzero_run(2, [*_args(out), "--zero_stage", "2", "--resume_from_checkpoint", str(sp / "checkpoint-2")])
+    resumed = {step: value for step, value, _ in _history(out, "loss")}
+    original = {step: value for step, value, _ in _history(sp, "loss")}
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(original[step], abs=1e-5), (step, resumed, original)
+
+
+@pytest.mark.slow
+def test_sp2_checkpoint_resumes_into_sp4(runs: tuple[Path, Path], tmp_path: Path) -> None:
+    """checkpoint-2 of the sp=2 x dp=2 run resumes on the same 4 ranks as sp=4 x dp=1 (another sp size; each
+    micro-batch of 4 sequences is the two replicas' 2 + 2, so the global batch is the same): steps 3-4 equal
+    the SP run's. ZeRO's shards are over the whole world either way (see docs/sequence.md)."""
+    _, sp = runs
+    out = tmp_path / "resumed_sp4"
+    args = _args(out)
+    args[args.index("--per_device_train_batch_size") + 1] = "4"
+    hfzero_run(4, [*args, "--zero_stage", "3", "--zero_sp_size", "4", "--zero_param_persistence_threshold", "0",
+                   "--resume_from_checkpoint", str(sp / "checkpoint-2")])
     resumed = {step: value for step, value, _ in _history(out, "loss")}
     original = {step: value for step, value, _ in _history(sp, "loss")}
     for step in (3, 4):

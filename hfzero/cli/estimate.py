@@ -41,6 +41,8 @@ class _Request:
     attention: str | None
     tp: int
     sp: int
+    mlp_tiles: int
+    loss_tiles: int
     partition_activations: bool
     cpu_checkpointing: bool
     device: str
@@ -111,6 +113,10 @@ def register(subparsers: Any) -> None:
     acts.add_argument("--tp", metavar="N", help="tensor-parallel degree for the activations (default: --mp)")
     acts.add_argument("--sp", metavar="S", default="1",
                       help="sequence-parallel degree: each sequence split over S ranks (Ulysses; decoders only)")
+    acts.add_argument("--mlp-tiles", metavar="N", default="1",
+                      help="ZeroConfig mlp_tiles: each layer's MLP over N slices of the sequence (decoders only)")
+    acts.add_argument("--loss-tiles", metavar="N", default="1",
+                      help="ZeroConfig loss_tiles: logits + loss over N slices of the sequence (decoders only)")
     acts.add_argument("--partition-activations", action="store_true",
                       help="P_a: each checkpoint kept as a 1/tp slice (needs --checkpointing and --tp > 1)")
     acts.add_argument("--cpu-checkpointing", action="store_true",
@@ -192,6 +198,8 @@ def _read_request(args: argparse.Namespace) -> _Request:
         attention="sdpa" if args.fused_attention and args.attention is None else args.attention,
         tp=_number("--tp", args.tp if args.tp is not None else args.mp, "the tensor-parallel degree", integer=True),
         sp=_number("--sp", args.sp, "the sequence-parallel degree", integer=True),
+        mlp_tiles=_number("--mlp-tiles", args.mlp_tiles, "the MLP tiles", integer=True),
+        loss_tiles=_number("--loss-tiles", args.loss_tiles, "the loss tiles", integer=True),
         partition_activations=args.partition_activations,
         cpu_checkpointing=args.cpu_checkpointing,
         device=args.device,
@@ -224,9 +232,10 @@ def _check_activation_options(request: _Request) -> None:
         raise est.EstimateError("the activation estimate needs the model's shape: pass --config PATH instead of --params")
     if request.seq_len is None and (request.checkpointing or request.fused_attention or request.attention
                                     or request.partition_activations or request.cpu_checkpointing
-                                    or request.sp > 1):
+                                    or request.sp > 1 or request.mlp_tiles > 1 or request.loss_tiles > 1):
         raise est.EstimateError("--checkpointing, --attention, --fused-attention, --partition-activations, "
-                                "--cpu-checkpointing and --sp need --seq-len and --batch-size")
+                                "--cpu-checkpointing, --sp, --mlp-tiles and --loss-tiles need --seq-len and "
+                                "--batch-size")
     if request.device not in ("cuda", "cpu"):
         raise est.EstimateError(f"--device must be cuda or cpu, got {request.device!r}")
 
@@ -317,8 +326,9 @@ def _activations(request: _Request, precision: est.PrecisionBytes) -> dict[str, 
     dtype = precision.param_bytes
     encoder = est.is_encoder_config(config)
     if encoder:  # See [Note: encoder activation model]
-        if request.partition_activations or request.sp > 1:
-            raise est.EstimateError("--partition-activations and --sp are modelled for decoders only")
+        if request.partition_activations or request.sp > 1 or request.mlp_tiles > 1 or request.loss_tiles > 1:
+            raise est.EstimateError("--partition-activations, --sp, --mlp-tiles and --loss-tiles are modelled for "
+                                    "decoders only")
         estimate = est.encoder_activation_bytes(
             est.EncoderShape.from_hf_config(config), request.seq_len, request.batch_size, dtype=dtype,
             attention=request.attention, checkpointing=request.checkpointing, tp=request.tp,
@@ -328,9 +338,9 @@ def _activations(request: _Request, precision: est.PrecisionBytes) -> dict[str, 
             est.DecoderShape.from_hf_config(config), request.seq_len, request.batch_size, dtype=dtype,
             attention=request.attention, checkpointing=request.checkpointing, tp=request.tp,
             partition=request.partition_activations, cpu=request.cpu_checkpointing, device=request.device,
-            sp=request.sp)
+            sp=request.sp, mlp_tiles=request.mlp_tiles, loss_tiles=request.loss_tiles)
     attention = estimate.inputs["attention"]
-    paper = None if encoder or request.sp > 1 else est.activation_bytes(
+    paper = None if encoder or request.sp > 1 or request.mlp_tiles > 1 or request.loss_tiles > 1 else est.activation_bytes(
         est.TransformerShape.from_hf_config(config), request.seq_len, request.batch_size,
         checkpointing=request.checkpointing, dtype_bytes=dtype, tp=request.tp,
         fused_attention=attention in est.FUSED_ATTENTION)
@@ -339,11 +349,12 @@ def _activations(request: _Request, precision: est.PrecisionBytes) -> dict[str, 
                     "tensor by tensor); an estimate",
         "seq_len": request.seq_len, "batch_size": request.batch_size, "checkpointing": request.checkpointing,
         "attention": attention, "fused_attention": attention in est.FUSED_ATTENTION, "tp": request.tp, "sp": request.sp,
+        "mlp_tiles": request.mlp_tiles, "loss_tiles": request.loss_tiles,
         "partition_activations": request.partition_activations, "cpu_checkpointing": request.cpu_checkpointing,
         "device": request.device, "per_layer_bytes": estimate.per_layer, "layers_bytes": estimate.layers,
         "checkpoint_bytes": estimate.checkpoints, "checkpoint_host_bytes": estimate.checkpoints_host,
-        "recompute_bytes": estimate.recompute, "head_bytes": estimate.head, "saved_bytes": estimate.saved,
-        "total_bytes": estimate.total, "korthikanti_total_bytes": paper.total if paper else None,
+        "recompute_bytes": estimate.recompute, "loss_work_bytes": estimate.loss_work, "head_bytes": estimate.head, "saved_bytes": estimate.saved,
+        "total_bytes": estimate.total, "peak_bytes": estimate.peak, "korthikanti_total_bytes": paper.total if paper else None,
     }
 
 
@@ -431,6 +442,8 @@ def _activation_lines(acts: dict[str, Any]) -> list[str]:
         "full checkpointing" if acts["checkpointing"] else "no checkpointing",
         f"attention {acts['attention']}", f"tp {acts['tp']}" if acts["tp"] > 1 else "",
         f"sp {acts['sp']} (seq split)" if acts.get("sp", 1) > 1 else "",
+        f"MLP in {acts['mlp_tiles']} tiles" if acts.get("mlp_tiles", 1) > 1 else "",
+        f"loss in {acts['loss_tiles']} tiles" if acts.get("loss_tiles", 1) > 1 else "",
         "P_a" if acts["partition_activations"] else "", "checkpoints on the host" if acts["cpu_checkpointing"] else "")))
     lines = [
         f"activations per device, ESTIMATE ({acts['estimate'].split(' (')[0]}): seq {acts['seq_len']}, batch "
@@ -445,6 +458,8 @@ def _activation_lines(acts: dict[str, Any]) -> list[str]:
         lines.append(f"  layers       {acts['layers_bytes'] / _GB:10.3f} GB")
     return lines + [
         f"  head         {acts['head_bytes'] / _GB:10.3f} GB  (ids, final norm, fp32 log-softmax of the logits)",
+        f"  loss work    {acts['loss_work_bytes'] / _GB:10.3f} GB  (the loss's backward, before the layers')",
+        f"  peak         {acts['peak_bytes'] / _GB:10.3f} GB  (total, or with the loss's backward when larger)",
         f"  total        {acts['total_bytes'] / _GB:10.3f} GB"
         + (f"  (Korthikanti et al. 2022: {acts['korthikanti_total_bytes'] / _GB:.3f} GB)"
            if acts["korthikanti_total_bytes"] is not None else ""),

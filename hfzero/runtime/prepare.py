@@ -18,6 +18,7 @@ from hfzero.config import STAGE_AUTO, ConfigError, ZeroConfig
 from hfzero.devices import collective_device
 from hfzero.logging import get_logger
 from hfzero.runtime.activations.checkpoint import CheckpointPolicy, enable_checkpointing
+from hfzero.runtime.activations.tiled_mlp import enable_tiled_mlp, mlp_tiles_of
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.hostmem import configure_host_allocator
 from hfzero.runtime.offload import offload_active
@@ -78,6 +79,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     A transformers model's activation checkpointing (enabled before or after this call) runs through
     hfzero's checkpoint function, which measures the checkpoints and applies ``partition_activations``,
     ``cpu_checkpointing`` and ``contiguous_checkpoints`` (see runtime/activations/checkpoint.py).
+    ``config.mlp_tiles`` > 1 tiles every decoder layer's MLP over the sequence (runtime/activations/tiled_mlp.py).
     """
     config = config or ZeroConfig()
     if not isinstance(config, ZeroConfig):
@@ -109,6 +111,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
                           f"{ep_size} rank(s); build the edp x ep mesh and the expert-parallel model with "
                           "hfzero.parallel.expert.prepare_expert_parallel(model, optimizer, config)")
     _check_sequence_parallel(model, config, process_group, average_over)
+    if mlp_tiles_of(model) not in (1, config.mlp_tiles):
+        raise ConfigError(f"hfzero.prepare: config.mlp_tiles={config.mlp_tiles} but the model's MLPs are tiled in "
+                          f"{mlp_tiles_of(model)}; pass the same mlp_tiles (prepare tiles them itself)")
     process_group, replicate_group = _shard_groups(config, process_group, replicate_group, tp_size)
     pending = find_pending(model) if weights is None else None
     if pending is not None:  # See [Note: pending weights] in runtime/pending.py
@@ -156,6 +161,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         engine = ZeroEngine(model, groups, config, comm, device, bucket_units=units, replicate=replicate, **groups_kw)
     if tp_group is not None:
         engine.norm_group = Communicator(tp_group, device=device)
+    if config.mlp_tiles > 1 and mlp_tiles_of(model) == 1:  # See [Note: tiled MLP]
+        enable_tiled_mlp(model, config.mlp_tiles)
     if hasattr(model, "_set_gradient_checkpointing"):
         policy = CheckpointPolicy(partition=config.partition_activations, cpu=config.cpu_checkpointing,
                                   contiguous=config.contiguous_checkpoints)

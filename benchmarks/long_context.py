@@ -1,0 +1,216 @@
+"""Long sequences: the longest sequence each configuration trains one step on, under a per-rank memory limit.
+
+4 gloo ranks, a Llama-shaped decoder (SwiGLU MLP, RMSNorm, rotary, untied 32k vocabulary), bf16 with fp32
+master weights and AdamW, one sequence per replica. Configurations:
+
+- ddp: ZeRO stage 0 (DDP's memory: 16Ψ per rank), each rank its own sequence of T tokens;
+- stage3: ZeRO stage 3 over the 4 ranks, each rank its own sequence of T tokens;
+- stage3_sp4: stage 3 + Ulysses sequence parallelism over the 4 ranks: one sequence of T tokens split 4 ways;
+- stage3_sp4_tiled_ckpt: the same + tiled MLP (``mlp_tiles``) + tiled logits/loss (``loss_tiles``) +
+  activation checkpointing with ``cpu_checkpointing`` (see the note on CPU hosts below).
+
+The memory limit is a per-rank peak RSS budget (``--budget-gib``): a probe "trains" when one optimizer step
+runs and every rank's peak resident set (VmHWM, reset after the model is prepared, so it is the step's peak
+over the process, runtime and model states included) stays within the budget. Each probe is a fresh set
+of 4 spawned processes with a fresh process group (``run_distributed``). The search doubles the length from
+``--start`` until a probe exceeds the budget (or reaches ``--max-len``, then reports ">= max-len": the step
+time at very long sequences on 2 shared cores, not memory, ends the search), then bisects ``--bisect``
+times. Lengths are multiples of 64.
+
+Beside each measured peak: the estimator's prediction = the rank's runtime RSS (measured at its start,
+before the model, as ``hfzero plan --verify`` does) + model states (``estimate.model_states_bytes``,
+Ψ over the 4 ranks) + stage 3's gathered units (``estimate.stage3_gathered_bytes``) + the activation model
+(``decoder_activation_bytes`` with sp, mlp_tiles, loss_tiles, checkpointing: its ``peak``, plus the
+checkpoints it places in host memory, which on a CPU host are the same memory).
+
+On a CPU host ``cpu_checkpointing`` moves nothing (the checkpoints already live in host memory; hfzero
+logs it): the gain of the last configuration over stage3_sp4 is the tiling and the checkpointing.
+
+    python benchmarks/long_context.py [--budget-gib 1.5] [--max-len 16384] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+MODEL = {"hidden": 128, "layers": 2, "heads": 4, "kv_heads": 4, "ffn": 344, "vocab": 32000}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    stage: int
+    sp: int = 1
+    tiles: int = 1  # mlp_tiles and loss_tiles
+    checkpointing: bool = False
+
+
+VARIANTS = [Variant("ddp", 0), Variant("stage3", 3), Variant("stage3_sp4", 3, sp=4),
+            Variant("stage3_sp4_tiled_ckpt", 3, sp=4, tiles=8, checkpointing=True)]
+
+
+def _llama(model: dict[str, int]) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=model["vocab"], hidden_size=model["hidden"], intermediate_size=model["ffn"],
+                         num_hidden_layers=model["layers"], num_attention_heads=model["heads"],
+                         num_key_value_heads=model["kv_heads"], max_position_embeddings=1 << 20,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    lm = LlamaForCausalLM(config).train()
+    lm.config.use_cache = False
+    return lm
+
+
+def _config(v: Variant) -> Any:
+    import hfzero
+
+    return hfzero.ZeroConfig(stage=v.stage, dtype="bf16", sp_size=v.sp, mlp_tiles=v.tiles, loss_tiles=v.tiles,
+                             cpu_checkpointing=v.checkpointing)
+
+
+def _probe(rank: int, world: int, v: Variant, model_kw: dict[str, int], seq: int, steps: int) -> dict[str, Any]:
+    import transformers.models.llama.modeling_llama  # noqa: F401  (imported before the runtime is measured)
+
+    import hfzero
+    from hfzero.parallel.sequence import prepare_sequence_parallel, split_batch
+    from hfzero.testing.procmem import reset_peak, status
+
+    runtime = reset_peak()  # torch, transformers, hfzero and the process group, before the model
+    model = _llama(model_kw)
+    if v.checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if v.sp > 1:
+        model, optimizer, mesh = prepare_sequence_parallel(model, optimizer, _config(v))
+        replica, sp_rank = mesh.dp_rank, mesh.sp_rank
+    else:
+        model, optimizer = hfzero.prepare(model, optimizer, _config(v))
+        replica, sp_rank = rank, 0
+    generator = torch.Generator().manual_seed(replica)
+    batches = [torch.randint(0, model_kw["vocab"], (1, seq), generator=generator) for _ in range(steps)]
+    construction = status("VmHWM")  # the peak while the model was built and prepared
+    before = reset_peak()
+    times, losses = [], []
+    for ids in batches:
+        batch = split_batch({"input_ids": ids}, sp_rank, v.sp) if v.sp > 1 else {"input_ids": ids, "labels": ids}
+        start = time.perf_counter()
+        loss = model(**batch).loss
+        optimizer.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+        losses.append(float(loss.detach()))
+    return {"runtime": runtime, "before": before, "peak": status("VmHWM"), "times": times, "losses": losses,
+            "construction": construction}
+
+
+def _predict(v: Variant, model_kw: dict[str, int], seq: int, runtime: float, world: int = 4) -> float:
+    from hfzero import estimate as est
+
+    lm = _llama(model_kw)
+    params = sum(p.numel() for p in lm.parameters())
+    shape = est.DecoderShape.from_hf_config(lm.config)
+    states = est.model_states_bytes(params, world, v.stage, param_bytes=2, grad_bytes=2, optimizer_k=12)
+    gathered = 0.0
+    if v.stage == 3:
+        root, units = est.stage3_unit_numels(lm.config)
+        gathered = est.stage3_gathered_bytes(root, units, world)
+    acts = est.decoder_activation_bytes(shape, seq, 1, dtype="bf16", device="cpu", sp=v.sp,
+                                        checkpointing=v.checkpointing, cpu=v.checkpointing,
+                                        mlp_tiles=v.tiles, loss_tiles=v.tiles)
+    return runtime + states + gathered + acts.peak + acts.checkpoints_host
+
+
+def probe(v: Variant, model_kw: dict[str, int], seq: int, budget: float, steps: int = 1) -> dict[str, Any]:
+    """One probe: 4 fresh ranks train ``steps`` steps at ``seq``; the worst rank's figures and the prediction."""
+    from hfzero.testing import run_distributed
+
+    started = time.perf_counter()
+    ranks = run_distributed(_probe, 4, v, model_kw, seq, steps, timeout=3600)
+    worst = max(ranks, key=lambda r: r["peak"])
+    predicted = _predict(v, model_kw, seq, worst["runtime"])
+    out = {"variant": v.name, "seq": seq, "peak": worst["peak"], "before": worst["before"],
+           "runtime": worst["runtime"], "predicted": predicted, "ratio": worst["peak"] / predicted,
+           "step_s": max(r["times"][-1] for r in ranks), "fits": worst["peak"] <= budget,
+           "loss": ranks[0]["losses"][-1], "wall_s": time.perf_counter() - started}
+    print(f"  {v.name:24s} T={seq:6d} peak {worst['peak'] / 2**20:7.0f} MiB  predicted {predicted / 2**20:7.0f} MiB "
+          f"({out['ratio']:.3f}; runtime {worst['runtime'] / 2**20:.0f}, before step {worst['before'] / 2**20:.0f})  step {out['step_s']:6.1f} s  {'fits' if out['fits'] else 'OVER'}", flush=True)
+    return out
+
+
+def search(v: Variant, model_kw: dict[str, int], budget: float, start: int, max_len: int,
+           bisect: int) -> dict[str, Any]:
+    """The longest multiple of 64 that trains within ``budget``: doubling, then ``bisect`` halvings."""
+    probes, good, bad, seq = [], None, None, start
+    while seq <= max_len:
+        result = probe(v, model_kw, seq, budget)
+        probes.append(result)
+        if not result["fits"]:
+            bad = seq
+            break
+        good, seq = result, seq * 2
+    if good is None:
+        return {"variant": v.name, "longest": 0, "capped": False, "best": None, "probes": probes}
+    for _ in range(bisect if bad is not None else 0):
+        mid = (good["seq"] + bad) // 2 // 64 * 64
+        if mid <= good["seq"]:
+            break
+        result = probe(v, model_kw, mid, budget)
+        probes.append(result)
+        if result["fits"]:
+            good = result
+        else:
+            bad = mid
+    return {"variant": v.name, "longest": good["seq"], "capped": bad is None, "best": good, "probes": probes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budget-gib", type=float, default=1.0, help="per-rank peak RSS limit (GiB)")
+    parser.add_argument("--start", type=int, default=512, help="first length probed (x2 for the SP configurations)")
+    parser.add_argument("--max-len", type=int, default=16384)
+    parser.add_argument("--bisect", type=int, default=2)
+    parser.add_argument("--common", type=int, default=0, help="length for step time per token (default: ddp's longest)")
+    parser.add_argument("--variants", default=",".join(v.name for v in VARIANTS))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    budget = args.budget_gib * 2**30
+    chosen = [v for v in VARIANTS if v.name in args.variants.split(",")]
+    print(f"model {MODEL}, budget {args.budget_gib} GiB per rank (peak RSS), 4 gloo ranks", flush=True)
+    results = {}
+    for v in chosen:
+        print(f"search {v.name}", flush=True)
+        results[v.name] = search(v, MODEL, budget, args.start * (2 if v.sp > 1 else 1), args.max_len, args.bisect)
+    common = args.common or min(r["longest"] for r in results.values() if r["longest"]) // 64 * 64
+    print(f"step time per token at T={common} (2 steps, the second timed)", flush=True)
+    timing = {v.name: probe(v, MODEL, common, budget, steps=2) for v in chosen}
+    rows = []
+    for v in chosen:
+        r, best = results[v.name], results[v.name]["best"] or {}
+        rows.append({"variant": v.name, "longest": r["longest"], "capped": r["capped"],
+                     "peak_mib": best.get("peak", 0) / 2**20, "predicted_mib": best.get("predicted", 0) / 2**20,
+                     "ratio": best.get("ratio"), "us_per_token": timing[v.name]["step_s"] / common * 1e6})
+    print("\n| configuration | longest T (1 step) | peak RSS / rank (MiB) | predicted (MiB) | measured / predicted "
+          f"| step time per token at T={common} (µs) |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        longest = (">= " if row["capped"] else "") + str(row["longest"])
+        print(f"| {row['variant']} | {longest} | {row['peak_mib']:.0f} | {row['predicted_mib']:.0f} | "
+              f"{row['ratio']:.3f} | {row['us_per_token']:.0f} |")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"model": MODEL, "budget_gib": args.budget_gib, "rows": rows, "searches": results,
+                       "timing": timing, "command": " ".join(sys.argv)}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
