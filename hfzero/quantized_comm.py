@@ -117,6 +117,8 @@ class QuantizedReduceScatter:
         self.world_size = comm.world_size
         self.rank = comm.rank
         self._order_index: torch.Tensor | None = None
+        self._reordered = order != list(range(len(order)))
+        """Whether rows must be reordered before the intra hop (not when one node or one rank per node)."""
 
     def hop_sizes(self) -> tuple[int, int]:
         """(L, N): ranks of the group per node and nodes spanned."""
@@ -147,9 +149,11 @@ class QuantizedReduceScatter:
         if input.numel() != chunk * world:
             raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected {chunk} x {world}")
         per_node, nodes = self.hop_sizes()
-        if self._order_index is None:
-            self._order_index = torch.tensor(self.order, dtype=torch.long, device=input.device)
-        rows = input.view(world, chunk).index_select(0, self._order_index)  # (L N, c), ordered (j, node)
+        rows = input.view(world, chunk)  # (L N, c)
+        if self._reordered:  # ordered (local index, node): one copy of the bucket
+            if self._order_index is None:
+                self._order_index = torch.tensor(self.order, dtype=torch.long, device=input.device)
+            rows = rows.index_select(0, self._order_index)
         if per_node > 1:
             part = self._hop(self.intra, rows.view(per_node, nodes * chunk)).view(nodes, chunk)  # (N, c) fp32
         else:

@@ -52,17 +52,17 @@ the step check) are all-reduced over it as they are added (reducer.py). Hence:
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hfzero.comm import Communicator
-from hfzero.quantized_comm import QuantizedGather, QuantizedReduceScatter
 from hfzero.config import ZeroConfig
 from hfzero.logging import get_logger
+from hfzero.quantized_comm import QuantizedGather, QuantizedReduceScatter
 from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
 from hfzero.runtime.agreement import StepAgreement
 from hfzero.runtime.compile import eager_hook

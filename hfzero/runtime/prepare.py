@@ -266,6 +266,17 @@ def _shard_groups(config: ZeroConfig, process_group: dist.ProcessGroup | None,
     return mesh.shard_group, mesh.replicate_group
 
 
+def _block_size(comm: Communicator) -> int | None:
+    """The size of ``comm``'s group when it is one of the equal blocks of consecutive ranks that cut the world
+    (the world, HSDP shard groups, a pipeline stage's ranks): every rank's group then has the same shape, so
+    groups built for every block are the same on every rank. None for any other group (TP's strided ones)."""
+    ranks, world = comm.global_ranks, dist.get_world_size()
+    size = len(ranks)
+    if ranks != list(range(ranks[0], ranks[0] + size)) or ranks[0] % size or world % size:
+        return None
+    return size
+
+
 def _node_comm(comm: Communicator, process_group: dist.ProcessGroup | None,
                replicate: Communicator | None) -> Communicator | None:
     """hpZ: a communicator over this rank's node inside ``comm``'s group (sharing its statistics), or None when
@@ -274,9 +285,8 @@ def _node_comm(comm: Communicator, process_group: dist.ProcessGroup | None,
     group, HSDP shard groups, a pipeline's stages, or both) and nodes cut each block into whole nodes. Decided
     from world-wide facts (block size, ranks per node), so every rank takes the same branch."""
     per_node, world = comm.ranks_per_node, dist.get_world_size()
-    ranks = comm.global_ranks
-    size = len(ranks)
-    if ranks != list(range(ranks[0], ranks[0] + size)) or ranks[0] % size or world % size:
+    size = _block_size(comm)
+    if size is None:
         raise ConfigError("hfzero.prepare: secondary_partition (hpZ) needs its group to be a block of consecutive "
                           "ranks (the world, an HSDP shard group or a pipeline stage's ranks); with tensor "
                           "parallelism or a group of your own it is not built yet")
@@ -303,12 +313,10 @@ def _quantized_reduce(comm: Communicator, config: ZeroConfig, replicate: Communi
     if not comm.distributed or comm.world_size == 1:
         return None
     world = dist.get_world_size()
-    ranks = comm.global_ranks
-    consecutive = ranks == list(range(ranks[0], ranks[0] + len(ranks))) and ranks[0] % len(ranks) == 0
-    if not consecutive or (replicate is None and len(ranks) != world):
+    size = _block_size(comm)
+    if size is None or (replicate is None and size != world):
         raise ConfigError("hfzero.prepare: quantize_gradients over a sub-group (pipeline or tensor parallelism) is "
                           "not built yet; use it with plain data parallelism or HSDP (--zero_shard_size)")
-    size = len(ranks)
     groups = [list(range(start, start + size)) for start in range(0, world, size)]
     return build_quantized_reduce(comm, config.quantize_gradients, config.quantize_block, groups)
 

@@ -37,9 +37,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hfzero.comm import Communicator
-from hfzero.quantized_comm import QuantizedReduceScatter
 from hfzero.config import ZeroConfig, stage3_gathered_numel
 from hfzero.logging import get_logger
+from hfzero.quantized_comm import QuantizedReduceScatter
 from hfzero.roles import MemoryRole
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.layout import Bucket, FlatLayout
