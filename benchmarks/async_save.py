@@ -18,7 +18,12 @@ runs three more steps, both for a synchronous save and for an asynchronous one, 
 - ``lost``: per save, ``blocked`` + the three steps after the save - three median steps: the training time the
   save costs in all (asynchronous: the blocked part plus the slowdown of the steps that share the host with
   the background copy and write; on a host with no spare cores that slowdown is about the write's CPU time);
-- ``staging``: the staging buffer's bytes (CKPT_STAGING).
+- ``staging``: the staging buffer's bytes (CKPT_STAGING);
+- ``peak_over``: per mode (``none``: six steps and no save; ``sync``; ``async``, its background write waited
+  for at the end), the process's peak RSS during the phase (VmHWM, reset at its start) minus its RSS at the
+  start (the max over rounds after the first; the first asynchronous round is shown apart), and ``rss``: the RSS at the start of every phase, so growth across rounds shows. The staging
+  buffer is allocated by the first asynchronous save and kept (a model state), so it is inside ``rss`` from
+  then on, not in ``peak_over``.
 
 Prints the medians over rounds of the busier rank, and ratios side by side; ``--json`` prints everything.
 """
@@ -39,7 +44,7 @@ import torch.distributed as dist
 import hfzero
 from hfzero.checkpoint import save_checkpoint, wait_for_save
 from hfzero.roles import MemoryRole
-from hfzero.testing import run_distributed
+from hfzero.testing import procmem, run_distributed
 
 
 def _llama(layers: int, hidden: int, vocab: int):
@@ -78,9 +83,20 @@ def _rank(rank: int, world: int, root: str, stage: int, layers: int, hidden: int
     for _ in range(2):
         step()  # warm-up
     out: dict = {"sync": [], "async": [], "async_save_call": [], "copy_wait": [], "async_full": [], "step": [],
-                 "step_during_write": []}
+                 "step_during_write": [], "peak_over": {"none": [], "sync": [], "async": []}, "rss": []}
+
+    def phase_start() -> int:
+        dist.barrier()
+        rss = procmem.reset_peak()
+        out["rss"].append(rss)
+        return rss
+
     for r in range(rounds):
+        start_rss = phase_start()
+        out["step"] += [step() for _ in range(6)]
+        out["peak_over"]["none"].append(procmem.status("VmHWM") - start_rss)
         for mode in ("sync", "async"):
+            start_rss = phase_start()
             out["step"] += [step() for _ in range(3)]
             dist.barrier()
             started = time.perf_counter()
@@ -94,6 +110,7 @@ def _rank(rank: int, world: int, root: str, stage: int, layers: int, hidden: int
                 out["copy_wait"].append(waited[0])
                 call += waited[0]
                 wait_for_save()
+            out["peak_over"][mode].append(procmem.status("VmHWM") - start_rss)
             out[mode].append(call)
             out[f"{mode}_during"] = out.get(f"{mode}_during", []) + [sum(during)]
         dist.barrier()  # the full write of an asynchronous save: the save waited for at once
@@ -130,7 +147,10 @@ def main() -> None:
              "async_save_call": med(x["async_save_call"]), "copy_wait": med(x["copy_wait"]),
              "async_full": med(x["async_full"]), "step": med(x["step"]),
              "step_during_write": med(x["step_during_write"]), "sync_lost": med(x["sync_lost"]),
-             "async_lost": med(x["async_lost"]), "staging_bytes": x["staging"]}
+             "async_lost": med(x["async_lost"]), "staging_bytes": x["staging"],
+             "peak_over": {mode: max(v[1:] or v) for mode, v in x["peak_over"].items()},
+             "first_async_peak_over": x["peak_over"]["async"][0],
+             "rss_first_last": (x["rss"][0], x["rss"][-1])}
             for r, x in enumerate(ranks)]
     busiest = max(rows, key=lambda row: row["sync_blocked"])
     report = {"params": ranks[0]["params"], "world": args.world, "stage": args.stage, "rounds": args.rounds,
@@ -151,6 +171,14 @@ def main() -> None:
           f"{b['async_lost'] * 1e3:.1f} ms (blocked + the slowdown of the 3 steps after the save)")
     print(f"  asynchronous full write  {b['async_full'] * 1e3:8.1f} ms  = {b['async_full'] / b['step']:.2f} steps")
     print(f"  staging buffer (CKPT_STAGING) {b['staging_bytes'] / 2**20:.1f} MiB per rank")
+    for row in rows:
+        over = row["peak_over"]
+        first, last = row["rss_first_last"]
+        print(f"  rank {row['rank']}: peak RSS above the phase's start (max over rounds after the first): no save "
+              f"{over['none'] / 2**20:.1f} MiB, synchronous {over['sync'] / 2**20:.1f} MiB, asynchronous "
+              f"{over['async'] / 2**20:.1f} MiB (first round, allocating the staging buffer: "
+              f"{row['first_async_peak_over'] / 2**20:.1f} MiB); RSS at the first / last phase start "
+              f"{first / 2**20:.1f} / {last / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":
