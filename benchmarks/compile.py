@@ -8,10 +8,11 @@ boundaries); compiled hfzero is ``hfzero.compile_regions`` after ``prepare`` (``
 compiled / eager per system, hfzero compiled / DDP compiled (``--clock cpu``: the busier rank's process CPU
 seconds instead of wall seconds, for a machine shared with other work), the first step's time (compilation
 included), graph breaks counted by dynamo while each system compiled, and frames compiled again after
-the warm-up (recompiles: should be 0). Usage:
+the warm-up (recompiles: should be 0). ``--how both`` builds hfzero regional and whole side by side (one eager
+system per stage, two compiled), so the two compilations are compared in the same run. Usage:
 
     python benchmarks/compile.py [--models gpt2,llama] [--hidden 384] [--layers 6] [--vocab 8192]
-        [--seq 128] [--batch 4] [--steps 8] [--warmup 2] [--backend inductor] [--how regional] [--json OUT]
+        [--seq 128] [--batch 4] [--steps 8] [--warmup 2] [--backend inductor] [--how regional|whole|both] [--json OUT]
 """
 
 from __future__ import annotations
@@ -31,21 +32,29 @@ from hfzero.testing.models import tiny_causal_lm, token_batches
 SYSTEMS = ["ddp", "zero0", "zero1", "zero2", "zero3"]
 
 
-def _build(system: str, compiled: bool, kind: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """(callable model, model with no_sync/parameters, optimizer) for one system."""
+def _build(system: str, mode: str, kind: str, args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(callable model, model with no_sync/parameters, optimizer) for one system; ``mode``: eager, regional or
+    whole (DDP compiles whole either way)."""
     model = tiny_causal_lm(kind, hidden=args.hidden, layers=args.layers, vocab=args.vocab, positions=args.seq)
     options = {"backend": args.backend} if args.backend != "inductor" else {}
     if system == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
-        return (torch.compile(ddp, **options) if compiled else ddp), ddp, optimizer
+        return (ddp if mode == "eager" else torch.compile(ddp, **options)), ddp, optimizer
     config = hfzero.ZeroConfig(stage=int(system.removeprefix("zero")))
     model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
-    if not compiled:
+    if mode == "eager":
         return model, model, optimizer
-    if args.how == "whole":
+    if mode == "whole":
         return torch.compile(model, **options), model, optimizer
     return hfzero.compile_regions(model, **options), model, optimizer
+
+
+def _modes(system: str, args: argparse.Namespace) -> list[str]:
+    """The modes a system is built in: eager, and hfzero's compilation(s) (``--how both``: regional and whole)."""
+    if system == "ddp":
+        return ["eager", "whole"]
+    return ["eager", *(["regional", "whole"] if args.how == "both" else [args.how])]
 
 
 def _counts() -> tuple[int, int]:
@@ -62,7 +71,7 @@ def _bench(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {}
     for kind in args.models.split(","):
         torch._dynamo.reset()
-        systems = {(s, c): _build(s, c, kind, args) for s in SYSTEMS for c in (False, True)}
+        systems = {(s, m): _build(s, m, kind, args) for s in SYSTEMS for m in _modes(s, args)}
         times: dict[tuple[str, bool], list[float]] = {key: [] for key in systems}
         breaks = {key: 0 for key in systems}
         late_frames = {key: 0 for key in systems}
@@ -88,13 +97,16 @@ def _bench(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         median = {key: statistics.median(t[args.warmup:]) for key, t in times.items()}
         rows = {}
         for system in SYSTEMS:
-            eager, compiled = median[(system, False)], median[(system, True)]
-            rows[system] = {
-                "eager_ms": 1e3 * eager, "compiled_ms": 1e3 * compiled, "compiled_over_eager": compiled / eager,
-                "compiled_over_ddp_compiled": compiled / median[("ddp", True)],
-                "first_step_s": times[(system, True)][0], "graph_breaks": breaks[(system, True)],
-                "recompiles_after_warmup": late_frames[(system, True)],
-            }
+            eager = median[(system, "eager")]
+            for mode in _modes(system, args)[1:]:
+                compiled = median[(system, mode)]
+                name = system if args.how != "both" or system == "ddp" else f"{system} {mode}"
+                rows[name] = {
+                    "eager_ms": 1e3 * eager, "compiled_ms": 1e3 * compiled, "compiled_over_eager": compiled / eager,
+                    "compiled_over_ddp_compiled": compiled / median[("ddp", "whole")],
+                    "first_step_s": times[(system, mode)][0], "graph_breaks": breaks[(system, mode)],
+                    "recompiles_after_warmup": late_frames[(system, mode)],
+                }
         params = sum(p.numel() for p in tiny_causal_lm(kind, hidden=args.hidden, layers=args.layers,
                                                        vocab=args.vocab, positions=args.seq).parameters())
         report[kind] = {"parameters": params, "systems": rows}
@@ -113,8 +125,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians (compilation)")
     parser.add_argument("--backend", default="inductor")
-    parser.add_argument("--how", choices=["regional", "whole"], default="regional",
-                        help="hfzero's compilation: compile_regions (default) or torch.compile(model)")
+    parser.add_argument("--how", choices=["regional", "whole", "both"], default="regional",
+                        help="hfzero's compilation: compile_regions (default), torch.compile(model), or both side by "
+                             "side in the same run")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="step time as wall seconds (default) or process CPU seconds (all threads; a machine "
                              "shared with other work); either way the busier rank's")
@@ -129,10 +142,10 @@ def main() -> None:
             continue
         print(f"{kind} ({result['parameters'] / 1e6:.1f}M parameters), {args.world} ranks, backend {args.backend}, "
               f"hfzero {args.how}, {args.clock} clock (the busier rank)")
-        print(f"{'system':8} {'eager ms':>9} {'compiled ms':>12} {'comp/eager':>11} {'/ddp comp':>10} "
+        print(f"{'system':14} {'eager ms':>9} {'compiled ms':>12} {'comp/eager':>11} {'/ddp comp':>10} "
               f"{'1st step s':>11} {'breaks':>7} {'recompiles':>11}")
         for system, row in result["systems"].items():
-            print(f"{system:8} {row['eager_ms']:9.1f} {row['compiled_ms']:12.1f} {row['compiled_over_eager']:11.3f} "
+            print(f"{system:14} {row['eager_ms']:9.1f} {row['compiled_ms']:12.1f} {row['compiled_over_eager']:11.3f} "
                   f"{row['compiled_over_ddp_compiled']:10.3f} {row['first_step_s']:11.1f} {row['graph_breaks']:7d} "
                   f"{row['recompiles_after_warmup']:11d}")
     if args.json:
