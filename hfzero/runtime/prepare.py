@@ -256,10 +256,11 @@ def _shard_groups(config: ZeroConfig, process_group: dist.ProcessGroup | None,
         return process_group, None  # one shard group: flat ZeRO
     whole_world = process_group is None or dist.get_world_size(process_group) == dist.get_world_size()
     if tp_size > 1 or not whole_world:
-        raise ConfigError("hfzero.prepare: shard_size (HSDP) over a sub-group (tensor parallelism, or a group of your "
-                          "own) is not built yet; use shard_size with plain data parallelism or hfzero.pipeline "
-                          "(which builds each stage's shard and replicate groups), or build the mesh yourself and "
-                          "pass process_group=<shard group>, replicate_group=<replicate group>")
+        raise ConfigError("hfzero.prepare: shard_size (HSDP) over a sub-group (a tensor-parallel mesh's dp group, or a "
+                          "group of your own) needs that group's shard and replicate groups: use "
+                          "hfzero.parallel.tensor.prepare_tensor_parallel (tensor parallelism) or hfzero.pipeline, "
+                          "which build them, or build the mesh yourself and pass process_group=<shard group>, "
+                          "replicate_group=<replicate group>")
     mesh = build_shard_mesh(config.shard_size)
     logger.info("HSDP: model states sharded over %d rank(s), replicated %d times (dp_replicate x dp_shard mesh)",
                 mesh.shard_size, mesh.replicate_size)
