@@ -21,7 +21,6 @@ from hfzero.runtime.activations.checkpoint import CheckpointPolicy, enable_check
 from hfzero.runtime.activations.tiled_mlp import enable_tiled_mlp, mlp_tiles_of
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.hostmem import configure_host_allocator
-from hfzero.runtime.offload import offload_active
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.placement import check_placement
 from hfzero.runtime.pending import PendingWeights, find_pending, materialize_whole
@@ -134,9 +133,6 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         configure_host_allocator(config.host_mmap_threshold, top_trim=not by_growth)  # See [Note: host allocator]
     comm = Communicator(process_group, config.reduce_scatter_impl, device=device, ranks_per_node=config.ranks_per_node)
     replicate = comm.on_group(replicate_group) if replicate_group is not None else None  # counted with comm's
-    if replicate is not None and offload_active(config.offload_optimizer, device, comm.rank):
-        raise ConfigError("hfzero.prepare: shard_size (HSDP) with offload_optimizer is not built yet: the replicate "
-                          "all-reduce would run on the host copy of the gradient shard; drop one of them")
     _check_ranks_agree(comm, config, model, optimizer, groups)
     groups_kw = {"average_over": average_over}
     if ep_group is not None:  # See [Note: average_over] in engine.py
