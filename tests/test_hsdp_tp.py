@@ -2,7 +2,7 @@
 shard groups of 2 (``shard_size=2``, a dp_replicate x dp_shard x tp mesh), one spawn.
 
 1. Training at ZeRO stages 1-3, 2 accumulation micro-batches, both accumulation policies, clipping (over
-   tp x the shard group): every rank's losses and whole final parameters against the float64 single-process
+   tp x the shard group), and flat TP stage 3 with and without hpZ: every rank's losses and whole final parameters against the float64 single-process
    reference (the fp32 rounding bounds of hfzero/testing/parity.py, and the losses within ``ATOL``); the 4 dp
    replicas of each TP rank end bitwise equal; ZeRO ran over 2 ranks with 2 replicas, so each rank's
    optimizer states are 1/2 of its local TP shard (flat TP over dp=4 would hold 1/4).
@@ -10,8 +10,11 @@ shard groups of 2 (``shard_size=2``, a dp_replicate x dp_shard x tp mesh), one s
    0-3; the parameters replicated over TP by TP rank 0's), loads into flat ZeRO stage 2 over the 8 ranks without
    TP (parameters equal bit for bit), is saved again from there and loaded back into HSDP x TP stage 3, which
    resumes bit for bit as the uninterrupted run.
-3. Bad input: a shard size that does not divide the dp size of 4, hpZ with TP, and ``prepare`` over a TP dp
-   group with shard_size but no shard / replicate groups: a ConfigError on every rank.
+3. Node traffic on simulated nodes of 4 ranks: HSDP x TP crosses nodes with the replicate all-reduce only; hpZ
+   under TP (flat over the dp group, ``secondary_partition``) trains the same (1.) and keeps the backward gathers
+   inside the node.
+4. Bad input: a shard size that does not divide the dp size of 4, and ``prepare`` over a TP dp group with
+   shard_size but no shard / replicate groups: a ConfigError on every rank.
 """
 
 from __future__ import annotations
@@ -32,12 +35,18 @@ STEPS, BATCH, SEQ, LR, CLIP = 3, 8, 8, 1e-3, 0.5
 ATOL = 2e-6
 """Losses (~4.85) against the float64 reference: 4 float32 ulps of the loss, as tests/test_hsdp_pipeline.py
 allows; the measured differences are in the docs (docs/multinode.md)."""
-CASES = {  # name: (stage, accumulation policy, shard_size)
-    "s1_local": (1, "local", G),
-    "s2_sharded": (2, "sharded", G),
-    "s3_sharded": (3, "sharded", G),
-    "s3_local": (3, "local", G),
+PER_NODE = 4
+"""Simulated nodes of 4 ranks (2 dp x 2 tp): a TP rank's dp group of 4 (ranks 2 apart) has 2 ranks on each node, a
+shard group of 2 lies inside one node."""
+CASES = {  # name: (stage, accumulation policy, shard_size, hpZ)
+    "s1_local": (1, "local", G, False),
+    "s2_sharded": (2, "sharded", G, False),
+    "s3_sharded": (3, "sharded", G, False),
+    "s3_local": (3, "local", G, False),
+    "s3_flat": (3, "sharded", 0, False),  # TP without HSDP: ZeRO over each TP rank's dp group of 4
+    "s3_flat_hpz": (3, "sharded", 0, True),  # + hpZ: the backward gathers inside the node (2 of the 4 dp ranks)
 }
+HSDP = [name for name, case in CASES.items() if case[2]]
 CK_STEPS, K = 4, 2
 
 
@@ -63,7 +72,7 @@ def _build(stage: int, shard_size: int, policy: str = "sharded", tp: int = TP, s
     from hfzero.parallel.tensor import prepare_tensor_parallel
 
     config = hfzero.ZeroConfig(stage=stage, tp_size=tp, shard_size=shard_size, accumulation=policy,
-                               reduce_bucket_size=2000, param_persistence_threshold=0, **extra)
+                               reduce_bucket_size=2000, param_persistence_threshold=0, ranks_per_node=PER_NODE, **extra)
     if tp == 1:
         model = _llama(seed)
         return hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR), config)
@@ -110,15 +119,19 @@ def _training() -> dict:
     import hfzero
 
     out = {}
-    for name, (stage, policy, shard) in CASES.items():
-        model, optimizer = _build(stage, shard, policy)
+    for name, (stage, policy, shard, hpz) in CASES.items():
+        model, optimizer = _build(stage, shard, policy, secondary_partition=hpz)
         engine = hfzero.get_engine(model)
+        before = engine.comm.stats()
         losses, norms = _train(model, optimizer, _batches(), ACCUM, policy == "local", CLIP)
+        after = engine.comm.stats()
+        inter = {k: after[k].inter_node_bytes - (before[k].inter_node_bytes if k in before else 0) for k in after}
         state = sum(s["exp_avg"].numel() for s in engine.optimizer.state.values())
         out[name] = {"losses": losses, "norms": norms, "params": _whole(model),
                      "shard": engine.world_size, "replicas": engine.replicate.world_size if engine.replicate else 1,
                      "state_numel": state, "padded": engine.num_params_padded,
-                     "local_numel": engine.num_params, "policy": engine.accumulation}
+                     "local_numel": engine.num_params, "policy": engine.accumulation, "inter_node_bytes": inter,
+                     "secondary": engine.secondary.global_ranks if getattr(engine, "secondary", None) else None}
     return out
 
 
@@ -164,9 +177,7 @@ def _refusals() -> dict[str, str]:
         hfzero.prepare(model, torch.optim.AdamW(model.parameters()), hfzero.ZeroConfig(stage=2, tp_size=TP, shard_size=G),
                        process_group=mesh.dp_group, tp_group=mesh.tp_group)
 
-    return {"shard_size=3": refused(lambda: _build(2, 3)),
-            "hpz": refused(lambda: _build(3, G, secondary_partition=True, ranks_per_node=2)),
-            "by_hand": refused(by_hand)}
+    return {"shard_size=3": refused(lambda: _build(2, 3)), "by_hand": refused(by_hand)}
 
 
 def _everything(rank: int, world: int, root: str) -> dict:
@@ -200,9 +211,9 @@ def test_hsdp_tp_matches_float64_reference(case: str) -> None:
             assert torch.equal(value, outs[0]["params"][name]), (rank, name)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", HSDP)
 def test_optimizer_states_are_one_gth_of_the_local_tp_shard(case: str) -> None:
-    _, policy, _ = CASES[case]
+    policy = CASES[case][1]
     for out in (r["train"][case] for r in results()[0]):
         assert (out["shard"], out["replicas"]) == (G, DP // G) and out["policy"] == policy
         assert out["state_numel"] * G == out["padded"]  # Adam's exp_avg: this rank's 1/G of the padded layout
@@ -231,5 +242,21 @@ def test_checkpoint_written_by_one_replica_and_reshards_to_flat() -> None:
 def test_bad_input_refused_on_every_rank() -> None:
     for r in results()[0]:
         assert "does not divide the data-parallel world of 4" in r["bad"]["shard_size=3"]
-        assert "secondary_partition (hpZ)" in r["bad"]["hpz"] and "tensor" in r["bad"]["hpz"]
         assert "prepare_tensor_parallel" in r["bad"]["by_hand"]
+
+
+def test_hsdp_and_hpz_keep_traffic_in_the_node() -> None:
+    """Nodes of 4 (2 dp x 2 tp ranks). HSDP x TP: the shard groups lie inside a node, only the replicate all-reduce
+    crosses. hpZ x TP (flat over the dp group of 4, 2 of its ranks per node): its node groups are the dp ranks of
+    one TP rank on one node, the backward gathers stay there, so the gathers cross nodes with half of flat's bytes
+    (forward only) and all its traffic with at most 1/1.45 of flat's."""
+    for rank, r in enumerate(results()[0]):
+        train = r["train"]
+        for name in HSDP:
+            assert set(k for k, v in train[name]["inter_node_bytes"].items() if v) == {"all_reduce"}, (name, rank)
+        flat, hpz = train["s3_flat"], train["s3_flat_hpz"]
+        node = rank // PER_NODE
+        assert flat["secondary"] is None and hpz["secondary"] == [q for q in range(rank % TP, WORLD, TP)
+                                                                  if q // PER_NODE == node]
+        assert hpz["inter_node_bytes"]["all_gather"] * 2 == flat["inter_node_bytes"]["all_gather"] > 0
+        assert sum(hpz["inter_node_bytes"].values()) <= sum(flat["inter_node_bytes"].values()) / 1.45
