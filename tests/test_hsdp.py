@@ -5,8 +5,8 @@ One spawn of 4 ranks runs everything:
 1. training cases at stages 1-3 with shard groups of 2 (ranks 0-1 and 2-3, each replicated on the other
    "node"), 2 accumulation micro-batches, both accumulation policies, clipping, an LR schedule, plus flat
    stage 3 for comparison, and ZeRO-Offload (forced on) at stages 2-3: losses and final parameters within the
-   float64 rounding bounds (hfzero/testing/parity.py), and each step's intra-/inter-node bytes equal to the closed form of
-   [Note: node traffic] (hfzero/comm.py);
+   float64 rounding bounds (hfzero/testing/parity.py), and each step's intra-/inter-node bytes equal to the
+   closed form of [Note: node traffic] (hfzero/comm.py);
 2. checkpoints resharded along G=2 (stage 2) -> flat (stage 3) -> G=4, the whole 4-rank world (stage 1) ->
    G=2 (stage 2): each load saved again at once, every saved master and optimizer-state element equal bit
    for bit to the first save's; back at the saved configuration, training resumes bit for bit as the

@@ -52,7 +52,8 @@ def test_losses_and_model_match_ddp(runs: Path) -> None:
     ddp = AutoModelForCausalLM.from_pretrained(runs / "ddp").state_dict()
     assert hsdp.keys() == ddp.keys()
     for name in ddp:
-        torch.testing.assert_close(hsdp[name], ddp[name], rtol=1e-4, atol=WEIGHT_ATOL, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(hsdp[name], ddp[name], rtol=1e-4, atol=WEIGHT_ATOL,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_checkpoint_written_by_replicate_rank0_of_each_stage(runs: Path) -> None:

@@ -2,10 +2,11 @@
 shard groups of 2 (``shard_size=2``, a dp_replicate x dp_shard x tp mesh), one spawn.
 
 1. Training at ZeRO stages 1-3, 2 accumulation micro-batches, both accumulation policies, clipping (over
-   tp x the shard group), and flat TP stage 3 with and without hpZ: every rank's losses and whole final parameters against the float64 single-process
-   reference (the fp32 rounding bounds of hfzero/testing/parity.py, and the losses within ``ATOL``); the 4 dp
-   replicas of each TP rank end bitwise equal; ZeRO ran over 2 ranks with 2 replicas, so each rank's
-   optimizer states are 1/2 of its local TP shard (flat TP over dp=4 would hold 1/4).
+   tp x the shard group), and flat TP stage 3 with and without hpZ: every rank's losses, gradient norms and whole
+   final parameters against the float64 single-process reference (the fp32 rounding bounds of
+   hfzero/testing/parity.py, and the losses within ``ATOL``); every rank ends with the same whole parameters;
+   under HSDP ZeRO ran over 2 ranks with 2 replicas, so each rank's optimizer states are 1/2 of its local TP
+   shard (flat TP over dp=4: 1/4).
 2. Checkpoints: an HSDP x TP stage-3 checkpoint is written by replicate rank 0's shard groups only (global ranks
    0-3; the parameters replicated over TP by TP rank 0's), loads into flat ZeRO stage 2 over the 8 ranks without
    TP (parameters equal bit for bit), is saved again from there and loaded back into HSDP x TP stage 3, which
@@ -174,8 +175,9 @@ def _refusals() -> dict[str, str]:
     def by_hand():  # prepare over the TP mesh's dp group with shard_size, no shard / replicate groups given
         mesh = build_tp_mesh(TP)
         model = apply_tensor_parallel(_llama(), mesh)
-        hfzero.prepare(model, torch.optim.AdamW(model.parameters()), hfzero.ZeroConfig(stage=2, tp_size=TP, shard_size=G),
-                       process_group=mesh.dp_group, tp_group=mesh.tp_group)
+        config = hfzero.ZeroConfig(stage=2, tp_size=TP, shard_size=G)
+        hfzero.prepare(model, torch.optim.AdamW(model.parameters()), config, process_group=mesh.dp_group,
+                       tp_group=mesh.tp_group)
 
     return {"shard_size=3": refused(lambda: _build(2, 3)), "by_hand": refused(by_hand)}
 

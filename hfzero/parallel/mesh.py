@@ -151,7 +151,6 @@ def build_pipeline_shard_groups(pipe_mesh: PipelineMesh, shard_size: int) -> tup
     return mesh.get_group("dp_shard"), mesh.get_group("dp_replicate")
 
 
-
 def build_tensor_shard_groups(dp_size: int, tp_size: int, shard_size: int) -> tuple[dist.ProcessGroup,
                                                                                     dist.ProcessGroup]:
     """HSDP under tensor parallelism: (shard group, replicate group) of a dp_replicate x dp_shard x tp mesh over

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hfzero import topology
 from hfzero.comm import Communicator
 from hfzero.config import STAGE_AUTO, ConfigError, ZeroConfig
 from hfzero.devices import collective_device
