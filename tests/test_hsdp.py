@@ -434,7 +434,10 @@ def test_accelerate_parallelism_config_maps_onto_hsdp():
     assert hsdp.shard_size == 2 and hsdp.stage == 3
     assert zero_config_from_parallelism(ParallelismConfig(dp_shard_size=4), flat, 4).shard_size == 0
     assert zero_config_from_parallelism(None, flat, 4) is flat
-    for bad, world, message in ((ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2), None, "tp_size=2"),
+    with_tp = zero_config_from_parallelism(ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2), flat,
+                                           8)
+    assert (with_tp.shard_size, with_tp.tp_size) == (2, 2)  # HSDP x TP (tests/test_hsdp_tp.py)
+    for bad, world, message in ((ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, sp_size=2), None, "sp_size=2"),
                                 (ParallelismConfig(dp_replicate_size=4, dp_shard_size=1), 4, "replicates everything"),
                                 (ParallelismConfig(dp_replicate_size=2, dp_shard_size=4), 4, "the world has 4")):
         with pytest.raises(ConfigError, match=message):
