@@ -4,9 +4,9 @@
 One spawn of 4 ranks runs everything:
 1. training cases at stages 1-3 with shard groups of 2 (ranks 0-1 and 2-3, each replicated on the other
    "node"), 2 accumulation micro-batches, both accumulation policies, clipping, an LR schedule, plus flat
-   stage 3 for comparison: losses and final parameters within the float64 rounding bounds
-   (hfzero/testing/parity.py), and each step's intra-/inter-node bytes equal to the closed form of
-   [Note: node traffic] (hfzero/comm.py);
+   stage 3 for comparison, and ZeRO-Offload (forced on) at stages 2-3: losses and final parameters within the
+   float64 rounding bounds (hfzero/testing/parity.py), and each step's intra-/inter-node bytes equal to the
+   closed form of [Note: node traffic] (hfzero/comm.py);
 2. checkpoints resharded along G=2 (stage 2) -> flat (stage 3) -> G=4, the whole 4-rank world (stage 1) ->
    G=2 (stage 2): each load saved again at once, every saved master and optimizer-state element equal bit
    for bit to the first save's; back at the saved configuration, training resumes bit for bit as the
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from hfzero.checkpoint import load_checkpoint, save_checkpoint
 from hfzero.checkpoint import format as fmt
 from hfzero.config import ConfigError
 from hfzero.parallel.mesh import check_shard_size
+from hfzero.runtime.offload import FORCE_ENV
 from hfzero.runtime.stage3 import full_state_dict
 from hfzero.testing import run_distributed
 from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
@@ -53,6 +55,10 @@ CASES = [_case(s, p) for s in (1, 2, 3) for p in ("sharded", "local")]
 FLAT3 = _case(3, "sharded", NODES)
 HPZ = _case(3, "sharded", NODES + (("secondary_partition", True),))
 ALL = CASES + [FLAT3, HPZ]
+# ZeRO-Offload under HSDP: the offload path forced on (hfzero.runtime.offload.FORCE_ENV; host placement, copies
+# and host accumulation as on a GPU): the replicate all-reduce runs on the host copy of the gradient shard
+OFFLOAD = [_case(2, "sharded", HSDP + (("offload_optimizer", True),)),
+           _case(3, "local", HSDP + (("offload_optimizer", True),))]
 # fp16 with an overflow on rank 1 only (shard group 0) at step 1: every rank of both groups skips that step
 OVERFLOW = [TrainSpec(stage=s, dtype="fp16", steps=3, overflow_step=1, extra_config=HSDP + (PERSIST0 if s == 3 else ()))
             for s in (2, 3)]
@@ -68,9 +74,9 @@ def _optimizer(model) -> torch.optim.AdamW:
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=3e-3)
 
 
-def _build(stage: int, shard_size: int, seed: int, secondary: bool = False):
+def _build(stage: int, shard_size: int, seed: int, secondary: bool = False, offload: bool = False):
     config = ZeroConfig(stage=stage, shard_size=shard_size, ranks_per_node=PER_NODE, reduce_bucket_size=3000,
-                        param_persistence_threshold=0, secondary_partition=secondary)
+                        param_persistence_threshold=0, secondary_partition=secondary, offload_optimizer=offload)
     model = tiny_causal_lm("gpt2", seed=seed)
     return prepare(model, _optimizer(model), config)
 
@@ -146,8 +152,20 @@ def _secondary_memory() -> dict:
             "params": engine.num_params, "hsdp_secondary": get_engine(hsdp).secondary is not None}
 
 
+def _offloaded() -> bool:
+    """Whether HSDP with offload_optimizer (forced on) placed the optimizer side on the host."""
+    from hfzero import get_engine
+
+    engine = get_engine(_build(2, G, seed=0, offload=True)[0])
+    return engine.offload is not None and engine.replicate is not None
+
+
 def _everything(rank: int, world: int, root: str) -> dict:
     out = {"train": train_many(rank, world, ALL), "overflow": train_many(rank, world, OVERFLOW)}
+    os.environ[FORCE_ENV] = "1"
+    out["offload"] = train_many(rank, world, OFFLOAD)
+    out["offloaded"] = _offloaded()
+    del os.environ[FORCE_ENV]
     out["checkpoints"] = _checkpoints(Path(root))
     out["secondary"] = _secondary_memory()
     out["bad"] = {"shard_size=3": _refused(shard_size=3), "ranks_per_node=3": _refused(ranks_per_node=3)}
@@ -183,6 +201,20 @@ def test_fp32_matches_float64_reference(spec):
     for out in outs[1:]:  # replicas and shard groups agree on every element
         for name, value in out["params"].items():
             assert torch.equal(value, outs[0]["params"][name]), name
+
+
+@pytest.mark.parametrize("spec", OFFLOAD, ids=_id)
+def test_offloaded_hsdp_matches_float64_reference(spec):
+    """ZeRO-Offload x HSDP: the gradient shard's replicate all-reduce on the host's fp32 copy trains the same model
+    (the float64 run's bounds, every rank equal), with the optimizer side on the host."""
+    ref = _reference64()
+    outs = [r["offload"][OFFLOAD.index(spec)] for r in results()[0]]
+    for rank, out in enumerate(outs):
+        ref.check_losses(out["losses"], f"rank {rank} loss")
+        ref.check_params(out["params"], f"rank {rank} ")
+        for name, value in out["params"].items():
+            assert torch.equal(value, outs[0]["params"][name]), (rank, name)
+    assert all(r["offloaded"] for r in results()[0])
 
 
 def _expected_node_bytes(spec: TrainSpec, out: dict) -> dict[str, list[int]]:
@@ -402,7 +434,10 @@ def test_accelerate_parallelism_config_maps_onto_hsdp():
     assert hsdp.shard_size == 2 and hsdp.stage == 3
     assert zero_config_from_parallelism(ParallelismConfig(dp_shard_size=4), flat, 4).shard_size == 0
     assert zero_config_from_parallelism(None, flat, 4) is flat
-    for bad, world, message in ((ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2), None, "tp_size=2"),
+    with_tp = zero_config_from_parallelism(ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2), flat,
+                                           8)
+    assert (with_tp.shard_size, with_tp.tp_size) == (2, 2)  # HSDP x TP (tests/test_hsdp_tp.py)
+    for bad, world, message in ((ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, sp_size=2), None, "sp_size=2"),
                                 (ParallelismConfig(dp_replicate_size=4, dp_shard_size=1), 4, "replicates everything"),
                                 (ParallelismConfig(dp_replicate_size=2, dp_shard_size=4), 4, "the world has 4")):
         with pytest.raises(ConfigError, match=message):

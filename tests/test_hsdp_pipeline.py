@@ -119,6 +119,18 @@ def test_hsdp_pipeline_matches_single_process_reference(spec):
         torch.testing.assert_close(merged[name], ref, atol=ATOL, rtol=0, msg=lambda m: f"parameter {name}: {m}")
 
 
+def test_hsdp_pipeline_gradient_norm_counts_each_element_once():
+    """The clip norm sums over the shard group (and the pipeline), not over the stage's whole dp group, whose 2
+    replicas hold the same elements: the HSDP stage-2 pipeline's norms equal flat stage 2's (the same training,
+    other summation order). Summed over the dp group they were sqrt(2) times too large (the Trainer's logged
+    grad_norm showed it, tests/test_hsdp_pipeline_trainer.py)."""
+    hsdp, flat = _results()[SPECS[3]], _results()[NODE_SPECS[2]]
+    assert "shard_size" in dict(SPECS[3].extra_config) and "shard_size" not in dict(NODE_SPECS[2].extra_config)
+    for a, b in zip(hsdp, flat):
+        assert len(a["norms"]) == STEPS and a["norms"][0] > 0
+        torch.testing.assert_close(torch.tensor(a["norms"]), torch.tensor(b["norms"]), atol=0, rtol=1e-6)
+
+
 def test_hsdp_pipeline_checkpoint_resumes_and_consolidates_to_the_trained_weights():
     from transformers import AutoModelForCausalLM
 

@@ -68,7 +68,7 @@ def test_parallelism_config_is_mapped_or_refused() -> None:
     assert zero_config_from_parallelism(None, ZeroConfig(stage=2)) == ZeroConfig(stage=2)
     with pytest.raises(ConfigError, match="ParallelismConfig.cp_size=2 is not supported"):
         zero_config_from_parallelism(ParallelismConfig(cp_size=2), ZeroConfig())
-    with pytest.raises(ConfigError, match="sp_size=2: HSDP x tensor / sequence parallelism is not built"):
+    with pytest.raises(ConfigError, match="sp_size=2: HSDP x sequence parallelism is not built"):
         zero_config_from_parallelism(ParallelismConfig(dp_replicate_size=2, sp_size=2, dp_shard_size=2), ZeroConfig())
     with pytest.raises(ConfigError, match="contradicts ZeroConfig.sp_size=4"):
         zero_config_from_parallelism(ParallelismConfig(sp_size=2), ZeroConfig(sp_size=4))

@@ -218,7 +218,8 @@ def _hsdp_scope(model: nn.Module, engine: ZeroEngine, groups: list[int]) -> Scop
 
 def _tensor_parallel_scope(model: nn.Module, engine: ZeroEngine, groups: list[int]) -> Scope:
     """See [Note: tensor-parallel checkpoints] in tensor_parallel.py: every rank of the dp x tp world writes a
-    file; parameters replicated over TP are written by TP rank 0's ranks only."""
+    file; parameters replicated over TP are written by TP rank 0's ranks only; under HSDP x TP only replicate rank
+    0's shard groups write slices (as ``_hsdp_scope``)."""
     import torch.distributed as dist
 
     tp, tp_rank, dp = tp_info(model)
@@ -226,7 +227,8 @@ def _tensor_parallel_scope(model: nn.Module, engine: ZeroEngine, groups: list[in
     world = engine.comm.on_group(dist.group.WORLD, share_stats=False)
     skip = frozenset(replicated_names(engine)) if tp_rank > 0 else frozenset()
     return Scope(model, world, dist.get_rank(), dist.get_world_size(), lambda n: n, groups, len(groups), skip=skip,
-                 writes_frozen=dist.get_rank() == 0, configs=model, tensor_parallel={"tp_size": tp, "dp_size": dp})
+                 writes_frozen=dist.get_rank() == 0, configs=model, tensor_parallel={"tp_size": tp, "dp_size": dp},
+                 writes_shard=engine.replicate is None or engine.replicate.rank == 0)  # HSDP x TP: one replica
 
 
 def _expert_parallel_scope(model: nn.Module, engine: ZeroEngine, groups: list[int]) -> Scope:

@@ -80,14 +80,16 @@ def whole_runs(param: torch.Tensor, start: int, end: int) -> list[Run]:
 
 
 def tp_info(model: Any) -> tuple[int, int, int] | None:
-    """(tp size, tp rank, dp size) when ``model``'s engine runs over the dp group of a dp x tp mesh, else None."""
+    """(tp size, tp rank, dp size) when ``model``'s engine runs over the dp group of a dp x tp mesh (or, HSDP x TP,
+    over a shard group of it: dp is then the shard group times its replicas), else None."""
     from hfzero.runtime.prepare import get_engine
 
     engine = get_engine(model)
     group = engine.norm_group
     if group is None or group.world_size == 1:
         return None
-    return group.world_size, group.rank, engine.world_size
+    replicas = engine.replicate.world_size if engine.replicate is not None else 1
+    return group.world_size, group.rank, engine.world_size * replicas
 
 
 def replicated_names(engine: Any) -> set[str]:

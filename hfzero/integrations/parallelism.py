@@ -6,8 +6,9 @@ accelerate's "deepspeed" backend is replaced, not used), ``tp_size`` -> ``ZeroCo
 ``dp_replicate_size`` x ``dp_shard_size`` -> HSDP (``ZeroConfig.shard_size = dp_shard_size`` when
 ``dp_replicate_size`` > 1; ``dp_shard_size`` alone is flat ZeRO over the data-parallel world; hfzero builds the
 mesh, accelerate builds none; docs/multinode.md). Refused by name, with a ConfigError: ``cp_size`` > 1
-(context parallelism: use sp_size), HSDP together with tp / sp (not built), and the handlers' non-default
-options. The data-parallel size is what remains: world / (tp x sp).
+(context parallelism: use sp_size), HSDP together with sp (not built), and the handlers' non-default options.
+HSDP with ``tp_size`` is hfzero's HSDP x TP (``rank = (replicate_rank x dp_shard_size + shard_rank) x tp_size +
+tp_rank``, accelerate's mesh order). The data-parallel size is what remains: world / (tp x sp).
 """
 
 from __future__ import annotations
@@ -77,10 +78,9 @@ def _hsdp_sizes(pc: Any, config: ZeroConfig, world_size: int | None) -> dict[str
                           f"{replicate * shard * split} rank(s) with tp x sp, the world has {world_size}")
     if replicate == 1:
         return {}  # dp_shard_size alone: ZeRO over the whole data-parallel world, as without it
-    for name in ("tp_size", "sp_size"):
-        if _size(pc, name) > 1:
-            raise ConfigError(f"hfzero: ParallelismConfig(dp_replicate_size={replicate}) with {name}="
-                              f"{_size(pc, name)}: HSDP x tensor / sequence parallelism is not built; use one")
+    if _size(pc, "sp_size") > 1:  # HSDP x TP is built: the same dp_replicate x dp_shard x tp layout as accelerate's
+        raise ConfigError(f"hfzero: ParallelismConfig(dp_replicate_size={replicate}) with sp_size="
+                          f"{_size(pc, 'sp_size')}: HSDP x sequence parallelism is not built; use one")
     if shard == 1:
         raise ConfigError("hfzero: ParallelismConfig(dp_shard_size=1) replicates everything: use "
                           "ZeroConfig(stage=0) (plain data parallelism) instead")

@@ -2,7 +2,9 @@
 
 Rank layout (torchtitan's): ``rank = pp_rank * dp_size + dp_rank``, so the ranks of one pipeline
 stage (a data-parallel group) are neighbours and the ranks of one pipeline (one data-parallel
-replica) are ``dp_size`` apart.
+replica) are ``dp_size`` apart. HSDP (``ZeroConfig.shard_size``) cuts a data-parallel group into shard
+groups of consecutive dp ranks: alone (dp_replicate x dp_shard), inside each pipeline stage
+(pp x dp_replicate x dp_shard) or inside each tensor-parallel rank's dp group (dp_replicate x dp_shard x tp).
 """
 
 from __future__ import annotations
@@ -148,3 +150,16 @@ def build_pipeline_shard_groups(pipe_mesh: PipelineMesh, shard_size: int) -> tup
     mesh = world_mesh((pipe_mesh.pp_size, replicate, shard_size), ("pp", "dp_replicate", "dp_shard"))
     return mesh.get_group("dp_shard"), mesh.get_group("dp_replicate")
 
+
+def build_tensor_shard_groups(dp_size: int, tp_size: int, shard_size: int) -> tuple[dist.ProcessGroup,
+                                                                                    dist.ProcessGroup]:
+    """HSDP under tensor parallelism: (shard group, replicate group) of a dp_replicate x dp_shard x tp mesh over
+    the whole world (collective: every rank calls it, in the same order). ``rank = (replicate_rank * shard_size
+    + shard_rank) * tp_size + tp_rank``, the dp x tp layout (``rank = dp_rank * tp_size + tp_rank``,
+    hfzero/parallel/tensor.py) with the dp ranks of each TP rank cut into shard groups of ``shard_size``
+    consecutive dp ranks: a shard group holds ranks ``tp_size`` apart with the same tp_rank, and the dp group of
+    that tp_rank is the union of the shard group and its replicas. ``shard_size`` must divide ``dp_size`` and be
+    below it (``check_shard_size``)."""
+    replicate = check_shard_size(dp_size, shard_size)
+    mesh = world_mesh((replicate, shard_size, tp_size), ("dp_replicate", "dp_shard", "tp"))
+    return mesh.get_group("dp_shard"), mesh.get_group("dp_replicate")

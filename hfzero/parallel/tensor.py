@@ -16,6 +16,11 @@ the unit) and between uses the local tensor is 0-element while the DTensor keeps
 ``hfzero.full_state_dict`` and the checkpoints (hfzero/checkpoint/tensor_parallel.py) make shards whole.
 
 Rank layout: ``rank = dp_rank * tp_size + tp_rank`` (TP ranks are neighbours, as on a node).
+
+With ``ZeroConfig.shard_size`` G below the dp size (HSDP x TP) each TP rank's dp group is cut into shard groups
+of G consecutive dp ranks (a dp_replicate x dp_shard x tp mesh, ``build_tensor_shard_groups`` in
+hfzero/parallel/mesh.py): ZeRO shards the local TP shards over the shard group and replicates them over the
+dp / G shard groups, as [Note: hierarchical sharding] in runtime/engine.py describes without TP.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.logging import get_logger
-from hfzero.parallel.mesh import check_divides, split_world_mesh
+from hfzero.parallel.mesh import build_tensor_shard_groups, check_divides, split_world_mesh
 
 if TYPE_CHECKING:
     from hfzero.runtime.optimizer import ZeroOptimizer
@@ -162,19 +167,27 @@ def prepare_tensor_parallel(
     ``optimizer_factory(params)`` builds the optimizer over the TP-sharded parameters (it must be built
     after sharding, which replaces them); an optimizer already built over the unsharded model is taken
     too (re-pointed at the sharded parameters). Returns (model, optimizer, mesh).
+    ``config.shard_size`` G below the dp size: HSDP over each TP rank's dp group (ZeRO over shard groups of G
+    dp ranks, replicated over the dp / G of them; see the module docstring).
     """
     import hfzero
 
     mesh = build_tp_mesh(config.tp_size)
+    groups = {"process_group": mesh.dp_group}
+    if config.shard_size and config.shard_size != mesh.dp_size:  # HSDP x TP; a bad size is refused before sharding
+        groups["process_group"], groups["replicate_group"] = build_tensor_shard_groups(
+            mesh.dp_size, mesh.tp_size, config.shard_size)
     if isinstance(optimizer_factory, torch.optim.Optimizer):
         optimizer = optimizer_factory
         shard_model_and_optimizer(model, optimizer, mesh)
     else:
         apply_tensor_parallel(model, mesh)
         optimizer = optimizer_factory(model.parameters())
-    model, optimizer = hfzero.prepare(model, optimizer, config, process_group=mesh.dp_group, tp_group=mesh.tp_group)
+    model, optimizer = hfzero.prepare(model, optimizer, config, tp_group=mesh.tp_group, **groups)
     sharded = sum(isinstance(p, DTensor) for p in model.parameters())
-    logger.info("tensor parallelism: dp=%d x tp=%d, %d parameter(s) sharded over tp, ZeRO stage %s over dp%s",
-                mesh.dp_size, mesh.tp_size, sharded, config.stage,
+    hsdp = f" (HSDP: sharded over {config.shard_size}, replicated x{mesh.dp_size // config.shard_size})" \
+        if "replicate_group" in groups else ""
+    logger.info("tensor parallelism: dp=%d x tp=%d, %d parameter(s) sharded over tp, ZeRO stage %s over dp%s%s",
+                mesh.dp_size, mesh.tp_size, sharded, config.stage, hsdp,
                 ", P_a (checkpoints partitioned over tp)" if config.partition_activations else "")
     return model, optimizer, mesh

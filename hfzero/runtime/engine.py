@@ -44,6 +44,8 @@ the step check) are all-reduced over it as they are added (reducer.py). Hence:
   across the replicate group: everyone ends with global dp rank 0's values;
 - the step's checks (agreement, fp16 overflow, stage 3's gather order and late flags) MAX-reduce inside the
   shard group, then once more over the replicate group before their one host read: the whole world agrees;
+- with the optimizer offloaded (ZeRO-Offload), the owned sums are the host's fp32 copy: they are all-reduced over
+  the replicate group there (CPU, gloo) or staged through the device one bucket slice at a time (an accelerator);
 - the gradient norm sums inside the shard group only: the replicas' shards are equal, each parameter
   element is counted once;
 - checkpoints are written by replicate rank 0's shard group (the other replicas write RNG states only).
@@ -414,9 +416,24 @@ class ZeroEngine:
         if self.reducer.grad_shard is not None:
             self.replicate.all_reduce(self.reducer.grad_shard)
             return
-        handles = [self.replicate.all_reduce(self.reducer.owned_grad(b), async_op=True) for b in self.layout.buckets]
+        grads = [self.reducer.owned_grad(b) for b in self.layout.buckets]
+        if any(g.device != self.replicate.device for g in grads):
+            self._reduce_host_shard_over_replicas(grads)
+            return
+        handles = [self.replicate.all_reduce(g, async_op=True) for g in grads]
         for handle in handles:
             handle.wait()
+
+    def _reduce_host_shard_over_replicas(self, grads: list[torch.Tensor]) -> None:
+        """HSDP with the optimizer offloaded from an accelerator: the gradient sums live on the host (fp32), where
+        the replicate group's backend (NCCL) cannot reduce them; each bucket's slice is copied to the device,
+        all-reduced there and copied back, one at a time (a transient device buffer of one bucket's slice, fp32;
+        a communication buffer, not a model state). On a CPU device the sums are on the collective device already
+        and are reduced in place by the caller."""
+        for grad in grads:
+            staged = grad.to(self.replicate.device)  # (bucket chunk,) fp32
+            self.replicate.all_reduce(staged)
+            grad.copy_(staged)
 
     def _overflow_flag(self) -> torch.Tensor | None:
         """fp16: a 1-element float32 tensor on the communication device, 1 where a reduced gradient sum this

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hfzero import topology
 from hfzero.comm import Communicator
 from hfzero.config import STAGE_AUTO, ConfigError, ZeroConfig
 from hfzero.devices import collective_device
@@ -21,7 +20,6 @@ from hfzero.runtime.activations.checkpoint import CheckpointPolicy, enable_check
 from hfzero.runtime.activations.tiled_mlp import enable_tiled_mlp, mlp_tiles_of
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.hostmem import configure_host_allocator
-from hfzero.runtime.offload import offload_active
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.placement import check_placement
 from hfzero.runtime.pending import PendingWeights, find_pending, materialize_whole
@@ -134,9 +132,6 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         configure_host_allocator(config.host_mmap_threshold, top_trim=not by_growth)  # See [Note: host allocator]
     comm = Communicator(process_group, config.reduce_scatter_impl, device=device, ranks_per_node=config.ranks_per_node)
     replicate = comm.on_group(replicate_group) if replicate_group is not None else None  # counted with comm's
-    if replicate is not None and offload_active(config.offload_optimizer, device, comm.rank):
-        raise ConfigError("hfzero.prepare: shard_size (HSDP) with offload_optimizer is not built yet: the replicate "
-                          "all-reduce would run on the host copy of the gradient shard; drop one of them")
     _check_ranks_agree(comm, config, model, optimizer, groups)
     groups_kw = {"average_over": average_over}
     if ep_group is not None:  # See [Note: average_over] in engine.py
@@ -256,10 +251,11 @@ def _shard_groups(config: ZeroConfig, process_group: dist.ProcessGroup | None,
         return process_group, None  # one shard group: flat ZeRO
     whole_world = process_group is None or dist.get_world_size(process_group) == dist.get_world_size()
     if tp_size > 1 or not whole_world:
-        raise ConfigError("hfzero.prepare: shard_size (HSDP) over a sub-group (tensor parallelism, or a group of your "
-                          "own) is not built yet; use shard_size with plain data parallelism or hfzero.pipeline "
-                          "(which builds each stage's shard and replicate groups), or build the mesh yourself and "
-                          "pass process_group=<shard group>, replicate_group=<replicate group>")
+        raise ConfigError("hfzero.prepare: shard_size (HSDP) over a sub-group (a tensor-parallel mesh's dp group, or a "
+                          "group of your own) needs that group's shard and replicate groups: use "
+                          "hfzero.parallel.tensor.prepare_tensor_parallel (tensor parallelism) or hfzero.pipeline, "
+                          "which build them, or build the mesh yourself and pass process_group=<shard group>, "
+                          "replicate_group=<replicate group>")
     mesh = build_shard_mesh(config.shard_size)
     logger.info("HSDP: model states sharded over %d rank(s), replicated %d times (dp_replicate x dp_shard mesh)",
                 mesh.shard_size, mesh.replicate_size)
@@ -279,29 +275,43 @@ def _block_size(comm: Communicator) -> int | None:
 
 def _node_comm(comm: Communicator, process_group: dist.ProcessGroup | None,
                replicate: Communicator | None) -> Communicator | None:
-    """hpZ: a communicator over this rank's node inside ``comm``'s group (sharing its statistics), or None when
-    the groups lie inside nodes (nothing would change). Every rank creates every node's group, in order (a
-    collective of the world). Supported where the world is cut into equal blocks of consecutive ranks (the world
-    group, HSDP shard groups, a pipeline's stages, or both) and nodes cut each block into whole nodes. Decided
-    from world-wide facts (block size, ranks per node), so every rank takes the same branch."""
-    per_node, world = comm.ranks_per_node, dist.get_world_size()
-    size = _block_size(comm)
-    if size is None:
-        raise ConfigError("hfzero.prepare: secondary_partition (hpZ) needs its group to be a block of consecutive "
-                          "ranks (the world, an HSDP shard group or a pipeline stage's ranks); with tensor "
-                          "parallelism or a group of your own it is not built yet")
-    if not any(topology.ring_crossings(range(start, start + size), per_node) for start in range(0, world, size)):
-        logger.info("secondary_partition: each group of %d rank(s) lies inside one node; nothing to do", size)
+    """hpZ: a communicator over the ranks of ``comm``'s group on this rank's node (sharing its statistics), or None
+    when no group crosses a node or each node holds one rank of it (nothing would change). Every rank learns every
+    rank's group (``_world_groups``) and creates every node part of every group, in the same order (a collective of
+    the world), so any group layout works: the world, HSDP shard groups, a pipeline's stages, a tensor-parallel
+    dp or shard group (ranks tp apart), provided each node holds the same number k of each group's ranks, k
+    dividing the group's size (the slices are ``full.view(k, -1)``). Decided from world-wide facts, so every rank
+    takes the same branch."""
+    per_node = comm.ranks_per_node
+    groups = _world_groups(comm)
+    parts = [[r for r in group if r // per_node == node] for group in groups
+             for node in sorted({r // per_node for r in group})]
+    sizes, counts = {len(group) for group in groups}, {len(part) for part in parts}
+    if len(parts) == len(groups):
+        logger.info("secondary_partition: each data-parallel group lies inside one node; nothing to do")
         return None
-    if size % per_node:
-        raise ConfigError(f"hfzero.prepare: secondary_partition (hpZ) needs the ranks per node ({per_node}) to divide "
-                          f"the group's {size} ranks, so nodes cut it into whole nodes")
+    if len(sizes) > 1 or len(counts) > 1 or next(iter(sizes)) % next(iter(counts)):
+        raise ConfigError(f"hfzero.prepare: secondary_partition (hpZ) needs every node to hold the same number of each "
+                          f"data-parallel group's ranks, dividing the group's size; with {per_node} ranks per node the "
+                          f"groups of {sorted(sizes)} rank(s) are cut into parts of {sorted(counts)}: pick ranks per "
+                          "node (or shard_size) so that nodes cut the groups evenly")
+    if counts == {1}:
+        logger.info("secondary_partition: each node holds one rank of each data-parallel group; nothing to keep local")
+        return None
     mine = None
-    for node in range(world // per_node):
-        group = dist.new_group(list(range(node * per_node, (node + 1) * per_node)))
-        if node == dist.get_rank() // per_node:
+    for part in parts:
+        group = dist.new_group(part)
+        if dist.get_rank() in part:
             mine = comm.on_group(group)
     return mine
+
+
+def _world_groups(comm: Communicator) -> list[tuple[int, ...]]:
+    """Every rank's group of ``comm``'s kind (global ranks), each once, ordered by their first rank: gathered
+    from every rank of the world (one small collective, which every rank reaches here)."""
+    world = comm.on_group(dist.group.WORLD, share_stats=False)
+    everyone = world.all_gather_bytes(json.dumps(comm.global_ranks).encode())
+    return sorted({tuple(json.loads(payload)) for payload in everyone})
 
 
 def _quantized_reduce(comm: Communicator, config: ZeroConfig, replicate: Communicator | None):

@@ -132,7 +132,7 @@ def _train_pipeline(spec: PipeSpec, stack: contextlib.ExitStack, profile_dir: st
         from hfzero.profiler import ZeroProfiler
 
         stack.enter_context(ZeroProfiler(pipe, None, profile_dir))
-    losses, comm_steps, inter_steps, times, step_roles, activation_peak = [], [], [], [], {}, 0
+    losses, norms, comm_steps, inter_steps, times, step_roles, activation_peak = [], [], [], [], [], {}, 0
     for batch in token_batches(spec.steps, spec.global_batch, spec.seq_len):
         local = batch.chunk(mesh.dp_size)[mesh.dp_rank]  # (B / dp, T): this replica's rows
         before = engine.comm.stats()
@@ -144,7 +144,7 @@ def _train_pipeline(spec: PipeSpec, stack: contextlib.ExitStack, profile_dir: st
         activation_peak = max(activation_peak, getattr(meter, "peak", 0))
         step_roles = {k.value: v for k, v in pipe.step_roles.items()}
         if spec.max_grad_norm is not None:
-            pipe.clip_grad_norm_(spec.max_grad_norm)
+            norms.append(float(pipe.clip_grad_norm_(spec.max_grad_norm)))
         pipe.optimizer.step()
         pipe.optimizer.zero_grad()
         times.append(time.perf_counter() - started)
@@ -157,6 +157,7 @@ def _train_pipeline(spec: PipeSpec, stack: contextlib.ExitStack, profile_dir: st
     return {
         "coords": (mesh.pp_rank, mesh.dp_rank),
         "losses": losses,
+        "norms": norms,  # the gradient norm before clipping, per step (empty without clipping)
         "params": stage_params(pipe),
         "roles": {k.value: v for k, v in engine.memory_by_role().items()},
         "step_roles": step_roles,

@@ -156,6 +156,9 @@ class Pipeline:
         # the gradient and parameter traffic the estimator models (the tied-embedding sum included)
         self.pp_comm = self.engine.comm.on_group(self.mesh.pp_group, share_stats=False)
         self.dp_scalars = self.engine.comm.on_group(self.mesh.dp_group, share_stats=False)
+        self.shard_scalars = self.engine.comm.on_group(self.engine.comm.group, share_stats=False)
+        """The norm's sum over the stage's shards: the dp group, or (HSDP) the shard group alone, whose replicas hold
+        the same elements (summing over the whole dp group would count each of them once per replica)."""
         if is_tied and self.engine.offload is not None and self.engine.device.type == "cuda":
             # every rank decides alike (model, config and device agree), so all raise together
             raise ConfigError("hfzero pipeline: offload_optimizer with tied input/output embeddings is not supported "
@@ -492,7 +495,7 @@ class Pipeline:
             local = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
             total = torch.tensor([local], dtype=torch.float32, device=device)
             if engine.layout.shard_world > 1:
-                self.dp_scalars.all_reduce(total, op=dist.ReduceOp.MAX)
+                self.shard_scalars.all_reduce(total, op=dist.ReduceOp.MAX)
             self.pp_comm.all_reduce(total, op=dist.ReduceOp.MAX)
             norm = total[0]
         else:
@@ -500,7 +503,7 @@ class Pipeline:
                         torch.zeros((), dtype=torch.float32))
             total = local.to(device).reshape(1)
             if engine.layout.shard_world > 1:
-                self.dp_scalars.all_reduce(total)
+                self.shard_scalars.all_reduce(total)
             self.pp_comm.all_reduce(total)
             norm = total[0].pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
