@@ -17,11 +17,16 @@ of 4 spawned processes with a fresh process group (``run_distributed``). The sea
 time at very long sequences on 2 shared cores, not memory, ends the search), then bisects ``--bisect``
 times. Lengths are multiples of 64.
 
-Beside each measured peak: the estimator's prediction = the rank's runtime RSS (measured at its start,
-before the model, as ``hfzero plan --verify`` does) + model states (``estimate.model_states_bytes``,
-Ψ over the 4 ranks) + stage 3's gathered units (``estimate.stage3_gathered_bytes``) + the activation model
-(``decoder_activation_bytes`` with sp, mlp_tiles, loss_tiles, checkpointing: its ``peak``, plus the
-checkpoints it places in host memory, which on a CPU host are the same memory).
+Beside each measured peak: the estimator's prediction = the rank's runtime RSS (measured at its start, before
+the model, as ``hfzero plan --verify`` does) + the larger of two phases:
+
+- forward / backward: the model states that exist before the first optimizer step (``estimate.model_states_bytes``
+  less Adam's two moments, which the step allocates) + stage 3's gathered units (``estimate.stage3_gathered_bytes``)
+  and gradient staging (``estimate.stage3_grad_staging_bytes``) + the activation model
+  (``decoder_activation_bytes`` with sp, mlp_tiles, loss_tiles, checkpointing: its ``peak``, plus the checkpoints
+  it places in host memory, which on a CPU host are the same memory);
+- the optimizer step: all model states + the step's fp32 gradients (``estimate.step_fp32_grad_bytes``) + stage 3's
+  gather and staging pools, which stay allocated between passes.
 
 The ranks run with glibc's mmap threshold pinned (``--mmap-threshold``, default 128 KiB, passed to the spawned
 ranks as ``MALLOC_MMAP_THRESHOLD_``), so that a freed tensor's memory leaves the resident set when it is freed
@@ -126,21 +131,28 @@ def _probe(rank: int, world: int, v: Variant, model_kw: dict[str, int], seq: int
             "construction": construction}
 
 
-def _predict(v: Variant, model_kw: dict[str, int], seq: int, runtime: float, world: int = 4) -> float:
+def _predict(v: Variant, model_kw: dict[str, int], seq: int, runtime: float, world: int = 4,
+             steps: int = 1) -> float:
+    """The peak RSS the estimator predicts for one rank: its runtime + the larger of two phases (see the module
+    docstring). ``steps`` > 1: Adam's states exist from the second forward on."""
     from hfzero import estimate as est
 
     lm = _llama(model_kw)
     params = sum(p.numel() for p in lm.parameters())
     shape = est.DecoderShape.from_hf_config(lm.config)
     states = est.model_states_bytes(params, world, v.stage, param_bytes=2, grad_bytes=2, optimizer_k=12)
-    gathered = 0.0
+    adam = states - est.model_states_bytes(params, world, v.stage, param_bytes=2, grad_bytes=2, optimizer_k=4)
+    gathered = staging = 0.0
     if v.stage == 3:
         root, units = est.stage3_unit_numels(lm.config)
         gathered = est.stage3_gathered_bytes(root, units, world)
+        staging = est.stage3_grad_staging_bytes(root, units, params, world)
     acts = est.decoder_activation_bytes(shape, seq, 1, dtype="bf16", device="cpu", sp=v.sp,
                                         checkpointing=v.checkpointing, cpu=v.checkpointing,
                                         mlp_tiles=v.tiles, loss_tiles=v.tiles)
-    return runtime + states + gathered + acts.peak + acts.checkpoints_host
+    train = states - (adam if steps == 1 else 0.0) + gathered + staging + acts.peak + acts.checkpoints_host
+    step = states + est.step_fp32_grad_bytes(params, world, v.stage) + gathered + staging
+    return runtime + max(train, step)
 
 
 def probe(v: Variant, model_kw: dict[str, int], seq: int, budget: float, steps: int = 1,
@@ -160,8 +172,8 @@ def probe(v: Variant, model_kw: dict[str, int], seq: int, budget: float, steps: 
         if saved is not None:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     worst = max(ranks, key=lambda r: r["peak"])
-    predicted = _predict(v, model_kw, seq, worst["runtime"])
-    out = {"variant": v.name, "seq": seq, "peak": worst["peak"], "before": worst["before"],
+    predicted = _predict(v, model_kw, seq, worst["runtime"], steps=steps)
+    out = {"variant": v.name, "seq": seq, "steps": steps, "peak": worst["peak"], "before": worst["before"],
            "runtime": worst["runtime"], "predicted": predicted, "ratio": worst["peak"] / predicted,
            "step_s": max(r["times"][-1] for r in ranks), "fits": worst["peak"] <= budget,
            "loss": ranks[0]["losses"][-1], "wall_s": time.perf_counter() - started}
@@ -196,6 +208,25 @@ def search(v: Variant, model_kw: dict[str, int], budget: float, start: int, max_
     return {"variant": v.name, "longest": good["seq"], "capped": bad is None, "best": good, "probes": probes}
 
 
+def reprice(path: str) -> int:
+    """Print every probe of a saved run (``--json``) with the prediction the current estimator makes for it (the
+    measured peaks and runtimes are the run's): the estimator can be revised without rerunning the probes."""
+    with open(path, encoding="utf-8") as f:
+        run = json.load(f)
+    model, by_name = run["model"], {v.name: v for v in VARIANTS}
+    probes = run.get("probes") or [p for s in run["searches"].values() for p in s["probes"]]
+    probes += list((run.get("timing") or {}).values())
+    print(f"{path}: model {model}, mmap threshold {run.get('mmap_threshold', 'dynamic (not recorded)')}")
+    print("| configuration | T | steps | peak RSS / rank (MiB) | predicted (MiB) | measured / predicted |")
+    print("|---|---|---|---|---|---|")
+    for p in probes:
+        steps = p.get("steps", 2 if p in (run.get("timing") or {}).values() else 1)
+        predicted = _predict(by_name[p["variant"]], model, p["seq"], p["runtime"], steps=steps)
+        print(f"| {p['variant']} | {p['seq']} | {steps} | {p['peak'] / 2**20:.0f} | {predicted / 2**20:.0f} | "
+              f"{p['peak'] / predicted:.3f} |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget-gib", type=float, default=1.0, help="per-rank peak RSS limit (GiB)")
@@ -208,8 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mmap-threshold", type=int, default=MMAP_THRESHOLD,
                         help="glibc M_MMAP_THRESHOLD in the ranks, bytes (0: glibc's dynamic default)")
     parser.add_argument("--lengths", default="", help="comma-separated lengths: probe each variant at each, no search")
+    parser.add_argument("--reprice", default=None, metavar="JSON",
+                        help="a saved run (--json): print its probes' measured peaks beside the current prediction")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.reprice:
+        return reprice(args.reprice)
     budget = args.budget_gib * 2**30
     model = MODELS[args.model]
     chosen = [v for v in VARIANTS if v.name in args.variants.split(",")]
