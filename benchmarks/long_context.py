@@ -146,7 +146,7 @@ def _predict(v: Variant, model_kw: dict[str, int], seq: int, runtime: float, wor
     if v.stage == 3:
         root, units = est.stage3_unit_numels(lm.config)
         gathered = est.stage3_gathered_bytes(root, units, world)
-        staging = est.stage3_grad_staging_bytes(root, units, params, world)
+        staging = est.stage3_grad_staging_bytes(root, units, world)
     acts = est.decoder_activation_bytes(shape, seq, 1, dtype="bf16", device="cpu", sp=v.sp,
                                         checkpointing=v.checkpointing, cpu=v.checkpointing,
                                         mlp_tiles=v.tiles, loss_tiles=v.tiles)
@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                   for v in chosen for t in args.lengths.split(",")]
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({"model": model, "probes": probes, "command": " ".join(sys.argv)}, f, indent=1)
+                json.dump({"model": model, "mmap_threshold": args.mmap_threshold, "probes": probes,
+                           "command": " ".join(sys.argv)}, f, indent=1)
         return 0
     results = {}
     for v in chosen:

@@ -611,25 +611,19 @@ def stage3_gathered_bytes(root: float, others: list[float], dp: int, *, param_by
     return float(stage3_gathered_numel(int(math.ceil(root / mp)), units, prefetch_numel) * param_bytes)
 
 
-def stage3_grad_staging_bytes(root: float, others: list[float], num_params: float, dp: int, *,
-                              grad_bytes: int = 2, mp: int = 1) -> float:
+def stage3_grad_staging_bytes(root: float, others: list[float], dp: int, *, grad_bytes: int = 2,
+                              mp: int = 1) -> float:
     """Bytes of gradient staging stage 3 holds at its high-water mark per device (GRAD_BUCKET: transient,
-    not a model state, but pooled across steps, see [Note: staging pool] in runtime/reducer.py): the root's
-    gradients (its buckets open for the whole backward: the output projection's gradient arrives first, the
-    embedding's last, and the root launches at the backward's end), the largest unit's (a unit's buckets open
-    together while its backward runs) and ``max_inflight_buckets`` buckets of the unit before it still in
-    flight (at most that unit). ZeroConfig's defaults (model-sized buckets). Units divided over ``mp``.
-    Measured (benchmarks/long_context.py's 106M Llama, 4 ranks, stage 3): 120.8 MiB, this bound 119.9 MiB
-    (the difference is bucket padding)."""
-    from hfzero.config import ZeroConfig
-
+    not a model state, but pooled across steps, see [Note: staging pool] in runtime/reducer.py): the full
+    gradients of the root (its buckets stay open for the whole backward: the output projection's gradient
+    arrives first, the embedding's last, and the root launches at the backward's end), of the unit whose
+    backward runs, and of the unit before it (launched when the backward moved on to the next unit, staged
+    until its reductions complete): root + the two largest units. Units divided over ``mp``. Measured: the
+    GRAD_BUCKET role equals it to the element on a 2-layer Llama under SP (tests/test_sequence_parallel.py)
+    and on benchmarks/long_context.py's 106M Llama (120.8 MiB, 4 ranks)."""
     _check_layout(dp, 3, mp)
     units = sorted((int(math.ceil(n / mp)) for n in others), reverse=True)
-    zero = ZeroConfig()
-    bucket = zero.bucket_numel(int(num_params / mp), dp)
-    largest = units[0] if units else 0
-    behind = min(zero.max_inflight_buckets * bucket, units[1] if len(units) > 1 else 0)
-    return float((math.ceil(root / mp) + largest + behind) * grad_bytes)
+    return float((math.ceil(root / mp) + sum(units[:2])) * grad_bytes)
 
 
 def step_fp32_grad_bytes(num_params: float, dp: int, stage: int, *, mp: int = 1) -> float:
