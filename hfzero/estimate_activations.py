@@ -54,7 +54,7 @@ threshold is dynamic (after the first free of an mmapped block of up to 32 MiB i
 size; later blocks below it come from the heap, and freed heap memory fragmented by smaller allocations
 stays resident). Measured (benchmarks/long_context.py, 4 gloo ranks, stage 3 + SP=4 + tiled MLP / loss
 (8 tiles) + checkpoints, T=16384): peak RSS 914 MiB with glibc's default against 655 MiB with the threshold
-pinned to 128 KiB (``MALLOC_MMAP_THRESHOLD_``), where the prediction is 630 MiB; the phase that grew was the
+pinned to 128 KiB (``MALLOC_MMAP_THRESHOLD_``), where the prediction is 629 MiB; the phase that grew was the
 tiled loss (its slices' 16-33 MB logits fall under the raised threshold). The configurations without tiling
 move less (their logits exceed 32 MiB and are always mmapped): within 6.4% either way.
 """
