@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['ratio']:.3f} | {row['us_per_token']:.0f} |")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"model": model, "mmap_threshold": args.mmap_threshold, "budget_gib": args.budget_gib, "rows": rows, "searches": results,
+            json.dump({"model": model, "mmap_threshold": args.mmap_threshold, "budget_gib": args.budget_gib,
+                       "rows": rows, "searches": results,
                        "timing": timing, "command": " ".join(sys.argv)}, f, indent=1)
     return 0
 
