@@ -408,3 +408,26 @@ def accumulation_of(run: Run) -> tuple[int, str]:
     policy = block.get("policy") if block.get("policy") in ("sharded", "local") else (
         "sharded" if run.stage >= 2 else "local")
     return steps, policy
+
+
+def sp_group_rows(summary: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """One row per sequence-parallel rank (``sp_rank``, issue 23) over the data-parallel replicas: the ranks that
+    hold the same chunk position of every sequence, their largest model states and activations (the
+    ``activations`` + ``act_checkpoint`` roles at their peak), their mean all-to-all bytes per step (the SP
+    attention's) and median step time. Empty when no rank recorded an ``sp_rank`` (no sequence parallelism)."""
+    ranks = [r for r in (summary or {}).get("ranks", []) if r.get("sp_rank") is not None]
+    rows = []
+    for sp_rank in sorted({r["sp_rank"] for r in ranks}):
+        group = [r for r in ranks if r["sp_rank"] == sp_rank]
+        acts = [sum(r["roles_peak"].get(k, 0) for k in ("activations", "act_checkpoint")) for r in group]
+        seconds = sorted(r["step_seconds"] for r in group if r.get("step_seconds") is not None)
+        rows.append({
+            "sp rank": sp_rank, "ranks": ", ".join(str(r["rank"]) for r in group),
+            "dp replicas": ", ".join(str(r["dp_rank"]) for r in group),
+            "model states, max (bytes)": max((r["model_state_bytes"] or 0) for r in group),
+            "activations + checkpoints, max (bytes)": max(acts),
+            "all-to-all bytes / step, mean": float(np.mean([r["comm_per_step"].get("all_to_all", {}).get("bytes", 0)
+                                                            for r in group])),
+            "step seconds, median": seconds[len(seconds) // 2] if seconds else None,
+        })
+    return rows

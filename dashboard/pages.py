@@ -87,6 +87,12 @@ def view_memory(loaded: LoadedRun, settings: dict[str, int]) -> None:
                "/N_d at stage 3); the measurement includes bucket padding (at most N_d - 1 elements per bucket). "
                "Transient buffers, activations and the rest of the rank's peak are the chart's other bars, not "
                "model states.")
+    groups = data.sp_group_rows(loaded.summary)
+    if groups:
+        st.dataframe(groups, hide_index=True)
+        st.caption("Sequence parallelism (docs/sequence.md): the ranks grouped by their sp rank, the position of "
+                   "the chunk of every sequence they hold, over the data-parallel replicas. Model states are "
+                   "sharded over all dp x sp ranks, so they agree across groups; activations are the chunk's.")
     whole = figures.whole_peak_rows(loaded)
     if whole:
         st.dataframe(whole, hide_index=True)

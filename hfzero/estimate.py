@@ -611,6 +611,29 @@ def stage3_gathered_bytes(root: float, others: list[float], dp: int, *, param_by
     return float(stage3_gathered_numel(int(math.ceil(root / mp)), units, prefetch_numel) * param_bytes)
 
 
+def stage3_grad_staging_bytes(root: float, others: list[float], dp: int, *, grad_bytes: int = 2,
+                              mp: int = 1) -> float:
+    """Bytes of gradient staging stage 3 holds at its high-water mark per device (GRAD_BUCKET: transient,
+    not a model state, but pooled across steps, see [Note: staging pool] in runtime/reducer.py): the full
+    gradients of the root (its buckets stay open for the whole backward: the output projection's gradient
+    arrives first, the embedding's last, and the root launches at the backward's end), of the unit whose
+    backward runs, and of the unit before it (launched when the backward moved on to the next unit, staged
+    until its reductions complete): root + the two largest units. Units divided over ``mp``. Measured: the
+    GRAD_BUCKET role equals it to the element on a 2-layer Llama under SP (tests/test_sequence_parallel.py)
+    and on benchmarks/long_context.py's 106M Llama (120.8 MiB, 4 ranks)."""
+    _check_layout(dp, 3, mp)
+    units = sorted((int(math.ceil(n / mp)) for n in others), reverse=True)
+    return float((math.ceil(root / mp) + sum(units[:2])) * grad_bytes)
+
+
+def step_fp32_grad_bytes(num_params: float, dp: int, stage: int, *, mp: int = 1) -> float:
+    """Bytes of the fp32 gradients the optimizer step reads with a separate (fp32) master copy (GRAD_FP32:
+    the step's transient, ``engine.materialize_grads`` -> ``finish_step``): the rank's slice, 4Ψ/N_d, at
+    stages 1-3; 4Ψ at stage 0, whose master copy is whole."""
+    _check_layout(dp, stage, mp)
+    return 4.0 * num_params / mp / (dp if stage >= 1 else 1)
+
+
 # --------------------------------------------------------------------------------------------------
 # Activation memory (an estimate)
 # --------------------------------------------------------------------------------------------------

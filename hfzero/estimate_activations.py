@@ -46,7 +46,17 @@ runs on the whole sequence at a/S heads after the all-to-all: its Q, output and 
 and the output projection's input is a copy of the all-to-all's result rather than a view of the kernel's
 output: e*s'b*d*(3a + 2kv*r) + 4*a*s'b; the loss keeps its divisor (the group's target count, 8 bytes). Eager attention under SP runs as sdpa (attention.py); attention
 dropout under SP is not modelled.
-The model counts no kernel workspace, no gradients of activations and no allocator overhead.
+The model counts no kernel workspace, no gradients of activations (beyond the loss's ``loss_work``) and no
+allocator overhead: its figures are bytes of live tensors. An allocator can keep freed memory resident,
+and then a process's peak is above them by a margin that depends on the order of allocations, not on the
+model: CUDA's caching allocator (reserved above allocated), and on a CPU host glibc's malloc, whose mmap
+threshold is dynamic (after the first free of an mmapped block of up to 32 MiB it rises to that block's
+size; later blocks below it come from the heap, and freed heap memory fragmented by smaller allocations
+stays resident). Measured (benchmarks/long_context.py, 4 gloo ranks, stage 3 + SP=4 + tiled MLP / loss
+(8 tiles) + checkpoints, T=16384): peak RSS 914 MiB with glibc's default against 655 MiB with the threshold
+pinned to 128 KiB (``MALLOC_MMAP_THRESHOLD_``), where the prediction is 629 MiB; the phase that grew was the
+tiled loss (its slices' 16-33 MB logits fall under the raised threshold). The configurations without tiling
+move less (their logits exceed 32 MiB and are always mmapped): within 6.4% either way.
 """
 
 from __future__ import annotations
@@ -162,8 +172,9 @@ class DecoderActivationEstimate:
         total: device bytes of what autograd holds at the activation peak: saved - checkpoints_host +
             recompute (the figure ``hfzero plan`` / autostage reserve and the profiler's roles compare with).
         peak: device bytes at the activation peak including the loss's backward working set:
-            saved - checkpoints_host + max(recompute, loss_work) (what an allocator or RSS sees;
-            benchmarks/long_context.py compares it with measured peaks).
+            saved - checkpoints_host + max(recompute, loss_work): live tensors, without what an allocator
+            keeps of freed memory (see the note's last paragraph; benchmarks/long_context.py compares it with
+            RSS peaks measured with glibc's mmap threshold pinned).
         inputs: the arguments the estimate was made with.
     """
 
@@ -297,7 +308,7 @@ def decoder_activation_bytes(shape: DecoderShape, seq_len: int, batch_size: int,
         mlp_tiles: ZeroConfig.mlp_tiles N: the MLP saves none of its intermediates (its input is the norm's
             output, counted there); one slice's (1/N of the MLP term) is rebuilt in backward (``recompute``).
         loss_tiles: ZeroConfig.loss_tiles N: the head saves no log-softmax (4*sb*V); one slice's is rebuilt
-            in backward (``recompute``, with the slice's logits and their fp32 copy: 10/N * sb*V).
+            in backward with its gradients (``loss_work``: 12/N * sb*V).
 
     Raises:
         EstimateError: non-positive sizes, or P_a / cpu without checkpointing, or P_a without tp > 1, or

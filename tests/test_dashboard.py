@@ -44,7 +44,7 @@ def allocated_at(rank: int, step: int, index: int) -> int:
 
 
 def write_run(path: Path, *, stage: int = 2, world_size: int = 2, steps: int = 3, run_id: str = "run-1",
-              cut_last_line_of: int | None = None, ranks: list[int] | None = None) -> Path:
+              cut_last_line_of: int | None = None, ranks: list[int] | None = None, sp: int = 1) -> Path:
     """A complete synthetic run directory; ``cut_last_line_of`` leaves that rank's last line cut off
     (a crash mid-write, no stop record); ``ranks`` writes only those rank files."""
     path.mkdir(parents=True, exist_ok=True)
@@ -61,7 +61,14 @@ def write_run(path: Path, *, stage: int = 2, world_size: int = 2, steps: int = 3
     }
     (path / "header.json").write_text(json.dumps(header))
     for rank in ranks if ranks is not None else range(world_size):
-        lines = [json.dumps(r) for r in _rank_records(rank, stage, world_size, steps, run_id)]
+        records = _rank_records(rank, stage, world_size, steps, run_id)
+        if sp > 1:  # sequence parallelism: every record carries the sp coordinate, dp_rank is the replica
+            for record in records:
+                record.update(dp_rank=rank // sp, sp_rank=rank % sp)
+                if record["kind"] == "step":
+                    record["comm"] = {**record["comm"], "all_to_all": {"calls": 4, "elements": 100 * (rank % sp + 1),
+                                                                       "bytes": 200 * (rank % sp + 1), "seconds": 0.01}}
+        lines = [json.dumps(r) for r in records]
         text = "\n".join(lines) + "\n"
         if rank == cut_last_line_of:
             text = "\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2]
@@ -679,3 +686,17 @@ def test_comm_view_shows_bytes_between_nodes(tmp_path: Path) -> None:
     assert list(comm["inter_node_bytes"]) == list(comm["bytes"] // 2)
     title = figures.comm_figure(comm, None, rank=0, stage=2).layout.title.text
     assert title.endswith(f" ({PSI * 2:,.0f} bytes between nodes per step)"), title
+
+
+def test_ranks_grouped_by_sp_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under sequence parallelism (records with sp_rank) the memory view's table groups the ranks by sp rank
+    over the dp replicas; without it there is no such table."""
+    loaded = data.load(write_run(tmp_path / "sp", stage=3, world_size=4, sp=2))
+    page = run_page([tmp_path / "sp"], "Memory by role", monkeypatch)
+    assert any(c.value.startswith("Sequence parallelism") for c in page.caption) and not page.error
+    rows = data.sp_group_rows(loaded.summary)
+    assert [(r["sp rank"], r["ranks"], r["dp replicas"]) for r in rows] == [(0, "0, 2", "0, 1"), (1, "1, 3", "0, 1")]
+    assert [r["all-to-all bytes / step, mean"] for r in rows] == [200.0, 400.0]
+    states = sum(model_state_roles(3, 4).values())
+    assert all(r["model states, max (bytes)"] == states and r["step seconds, median"] == 0.3 for r in rows)
+    assert data.sp_group_rows(data.load(write_run(tmp_path / "plain", stage=3, world_size=4)).summary) == []

@@ -16,6 +16,7 @@ import torch
 
 import hfzero
 from hfzero.config import ConfigError
+from hfzero.roles import MemoryRole
 from hfzero.runtime.activations.checkpoint import FORCE_ENV
 from hfzero.parallel.sequence import kv_replication, prepare_sequence_parallel, shift_labels, split_batch
 from hfzero.testing import run_distributed
@@ -85,6 +86,7 @@ def _sequence_parallel(rank: int, stage: int, checkpointing: bool, kv_heads: int
         loss = model(**split_batch({"input_ids": replica}, mesh.sp_rank, mesh.sp_size)).loss
         held.append(model.hfzero_checkpoint.stored.live)  # the checkpoints held after the forward
         optimizer.backward(loss)
+        staging = engine.memory_by_role().get(MemoryRole.GRAD_BUCKET, 0)  # stage 3's gradient staging pool
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -94,7 +96,7 @@ def _sequence_parallel(rank: int, stage: int, checkpointing: bool, kv_heads: int
     return {"losses": losses, "params": params, "average_over": engine.average_over,
             "all_to_alls": attention.comm.stats()["all_to_all"].calls, "held": held,
             "hosted": len(model.hfzero_checkpoint._host_buffers), "prefetches": model.hfzero_checkpoint.prefetches,
-            "config": model.config.to_dict()}
+            "config": model.config.to_dict(), "staging": staging}
 
 
 def _measured_activations(rank: int, root: str) -> dict:
@@ -193,6 +195,23 @@ def test_measured_activations_match_the_estimator_with_sp(runs: list[dict]) -> N
         assert measured[True]["activations"] == ckpt.head
     # the records carry the sp coordinate, and the SP all-to-alls count in the engine's comm statistics
     assert [run["activations"]["coords"] for run in runs] == [(r // 2, r % 2, True) for r in range(4)]
+
+
+@pytest.mark.slow
+def test_stage3_gradient_staging_matches_the_estimator(runs: list[dict]) -> None:
+    """Stage 3 under SP: the GRAD_BUCKET pool after a backward is estimate.stage3_grad_staging_bytes (fp32, 4
+    ranks, every parameter in a unit: persistence threshold 0: the root and both layers), up to bucket padding
+    (< world elements per bucket; measured: none)."""
+    from transformers import LlamaConfig
+
+    from hfzero import estimate as est
+
+    for name in ("stage3", "stage3_checkpointing_tiled_loss", "stage3_cpu_checkpoints_tiled_mlp_and_loss"):
+        for run in runs:
+            config = LlamaConfig(**run[name]["config"])
+            root, units = est.stage3_unit_numels(config, persistence_threshold=0)
+            bound = est.stage3_grad_staging_bytes(root, units, 4, grad_bytes=4)
+            assert bound <= run[name]["staging"] <= bound + 4 * 4 * 3 * 4, (name, run[name]["staging"], bound)
 
 
 def test_split_batch_shifts_on_the_whole_sequence_and_pads() -> None:

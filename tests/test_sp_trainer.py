@@ -5,6 +5,10 @@ sequence with SequenceCollator, the token count and loss scale follow [Note: seq
 against the same script under plain torchrun DDP on 2 ranks: equal per-step training losses, gradient norms,
 evaluation losses and saved models; its checkpoint-2 resumes on 2 ranks without SP (ZeRO-2) and on the same 4
 ranks as sp=4 x dp=1 (another sp size) with the same next losses. Four launches.
+Sharded loading under SP: tests/scripts/pretrained_trainer.py calls ``from_pretrained`` on a checkpoint saved
+here; under `hfzero run --nproc_per_node 4 --zero_stage 3 --zero_sp_size 2` (the loading hook on: no rank holds
+parameter bytes after ``from_pretrained``, each reads its shard of the dp x sp world at prepare) its losses and
+gradient norms equal the same script's under torchrun DDP on 2 ranks (loaded whole). Two more launches.
 accelerate's ParallelismConfig (TrainingArguments.parallelism_config, Accelerator(parallelism_config=...)) is
 read into ZeroConfig, in this process: sp_size / tp_size mapped, the rest refused by name.
 """
@@ -21,6 +25,7 @@ from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.parallelism import zero_config_from_parallelism
 
 SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "llama_trainer.py")
+PRETRAINED_SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "pretrained_trainer.py")
 STEPS = 4
 
 
@@ -146,3 +151,40 @@ def test_sp2_checkpoint_resumes_into_sp4(runs: tuple[Path, Path], tmp_path: Path
     original = {step: value for step, value, _ in _history(sp, "loss")}
     for step in (3, 4):
         assert resumed[step] == pytest.approx(original[step], abs=1e-5), (step, resumed, original)
+
+
+@pytest.fixture(scope="module")
+def pretrained_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from hfzero.testing.models import tiny_causal_lm
+
+    root = tmp_path_factory.mktemp("sp_loading")
+    tiny_causal_lm("llama", seed=3).save_pretrained(root / "model", max_shard_size="20KB")  # an indexed save
+
+    def args(out: Path) -> list[str]:
+        return [PRETRAINED_SCRIPT, "--model_name_or_path", str(root / "model"), "--output_dir", str(out),
+                "--max_steps", str(STEPS), "--per_device_train_batch_size", "2", "--learning_rate", "1e-3",
+                "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
+                "--seed", "0", "--seq_len", "15"]
+
+    torchrun(2, args(root / "ddp"))
+    hfzero_run(4, [*args(root / "sp"), "--zero_stage", "3", "--zero_sp_size", "2",
+                   "--zero_param_persistence_threshold", "0"])
+    return root / "ddp", root / "sp"
+
+
+@pytest.mark.slow
+def test_sharded_loading_under_sp_matches_ddp(pretrained_runs: tuple[Path, Path]) -> None:
+    """from_pretrained under `hfzero run ... --zero_stage 3 --zero_sp_size 2`: no rank holds the model after it
+    (sharded loading), and training from the loaded weights equals DDP's from the whole load (1e-5)."""
+    ddp, sp = pretrained_runs
+    for rank in range(4):
+        held = json.loads((sp / f"param_bytes-rank{rank}.json").read_text())
+        assert held["held"] == 0 and held["whole"] > 0, (rank, held)
+    whole = json.loads((ddp / "param_bytes-rank0.json").read_text())
+    assert whole["held"] == whole["whole"] == held["whole"], whole
+    for key in ("loss", "grad_norm"):
+        want, got = _history(ddp, key), _history(sp, key)
+        assert len(want) == STEPS and len(got) == STEPS, (key, want, got)
+        for (step, value, epoch), (step_sp, value_sp, epoch_sp) in zip(want, got):
+            assert (step_sp, epoch_sp) == (step, epoch)
+            assert value_sp == pytest.approx(value, abs=1e-5), (key, step, want, got)

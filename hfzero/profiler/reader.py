@@ -406,6 +406,7 @@ def _summarize_rank(log: RankLog, predicted: float | None) -> dict[str, Any]:
     return {
         "rank": log.rank,
         "dp_rank": (log.start or {}).get("dp_rank"),
+        "sp_rank": next((r["sp_rank"] for r in log.records if _is_int(r.get("sp_rank"))), None),
         "steps": len(steps),
         "model_state_bytes": measured,
         "host_model_state_bytes": host,
