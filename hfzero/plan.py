@@ -6,8 +6,10 @@ Memory per rank reuses the estimator, never a copy of it:
 - model states: ``estimate.model_states_bytes`` (pp = 1; Ψ / tp per rank) or the pipeline cost model's
   roles (``parallel.pipeline.cost.estimate_pipeline``, the worst pp rank) with Ψ / tp split evenly;
 - transient: at stages 2-3 ``max_inflight_buckets`` + 1 gradient staging buckets (``ZeroConfig.bucket_numel``,
-  g bytes each; stages 0-1 reduce in place in the full gradient, a model state) and at stage 3 the gathered units (``estimate.stage3_gathered_bytes`` from the config's
-  units, else the prefetch budget ``ZeroConfig.prefetch_numel`` twice);
+  g bytes each; stages 0-1 reduce in place in the full gradient, a model state); at stage 3 with the config's
+  units known, their gradient staging instead (``estimate.stage3_grad_staging_bytes``: the root's and the two
+  largest units' full gradients, what the GRAD_BUCKET pool holds) and the gathered units
+  (``estimate.stage3_gathered_bytes``), else the buckets and the prefetch budget ``ZeroConfig.prefetch_numel`` twice;
 - activations: the activation model (``estimate.decoder_activation_bytes`` or, for encoders and
   encoder-decoders, ``estimate_activations.encoder_activation_bytes``) for one micro-batch, times the
   micro-batches a pipeline rank holds (``cost.activation_in_flight``), with the layers divided over pp;
@@ -243,9 +245,10 @@ def _transient(c: Candidate, work: Workload) -> float:
     buckets = (zero.max_inflight_buckets + 1) * g * zero.bucket_numel(per_rank, c.dp) if c.stage >= 2 else 0.0
     if c.stage < 3 or c.pp > 1:  # pipeline stage 3 keeps its gathered parameters as a model-state role
         return float(buckets)
-    if work.stage3_units is not None and c.pp == 1:
+    if work.stage3_units is not None and c.pp == 1:  # the units' full gradients, not in-flight buckets
         root, units = work.stage3_units
-        return buckets + est.stage3_gathered_bytes(root, units, c.dp, param_bytes=p, mp=c.tp)
+        return (est.stage3_grad_staging_bytes(root, units, c.dp, grad_bytes=g, mp=c.tp)
+                + est.stage3_gathered_bytes(root, units, c.dp, param_bytes=p, mp=c.tp))
     return buckets + 2.0 * p * min(per_rank, zero.prefetch_numel(per_rank, c.dp))
 
 
