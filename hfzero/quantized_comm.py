@@ -163,16 +163,16 @@ class QuantizedReduceScatter:
         return _Done()
 
 
-def check_quantized_group(comm: Communicator) -> tuple[int, int]:
-    """(L, N) for ``comm``'s group: ranks per node inside it and nodes spanned; a ConfigError when nodes do not cut
-    it into equal parts."""
+def check_quantized_group(ranks: list[int], ranks_per_node: int) -> tuple[int, int]:
+    """(L, N) for the group of global ``ranks``: ranks per node inside it and nodes spanned; a ConfigError when
+    nodes do not cut it into equal parts."""
     nodes: dict[int, list[int]] = {}
-    for g in comm.global_ranks:
-        nodes.setdefault(topology.node_of(g, comm.ranks_per_node), []).append(g)
+    for g in ranks:
+        nodes.setdefault(topology.node_of(g, ranks_per_node), []).append(g)
     sizes = {len(members) for members in nodes.values()}
     if len(sizes) != 1:
         raise ConfigError(f"hfzero.prepare: quantize_gradients needs the same number of the group's ranks on every "
-                          f"node; the group {comm.global_ranks} has {sorted(sizes)} on its nodes (set "
+                          f"node; the group {list(ranks)} has {sorted(sizes)} on its nodes (set "
                           f"--zero_ranks_per_node to match the launch, or drop quantize_gradients)")
     return sizes.pop(), len(nodes)
 
@@ -182,7 +182,8 @@ def build_quantized_reduce(comm: Communicator, name: str, block: int, groups: li
     global ranks, the same list on every rank) are created in the same order on every rank (``new_group`` is a
     collective of the world); this rank keeps its own two, counting into ``comm``'s statistics."""
     per_node = comm.ranks_per_node
-    check_quantized_group(comm)
+    for ranks in groups:  # every group, before any is created: every rank raises or none does
+        check_quantized_group(ranks, per_node)
     intra_mine = inter_mine = None
     order: list[int] = []
     me = dist.get_rank() if dist.is_initialized() else 0
