@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
                                      accumulation=args.accumulation, stage3_gather=args.gather,
                                      stages_per_rank=kind.stages_per_rank, shard_size=shard if stage else 0,
                                      ranks_per_node=world // nodes, quantize_weights=args.quantize_weights,
-                                     quantize_gradients=args.quantize_gradients, quantize_block=block)
+                                     quantize_gradients=args.quantize_gradients, quantize_block=block,
+                                     quantize_error_feedback=args.quantize_error_feedback)
                    for stage in ([args.stage] if args.stage is not None else est.STAGES)]
     except (est.EstimateError, ConfigError, ValueError) as exc:
         print(f"hfzero estimate: error: {exc}", file=sys.stderr)

@@ -320,7 +320,8 @@ def _quantized_reduce(comm: Communicator, config: ZeroConfig):
                           "world, an HSDP shard group or a pipeline stage's dp ranks); with tensor parallelism or a "
                           "group of your own it is not built yet")
     groups = [list(range(start, start + size)) for start in range(0, world, size)]
-    return build_quantized_reduce(comm, config.quantize_gradients, config.quantize_block, groups)
+    return build_quantized_reduce(comm, config.quantize_gradients, config.quantize_block, groups,
+                                  error_feedback=config.quantize_error_feedback)
 
 
 def _check_process_group(group: dist.ProcessGroup | None) -> None:
