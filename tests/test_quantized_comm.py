@@ -93,6 +93,7 @@ def test_nonfinite_block_decodes_to_nan(bad: float):
     ({"stage": 2, "quantize_gradients": "fp8"}, '"int4"'),
     ({"stage": 2, "quantize_gradients": "int4", "quantize_block": 255}, "even"),
     ({"stage": 2, "quantize_gradients": "int8", "tp_size": 2}, "tp_size"),
+    ({"stage": 2, "quantize_error_feedback": True}, "set quantize_gradients"),
 ])
 def test_config_rejects(options: dict, words: str):
     with pytest.raises(ConfigError, match=words):
