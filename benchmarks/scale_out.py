@@ -16,7 +16,14 @@ Step time on gloo is printed too (wall, median), for what it is: all ranks share
     python benchmarks/scale_out.py --loss-steps 200 --lr 1e-3
 
 trains plain hpZ and the three quantized systems for 200 steps on a learnable task (rows counting up by a
-random stride) and prints each quantized system's loss relative to hpZ's every 10 steps from step 20.
+random stride) and prints each quantized system's loss relative to hpZ's every 10 steps from step 20;
+``--loss-systems NAME ...`` runs only those beside plain hpZ, e.g. qgZ alone or with error feedback ("... EF").
+
+    python benchmarks/scale_out.py --rss-rounds 3 --steps 10 [--rss-systems "stage 3 + hpZ" "hpZ+qwZ+qgZ int8"]
+
+runs each system alone in processes of its own, the systems interleaved over the rounds, and prints the median over
+rounds of the largest per-rank peak RSS and of the median step time, beside the first system's, with the quantized
+collectives' kept buffers (COMM_BUFFER) and error-feedback residuals (QUANT_RESIDUAL) per rank.
 """
 
 from __future__ import annotations
