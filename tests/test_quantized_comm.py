@@ -7,7 +7,7 @@
    int8 and int4 and against stage 2 with qwZ + qgZ int8: losses within 1% (relative) at every step after 5
    warm-up steps, and each step's inter-node bytes equal to the exact per-bucket model
    (``hfzero.estimate_quantized.layout_*``), and the estimator's Ψ-level model (no block padding) below it by
-   at most 15% on this tiny model (exact unquantized; within 2% on benchmarks/scale_out.py's 2.65M model);
+   at most 15% on this tiny model (exact unquantized; within 2% on benchmarks/scale_out.py's 1.33M model);
 3. stage 3's ``full_state_dict`` gathers exactly under qwZ;
 4. fp16 with an inf loss on rank 1 at step 1 under qwZ + qgZ: the step is skipped on every rank;
 5. qgZ error feedback: repeated reductions' mean converges to the exact sum; its residuals are model states of the
@@ -287,7 +287,7 @@ def test_inter_node_bytes_equal_models(results):
             assert set(run["inter"]) == {run["layout_inter"]}, (name, run["inter"], run["layout_inter"])
             # the estimator does not pad each chunk to whole blocks: on this tiny model (chunks of a few hundred
             # elements in the small units) that is up to ~11%; exact without quantization; benchmarks/scale_out.py
-            # checks 2% on a 2.65M model
+            # checks 2% on a 1.33M model
             slack = 0.15 if "q" in name else 0.0
             assert run["estimate_inter"] <= run["layout_inter"] <= (1 + slack) * run["estimate_inter"], name
     train = results[0]["train"]
