@@ -320,3 +320,23 @@ def test_estimate_cli_quantized(capsys):
     assert ratio == pytest.approx(flat / quantized["comm_inter_node_bytes_per_step"]["3"] / 1.5)
     assert ratio == pytest.approx(3.918 / 1.5, rel=1e-3)
     assert main(argv[:-1] + ["--quantize-gradients", "int4", "--quantize-block", "255"]) == 2
+
+
+def test_error_feedback_in_the_estimators(capsys):
+    """The residuals' formula in ``hfzero estimate`` and the pipeline cost model: fp32 Ψ (intra hop) + Ψ / L (inter
+    hop) per rank on nodes of L = 2; nothing when the group lies inside one node but its intra hop (Ψ)."""
+    from hfzero.cli import main
+    from hfzero.estimate_quantized import error_feedback_bytes
+    from hfzero.parallel.pipeline.cost import StageShape, estimate_pipeline
+
+    assert error_feedback_bytes(1e8, 4, nodes=2) == 4 * 1.5e8
+    assert error_feedback_bytes(1e8, 4, nodes=1) == 4 * 1e8
+    assert error_feedback_bytes(1e8, 4, nodes=4) == 4 * 1e8  # one rank per node: the inter hop only
+    argv = ["estimate", "--params", "1e8", "--dp", "4", "--nodes", "2", "--quantize-gradients", "int8", "--json"]
+    assert main(argv + ["--quantize-error-feedback"]) == 0
+    assert json.loads(capsys.readouterr().out)["error_feedback_bytes"] == 4 * 1.5e8
+    assert main(argv[:-3] + ["--quantize-error-feedback"]) == 2  # without --quantize-gradients
+    shapes = [StageShape(1000, 0, 2)] * 2
+    ranks = estimate_pipeline(shapes, pp=2, dp=4, stage=2, n_micro=4, ranks_per_node=2, quantize_gradients="int8",
+                              quantize_error_feedback=True)["ranks"]
+    assert [r["model_states_by_role"]["quant_residual"] for r in ranks] == [4 * 1500.0] * 2
