@@ -88,8 +88,9 @@ class _FreeList:
             buffer = min(fitting, key=torch.Tensor.numel)
             self._free = [b for b in self._free if b is not buffer]
         else:
-            if self._free:
-                self._free.remove(min(self._free, key=torch.Tensor.numel))
+            if self._free:  # by identity: list.remove would compare tensors with ==
+                smallest = min(self._free, key=torch.Tensor.numel)
+                self._free = [b for b in self._free if b is not smallest]
             buffer = torch.empty(size, dtype=torch.uint8, device=device)
             self.allocations += 1
         self._lent += buffer.numel()

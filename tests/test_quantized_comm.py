@@ -340,3 +340,19 @@ def test_error_feedback_in_the_estimators(capsys):
     ranks = estimate_pipeline(shapes, pp=2, dp=4, stage=2, n_micro=4, ranks_per_node=2, quantize_gradients="int8",
                               quantize_error_feedback=True)["ranks"]
     assert [r["model_states_by_role"]["quant_residual"] for r in ranks] == [4 * 1500.0] * 2
+
+
+def test_gather_free_list_holds_no_more_than_was_in_flight():
+    from hfzero.quantized_comm import _FreeList
+
+    pool, cpu = _FreeList(), torch.device("cpu")
+    first, second = pool.take(10, cpu), pool.take(20, cpu)  # two gathers in flight
+    pool.give(first)
+    pool.give(second)
+    larger = pool.take(30, cpu)  # none fits: the smallest free one goes, one is allocated
+    assert pool.allocations == 3 and pool.nbytes() == 20 + 30
+    reused = pool.take(15, cpu)  # the 20-byte one fits
+    assert reused is second and pool.allocations == 3
+    pool.give(larger)
+    pool.give(reused)
+    assert pool.nbytes() == 50
