@@ -16,7 +16,14 @@ Step time on gloo is printed too (wall, median), for what it is: all ranks share
     python benchmarks/scale_out.py --loss-steps 200 --lr 1e-3
 
 trains plain hpZ and the three quantized systems for 200 steps on a learnable task (rows counting up by a
-random stride) and prints each quantized system's loss relative to hpZ's every 10 steps from step 20.
+random stride) and prints each quantized system's loss relative to hpZ's every 10 steps from step 20;
+``--loss-systems NAME ...`` runs only those beside plain hpZ, e.g. qgZ alone or with error feedback ("... EF").
+
+    python benchmarks/scale_out.py --rss-rounds 3 --steps 10 [--rss-systems "stage 3 + hpZ" "hpZ+qwZ+qgZ int8"]
+
+runs each system alone in processes of its own, the systems interleaved over the rounds, and prints the median over
+rounds of the largest per-rank peak RSS and of the median step time, beside the first system's, with the quantized
+collectives' kept buffers (COMM_BUFFER) and error-feedback residuals (QUANT_RESIDUAL) per rank.
 """
 
 from __future__ import annotations
@@ -44,6 +51,12 @@ SYSTEMS = {  # name -> (stage, shard_size, hpZ, quantize_weights, quantize_gradi
     "hpZ+qwZ+qgZ int8": (3, 0, True, "int8", "int8"),
     "hpZ+qwZ+qgZ int4": (3, 0, True, "int8", "int4"),
 }
+EXTRA_SYSTEMS = {  # loss runs only (``--loss-systems``): qgZ alone, and with error feedback (" EF")
+    "hpZ+qgZ int8": (3, 0, True, None, "int8"),
+    "hpZ+qgZ int8 EF": (3, 0, True, None, "int8"),
+    "hpZ+qwZ+qgZ int8 EF": (3, 0, True, "int8", "int8"),
+    "hpZ+qwZ+qgZ int4 EF": (3, 0, True, "int8", "int4"),
+}
 LOSS_SYSTEMS = {  # name -> (system, micro-batches, init seed); controls: fp32 rounding only, another initialization
     "stage 3 + hpZ": ("stage 3 + hpZ", 1, 0),
     "control: hpZ, 2 mb": ("stage 3 + hpZ", 2, 0),
@@ -51,16 +64,17 @@ LOSS_SYSTEMS = {  # name -> (system, micro-batches, init seed); controls: fp32 r
     "hpZ + qwZ": ("hpZ + qwZ", 1, 0),
     "hpZ+qwZ+qgZ int8": ("hpZ+qwZ+qgZ int8", 1, 0),
     "hpZ+qwZ+qgZ int4": ("hpZ+qwZ+qgZ int4", 1, 0),
+    **{name: (name, 1, 0) for name in EXTRA_SYSTEMS},
 }
 
 
 def _prepare(name: str, args: argparse.Namespace, seed: int = 0):
-    stage, shard, hpz, qw, qg = SYSTEMS[name]
+    stage, shard, hpz, qw, qg = SYSTEMS[name] if name in SYSTEMS else EXTRA_SYSTEMS[name]
     model = tiny_causal_lm("gpt2", seed=seed, hidden=args.hidden, layers=args.layers, vocab=args.vocab, positions=args.seq)
     config = hfzero.ZeroConfig(stage=stage, shard_size=args.ranks_per_node if shard < 0 else shard, dtype=args.dtype,
                                ranks_per_node=args.ranks_per_node, param_persistence_threshold=0,
                                secondary_partition=hpz, quantize_weights=qw, quantize_gradients=qg,
-                               quantize_block=args.block)
+                               quantize_block=args.block, quantize_error_feedback=name.endswith(" EF"))
     return hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=args.lr), config)
 
 
@@ -116,6 +130,8 @@ def loss_run(rank: int, world: int, args: argparse.Namespace) -> dict[str, list[
     """Per-step mean loss over the ranks of ``--loss-steps`` steps for each of LOSS_SYSTEMS, the same data."""
     out = {}
     for name, (system, micro, seed) in LOSS_SYSTEMS.items():
+        if name != "stage 3 + hpZ" and args.loss_systems and name not in args.loss_systems:
+            continue
         model, optimizer = _prepare(system, args, seed)
         losses = []
         for step in range(args.loss_steps):
@@ -135,6 +151,59 @@ def loss_run(rank: int, world: int, args: argparse.Namespace) -> dict[str, list[
     return out
 
 
+def rss_run(rank: int, world: int, args: argparse.Namespace, name: str) -> dict[str, float]:
+    """One system alone in its processes: the median step time over ``--steps`` steps after 2 warm-up steps, and
+    this rank's peak RSS (ru_maxrss: the process's high-water mark, imports included)."""
+    import resource
+
+    model, optimizer = _prepare(name, args)
+    seconds = []
+    for step in range(args.steps + 2):
+        mb = _sequences(step, world * 4, args.seq, args.vocab).chunk(world)[rank]
+        dist.barrier()
+        start = time.perf_counter()
+        optimizer.backward(model(input_ids=mb, labels=mb).loss)
+        optimizer.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        dist.barrier()
+        seconds.append(time.perf_counter() - start)
+    engine = hfzero.get_engine(model)
+    roles = {k.value: v for k, v in engine.memory_by_role().items()}
+    return {"step_seconds": statistics.median(seconds[2:]), "peak_rss_bytes": 1024 * resource.getrusage(
+        resource.RUSAGE_SELF).ru_maxrss, "comm_buffer_bytes": roles.get("comm_buffer", 0),
+        "quant_residual_bytes": roles.get("quant_residual", 0)}
+
+
+def _rss_rounds(args: argparse.Namespace) -> None:
+    """``--rss-rounds R``: each system of ``--rss-systems`` in processes of its own, the systems interleaved, R
+    rounds; per system the median over rounds of the largest per-rank peak RSS and of the median step time."""
+    figures: dict[str, list[dict]] = {name: [] for name in args.rss_systems}
+    for _ in range(args.rss_rounds):
+        for name in args.rss_systems:
+            per_rank = run_distributed(rss_run, args.world, args, name, timeout=1800)
+            figures[name].append({"peak_rss_bytes": max(r["peak_rss_bytes"] for r in per_rank),
+                                  "step_seconds": per_rank[0]["step_seconds"],
+                                  "comm_buffer_bytes": per_rank[0]["comm_buffer_bytes"],
+                                  "quant_residual_bytes": per_rank[0]["quant_residual_bytes"]})
+    if args.json:
+        print(json.dumps(figures, indent=1))
+        return
+    base = args.rss_systems[0]
+    base_rss = statistics.median(f["peak_rss_bytes"] for f in figures[base])
+    base_step = statistics.median(f["step_seconds"] for f in figures[base])
+    print(f"world {args.world} on {args.world // args.ranks_per_node} simulated node(s), {args.dtype} GPT-2 hidden "
+          f"{args.hidden} x {args.layers}; {args.rss_rounds} interleaved rounds, each system in its own processes; "
+          f"medians over rounds; rank-max peak RSS")
+    print(f"{'system':<22} {'peak RSS MB':>12} {'vs first':>9} {'step s':>8} {'vs first':>9} {'comm buf':>10} "
+          f"{'residual':>10}")
+    for name, rounds in figures.items():
+        rss = statistics.median(f["peak_rss_bytes"] for f in rounds)
+        step = statistics.median(f["step_seconds"] for f in rounds)
+        print(f"{name:<22} {rss / 1e6:>12.1f} {rss - base_rss:>+9,.0f} {step:>8.3f} {step / base_step:>9.3f} "
+              f"{rounds[0]['comm_buffer_bytes']:>10,} {rounds[0]['quant_residual_bytes']:>10,}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=4)
@@ -152,7 +221,16 @@ def main() -> None:
                         help="instead of bytes: train this many steps (e.g. 200) of each quantized system and plain hpZ "
                              "on a learnable task, and print the relative loss difference every 10 steps after 20")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--loss-systems", nargs="*", default=None,
+                        help="with --loss-steps: only these systems (plain hpZ always runs), e.g. 'hpZ+qwZ+qgZ int8 EF'")
+    parser.add_argument("--rss-rounds", type=int, default=0,
+                        help="instead of bytes: peak RSS and step time per system, each in its own processes, the "
+                             "systems interleaved over this many rounds")
+    parser.add_argument("--rss-systems", nargs="+", default=["stage 3 + hpZ", "hpZ+qwZ+qgZ int8"])
     args = parser.parse_args()
+    if args.rss_rounds:
+        _rss_rounds(args)
+        return
     if args.loss_steps:
         _print_losses(run_distributed(loss_run, args.world, args, timeout=3600)[0], args)
         return
@@ -175,7 +253,7 @@ def _print_losses(losses: dict[str, list[float]], args: argparse.Namespace) -> N
     logged = list(range(20, args.loss_steps, 10)) + [args.loss_steps - 1]
     print(f"{args.loss_steps} steps, {args.dtype} GPT-2 hidden {args.hidden} x {args.layers}, lr {args.lr}, block "
           f"{args.block}; loss of plain hpZ, then each system's relative difference from it, at logged steps")
-    others = list(LOSS_SYSTEMS)[1:]
+    others = [name for name in list(LOSS_SYSTEMS)[1:] if name in losses]
     print(f"{'step':>5} {'hpZ loss':>9} " + " ".join(f"{n:>18}" for n in others))
     for step in logged:
         print(f"{step:>5} {base[step]:>9.4f} " + " ".join(

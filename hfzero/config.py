@@ -201,9 +201,18 @@ class ZeroConfig:
     quantize_gradients: str | None = None
     """qgZ (ZeRO++): "int8" or "int4" replaces the gradient reduce-scatter by a hierarchical quantized one: an
     all-to-all inside each node, then one across nodes, each hop quantized per ``quantize_block`` (int4: two
-    codes per byte, scale = max|x| / 7), decoded and summed in fp32. No error feedback. A block holding an
-    inf/NaN decodes to NaN, so fp16 overflow still skips the step on every rank. None (default): unquantized.
-    Stages 1-3, the whole data-parallel world or HSDP shard groups. See docs/multinode.md."""
+    codes per byte, scale = max|x| / 7), decoded and summed in fp32 (error feedback: ``quantize_error_feedback``).
+    A block holding an inf/NaN decodes to NaN, so fp16 overflow still skips the step on every rank. None (default):
+    unquantized. Stages 1-3, over the whole data-parallel world, HSDP shard groups or a pipeline stage's dp ranks.
+    See docs/multinode.md."""
+
+    quantize_error_feedback: bool = False
+    """qgZ error feedback: each rank keeps, per bucket and hop, the quantization residual of what it sent (value
+    minus its decoded code, fp32) and adds it to the next reduction of that bucket before quantizing, so the error
+    does not accumulate over steps. Held across steps, so a model state (QUANT_RESIDUAL): per rank, fp32, the
+    padded parameter count for the intra-node hop (when the group has more than one rank per node) plus 1/L of it
+    for the inter-node hop (when it spans nodes; L = the group's ranks per node). Not saved in checkpoints (a
+    resumed run starts with zero residuals). Needs ``quantize_gradients``."""
 
     quantize_block: int = 256
     """Elements per quantization block (one fp32 scale each) for ``quantize_weights`` / ``quantize_gradients``:
@@ -328,9 +337,13 @@ class ZeroConfig:
                "use stage 1, 2 or 3, or drop the quantization")
         _check(self.quantize_gradients != "int4" or self.quantize_block % 2 == 0, "quantize_block",
                self.quantize_block, "must be even with quantize_gradients=\"int4\" (two codes per byte): e.g. 256")
+        _check(not self.quantize_error_feedback or bool(self.quantize_gradients), "quantize_error_feedback",
+               self.quantize_error_feedback, "keeps the residual of quantized gradients: set quantize_gradients "
+               '("int8" or "int4") too, or drop it')
         _check(not self.quantize_gradients or self.ep_size == 1 and self.sp_size == 1 and self.tp_size == 1,
                "quantize_gradients", self.quantize_gradients, "cannot be combined with tp_size, ep_size or sp_size "
-               "> 1 yet (the node groups are built for the whole data-parallel world or HSDP shard groups); drop one")
+               "> 1 yet (the node groups are built for the whole data-parallel world, HSDP shard groups or pipeline "
+               "stages); drop one")
         _check(self.min_loss_scale <= self.initial_loss_scale, "min_loss_scale", self.min_loss_scale,
                f"must not exceed initial_loss_scale ({self.initial_loss_scale})")
 

@@ -89,6 +89,21 @@ def node_comm_bytes_per_step(num_params: float, dp: int, stage: int, *, nodes: i
     return total, inter
 
 
+def error_feedback_bytes(num_params: float, dp: int, *, nodes: int = 1, shard_size: int = 0) -> float:
+    """qgZ error feedback's residuals per rank (QUANT_RESIDUAL, a model state: held across steps), fp32: Ψ for the
+    intra-node hop when the shard group has L > 1 ranks per node, plus Ψ / L for the inter-node hop when it spans
+    nodes (bucket padding aside: the engine holds them for the padded count). See [Note: quantized collectives]."""
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or dp % nodes:
+        raise EstimateError(f"nodes must be a positive integer dividing dp={dp}, got {nodes!r}")
+    shard = shard_size or dp
+    if shard < 1 or dp % shard:
+        raise EstimateError(f"shard_size must be a positive integer dividing dp={dp}, got {shard_size!r}")
+    if shard == 1:
+        return 0.0
+    local = min(dp // nodes, shard)  # the shard group's ranks per node (shard groups are consecutive ranks)
+    return 4.0 * ((num_params if local > 1 else 0.0) + (num_params / local if shard > local else 0.0))
+
+
 def layout_gather_bytes(chunk: int, world: int, name: str | None, block: int, plain_bytes: int) -> int:
     """Exact bytes one gather of ``chunk`` elements per rank over ``world`` ranks counts (qwZ or not)."""
     if world < 2:

@@ -13,7 +13,8 @@ hidden by quantization (fp16 loss scaling then skips the step on every rank, as 
 A packed row is ``[codes | scales]`` as uint8: int8 codes take one byte each, int4 codes two per byte (q + 8 in
 a nibble, even element in the low nibble), then the fp32 scales' bytes. ``packed_row_bytes`` gives its length;
 the estimator and the benchmarks use the same function, so their byte counts equal what the collectives move.
-Nothing here is resident: every buffer is transient, allocated per call.
+The functions take optional ``out`` / ``scratch`` buffers, so a caller can keep them across calls (hfzero/
+quantized_comm.py pools them: [Note: quantized buffers]); without them every buffer is allocated per call.
 """
 
 from __future__ import annotations
@@ -41,42 +42,69 @@ def packed_row_bytes(n: int, bits: int, block: int) -> int:
     return blocks * (block * bits // 8 + _SCALE_BYTES)
 
 
-def quantize_rows(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
-    """Pack each row of ``x`` (rows, n), any float dtype, into (rows, packed_row_bytes(n)) uint8. See
-    [Note: block quantization]. ``block`` must be even for int4 (two codes per byte)."""
+def code_bytes(n: int, bits: int, block: int) -> int:
+    """Bytes of the codes of a packed row of ``n`` values (the scales follow them)."""
+    return num_blocks(n, block) * block * bits // 8
+
+
+def quantize_rows(x: torch.Tensor, bits: int, block: int, out: torch.Tensor | None = None,
+                  scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Pack each row of ``x`` (rows, n), any float dtype, into (rows, packed_row_bytes(n)) uint8 and return it.
+    See [Note: block quantization]. ``block`` must be even for int4 (two codes per byte). ``out``: the packed
+    buffer to write (else allocated); ``scratch``: an fp32 (rows, num_blocks(n) x block) work buffer (else
+    allocated). With both given, only the per-block scales, (rows, blocks) fp32, are allocated."""
     rows, n = x.shape
     blocks = num_blocks(n, block)
-    padded = torch.zeros(rows, blocks * block, dtype=torch.float32, device=x.device)
-    padded[:, :n] = x
+    width = blocks * block
+    if out is None:
+        out = torch.empty(rows, packed_row_bytes(n, bits, block), dtype=torch.uint8, device=x.device)
+    padded = torch.empty(rows, width, dtype=torch.float32, device=x.device) if scratch is None else scratch
+    padded[:, :n].copy_(x)
+    padded[:, n:].zero_()
     values = padded.view(rows, blocks, block)  # (R, B, block)
     limit = levels(bits)
-    scale = values.abs().amax(dim=2) / limit  # (R, B); inf / NaN propagate into the scale
+    low, high = torch.aminmax(values, dim=2)  # (R, B) each; inf / NaN propagate into the scale
+    scale = torch.maximum(high, low.neg_()).div_(limit)
     safe = torch.where((scale > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
-    codes = torch.nan_to_num(values / safe.unsqueeze(2), nan=0.0, posinf=0.0, neginf=0.0)
-    codes = codes.round_().clamp_(-limit, limit).to(torch.int8).view(rows, blocks * block)
+    values.div_(safe.unsqueeze(2)).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).round_().clamp_(-limit, limit)
+    size = code_bytes(n, bits, block)
     if bits == 8:
-        payload = codes.view(torch.uint8)
+        out[:, :size].view(torch.int8).copy_(padded)
     else:
-        nibbles = (codes + 8).to(torch.uint8).view(rows, -1, 2)  # 1..15 in each nibble
-        payload = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)
-    return torch.cat([payload, scale.contiguous().view(torch.uint8)], dim=1)
+        pairs = padded.add_(8).view(rows, width // 2, 2)  # 1..15 in each nibble
+        out[:, :size].copy_(pairs[:, :, 1].mul_(16).add_(pairs[:, :, 0]))  # even element in the low nibble
+    out[:, size:].copy_(scale.view(torch.uint8))
+    return out
 
 
-def dequantize_rows(packed: torch.Tensor, n: int, bits: int, block: int, out: torch.Tensor) -> torch.Tensor:
-    """Decode (rows, packed_row_bytes(n)) uint8 into ``out`` (rows, n) of any float dtype; returns ``out``.
-    Blocks whose scale is not finite decode to NaN (See [Note: block quantization])."""
+def decode_rows(packed: torch.Tensor, n: int, bits: int, block: int, scratch: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """Decode (rows, packed_row_bytes(n)) uint8 into fp32 and return a (rows, n) view of ``scratch`` (an fp32
+    (rows, num_blocks(n) x block) buffer; else allocated). Blocks whose scale is not finite decode to NaN (See
+    [Note: block quantization])."""
     rows = packed.shape[0]
     blocks = num_blocks(n, block)
-    code_bytes = blocks * block * bits // 8
-    payload = packed[:, :code_bytes]
-    scale = packed[:, code_bytes:].contiguous().view(torch.float32).view(rows, blocks, 1)
+    width = blocks * block
+    size = code_bytes(n, bits, block)
+    values = torch.empty(rows, width, dtype=torch.float32, device=packed.device) if scratch is None else scratch
+    payload = packed[:, :size]
+    scale = packed[:, size:].contiguous().view(torch.float32).view(rows, blocks, 1)
     if bits == 8:
-        codes = payload.contiguous().view(torch.int8).to(torch.float32)
+        values.copy_(payload.view(torch.int8))
     else:
-        low = (payload & 0x0F).to(torch.float32) - 8
-        high = (payload >> 4).to(torch.float32) - 8
-        codes = torch.stack([low, high], dim=2)  # (R, blocks * block / 2, 2)
-    values = codes.view(rows, blocks, block) * scale
-    values = torch.where(torch.isfinite(scale), values, torch.full_like(values, float("nan")))
-    out.copy_(values.view(rows, blocks * block)[:, :n])
+        pairs = values.view(rows, width // 2, 2)
+        pairs[:, :, 0].copy_(payload)
+        pairs[:, :, 1].copy_(pairs[:, :, 0]).div_(16).floor_()  # high nibble
+        pairs[:, :, 0].add_(pairs[:, :, 1], alpha=-16)  # low nibble
+        values.sub_(8)
+    grid = values.view(rows, blocks, block).mul_(scale)
+    grid.masked_fill_(~torch.isfinite(scale), float("nan"))
+    return values[:, :n]
+
+
+def dequantize_rows(packed: torch.Tensor, n: int, bits: int, block: int, out: torch.Tensor,
+                    scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode (rows, packed_row_bytes(n)) uint8 into ``out`` (rows, n) of any float dtype; returns ``out``.
+    ``scratch``: as in ``decode_rows``. Blocks whose scale is not finite decode to NaN."""
+    out.copy_(decode_rows(packed, n, bits, block, scratch))
     return out

@@ -44,6 +44,10 @@ class MemoryRole(str, enum.Enum):
             rank's shard into (fp32 master and optimizer-state slices, RNG states, persistent buffers), so
             the step can go on while a background thread writes it; allocated at the first such save and
             reused by the next ones: held across steps, so a model state (in host memory).
+        QUANT_RESIDUAL: qgZ's error-feedback residuals (``quantize_error_feedback``): per bucket and hop, the fp32
+            quantization error of what this rank last sent, added to the next reduction; the padded parameter
+            count for the intra-node hop (groups with several ranks per node) plus 1/L of it for the inter-node hop
+            (groups spanning nodes), per rank; held across steps, so a model state.
     """
 
     PARAM_FULL = "param_full"
@@ -61,6 +65,7 @@ class MemoryRole(str, enum.Enum):
     ACTIVATIONS = "activations"
     CKPT_STAGING = "ckpt_staging"
     PARAM_SECONDARY = "param_secondary"
+    QUANT_RESIDUAL = "quant_residual"
 
 
 MODEL_STATE_ROLES: frozenset[MemoryRole] = frozenset(
@@ -73,6 +78,7 @@ MODEL_STATE_ROLES: frozenset[MemoryRole] = frozenset(
         MemoryRole.MASTER_SHARD,
         MemoryRole.OPTIM_STATE,
         MemoryRole.CKPT_STAGING,
+        MemoryRole.QUANT_RESIDUAL,
     }
 )
 """Roles that make up the paper's "model states"; the rest are transient."""

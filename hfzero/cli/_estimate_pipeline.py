@@ -40,6 +40,9 @@ def run(args: argparse.Namespace) -> int:
                                     f"= {world} (ranks are placed on nodes in blocks: rank = pp_rank x dp + dp_rank)")
         if shard < 0 or (shard and int(args.dp) % shard):
             raise est.EstimateError(f"--shard-size {shard} must divide --dp {args.dp} (HSDP inside each stage)")
+        block = _int_option("--quantize-block", args.quantize_block)
+        if block < 1 or (args.quantize_gradients == "int4" and block % 2):
+            raise est.EstimateError(f"--quantize-block {block} must be a positive integer (even with int4)")
         if args.config:
             model = est._meta_model(est.load_hf_config(args.config))
             shapes = stage_shapes(model, args.pp, stages_per_rank=kind.stages_per_rank)
@@ -53,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
                                      schedule=kind.name, dtype=args.dtype, optimizer=args.optimizer,
                                      accumulation=args.accumulation, stage3_gather=args.gather,
                                      stages_per_rank=kind.stages_per_rank, shard_size=shard if stage else 0,
-                                     ranks_per_node=world // nodes)
+                                     ranks_per_node=world // nodes, quantize_weights=args.quantize_weights,
+                                     quantize_gradients=args.quantize_gradients, quantize_block=block,
+                                     quantize_error_feedback=args.quantize_error_feedback)
                    for stage in ([args.stage] if args.stage is not None else est.STAGES)]
     except (est.EstimateError, ConfigError, ValueError) as exc:
         print(f"hfzero estimate: error: {exc}", file=sys.stderr)
@@ -72,19 +77,26 @@ def _int_option(flag: str, value: Any) -> int:
 def _render(results: list[dict[str, Any]]) -> str:
     first = results[0]
     nodes = first["pp"] * first["dp"] // first["ranks_per_node"]
+    quantized = first.get("quantize_weights") or first.get("quantize_gradients")
     lines = [f"pp {first['pp']} x dp {first['dp']}, {first['n_micro']} micro-batches, {first['schedule']}, "
              f"{first['dtype']} + {first['optimizer']}; bubble fraction {first['bubble_fraction']:.3f}"
-             + (f"; {nodes} nodes of {first['ranks_per_node']} ranks" if nodes > 1 else "")]
+             + (f"; {nodes} nodes of {first['ranks_per_node']} ranks" if nodes > 1 else "")
+             + (f"; quantized (weights {first['quantize_weights'] or 'no'}, gradients "
+                f"{first['quantize_gradients'] or 'no'}, block {first['quantize_block']}; stage 0 unquantized)"
+                if quantized else "")]
     for result in results:
         lines.append(f"stage {result['stage']} ({result['accumulation']}"
                      + (f", gather per {result['stage3_gather']}" if result["stage"] == 3 else "")
                      + (f", HSDP over {result['shard_size']} ranks" if result["shard_size"] < result["dp"] else "")
                      + ")")
         lines.append(f"  {'pp rank':<8}{'params':>14}{'model states GB':>17}{'comm elements/step':>20}"
-                     + (f"{'inter-node':>14}" if nodes > 1 else "") + f"{'mb in flight':>14}")
+                     + (f"{'inter-node':>14}" if nodes > 1 else "")
+                     + (f"{'bytes/step':>16}{'inter-node B':>16}" if quantized else "") + f"{'mb in flight':>14}")
         for rank in result["ranks"]:
             comm = sum(rank["comm_elements_per_step"].values())
             inter = f"{rank['inter_node_elements_per_step']:>14,.0f}" if nodes > 1 else ""
+            if quantized:
+                inter += f"{rank['comm_bytes_per_step']:>16,.0f}{rank['inter_node_bytes_per_step']:>16,.0f}"
             lines.append(f"  {rank['pp_rank']:<8}{rank['params']:>14,.0f}{rank['model_states_bytes'] / 1e9:>17.4f}"
                          f"{comm:>20,.0f}{inter}{rank['microbatches_in_flight']:>14}")
     return "\n".join(lines)

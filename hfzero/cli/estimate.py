@@ -53,6 +53,7 @@ class _Request:
     quantize_weights: str | None = None
     quantize_gradients: str | None = None
     quantize_block: int = 256
+    quantize_error_feedback: bool = False
 
 
 def register(subparsers: Any) -> None:
@@ -99,6 +100,9 @@ def register(subparsers: Any) -> None:
                         help="qgZ: gradient reduce-scatter as quantized all-to-alls, intra- then inter-node")
     layout.add_argument("--quantize-block", metavar="B", default="256",
                         help="elements per quantization scale (default 256)")
+    layout.add_argument("--quantize-error-feedback", action="store_true",
+                        help="qgZ error feedback: adds its fp32 residuals per rank, a model state (needs "
+                             "--quantize-gradients)")
     fit = parser.add_argument_group("fitting")
     fit.add_argument("--memory", metavar="BYTES", help="device memory in bytes, e.g. 32e9: adds max_params per stage")
     fit.add_argument("--headroom", metavar="FRACTION", default=str(est.DEFAULT_HEADROOM),
@@ -211,7 +215,10 @@ def _read_request(args: argparse.Namespace) -> _Request:
         quantize_weights=args.quantize_weights,
         quantize_gradients=args.quantize_gradients,
         quantize_block=_number("--quantize-block", args.quantize_block, "elements per quantization scale", integer=True),
+        quantize_error_feedback=args.quantize_error_feedback,
     )
+    if request.quantize_error_feedback and not request.quantize_gradients:
+        raise est.EstimateError("--quantize-error-feedback keeps qgZ's residuals: give --quantize-gradients too")
     if request.quantize_gradients == "int4" and request.quantize_block % 2:
         raise est.EstimateError(f"--quantize-block {request.quantize_block} must be even with int4 (two codes per byte)")
     if request.secondary_partition and request.nodes < 2:
@@ -301,6 +308,11 @@ def _estimate(request: _Request) -> dict[str, Any]:
         if quantized:
             result["quantization"] = {"weights": request.quantize_weights, "gradients": request.quantize_gradients,
                                       "block": request.quantize_block}
+        if request.quantize_error_feedback:
+            from hfzero.estimate_quantized import error_feedback_bytes
+
+            result["error_feedback_bytes"] = error_feedback_bytes(params / request.mp, result["dp"],
+                                                                  nodes=request.nodes, shard_size=request.shard_size)
         result["comm_elements_per_step"] = {stage: total for stage, (total, _) in node_comm.items()}
         result["comm_inter_node_elements_per_step"] = {stage: inter for stage, (_, inter) in node_comm.items()}
         if request.offload_optimizer:
@@ -402,6 +414,9 @@ def _render(result: dict[str, Any]) -> str:
                      "stage 0 unquantized), bytes per device per step, total / inter-node: " + ", ".join(
                          f"stage {s} {result['comm_bytes_per_step'][s] / _GB:.3g} / "
                          f"{result['comm_inter_node_bytes_per_step'][s] / _GB:.3g} GB" for s in ("1", "2", "3")))
+    if "error_feedback_bytes" in result:
+        lines.append(f"stages 1-3 with qgZ error feedback also hold {result['error_feedback_bytes'] / _GB:.2f} GB of "
+                     "fp32 residuals per device (a model state: held across steps; not in the table above)")
     if "secondary_partition_bytes" in result:
         lines.append(f"stage 3 with hpZ also holds {result['secondary_partition_bytes'] / _GB:.2f} GB of secondary "
                      "partition per device (transient: from a forward to its backward)")

@@ -625,6 +625,9 @@ class ZeroEngine:
             MemoryRole.GRAD_BUCKET: self.reducer.staging_bytes() + host.get(MemoryRole.GRAD_BUCKET, 0),
             MemoryRole.GRAD_FP32: _nbytes(self.master_grad_flat) + host.get(MemoryRole.GRAD_FP32, 0),
             MemoryRole.CKPT_STAGING: _nbytes(self.checkpoint_staging),
+            MemoryRole.COMM_BUFFER: sum(part.buffer_bytes() for part in (self.param_gather, self.reducer.scatter)
+                                        if hasattr(part, "buffer_bytes")),  # See [Note: quantized buffers]
+            MemoryRole.QUANT_RESIDUAL: getattr(self.reducer.scatter, "residual_bytes", lambda: 0)(),
         }
         return {role: size for role, size in roles.items() if size}
 

@@ -143,7 +143,7 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         _check_ranks_agree(replicate.on_group(replicate.group, share_stats=False), config, model, optimizer, groups)
     secondary = _node_comm(comm, process_group, replicate) if config.secondary_partition else None
     if config.quantize_gradients:
-        groups_kw["grad_reduce"] = _quantized_reduce(comm, config, replicate)
+        groups_kw["grad_reduce"] = _quantized_reduce(comm, config)
     if config.stage == 3:
         try:
             engine = Stage3Engine(model, groups, config, comm, device, units=units,
@@ -314,21 +314,24 @@ def _world_groups(comm: Communicator) -> list[tuple[int, ...]]:
     return sorted({tuple(json.loads(payload)) for payload in everyone})
 
 
-def _quantized_reduce(comm: Communicator, config: ZeroConfig, replicate: Communicator | None):
+def _quantized_reduce(comm: Communicator, config: ZeroConfig):
     """qgZ: the hierarchical quantized reduce-scatter over ``comm``'s group (See [Note: quantized collectives] in
     hfzero/quantized_comm.py). Its node groups are made for every data-parallel group, in order, by every rank:
-    built where the groups are known on every rank, the whole world or HSDP's shard groups of consecutive ranks."""
+    built where the groups are known on every rank, i.e. the world is cut into equal blocks of consecutive ranks
+    (the whole world, HSDP's shard groups, a pipeline stage's dp ranks or its shard groups; ``_block_size``)."""
     from hfzero.quantized_comm import build_quantized_reduce
 
     if not comm.distributed or comm.world_size == 1:
         return None
     world = dist.get_world_size()
     size = _block_size(comm)
-    if size is None or (replicate is None and size != world):
-        raise ConfigError("hfzero.prepare: quantize_gradients over a sub-group (pipeline or tensor parallelism) is "
-                          "not built yet; use it with plain data parallelism or HSDP (--zero_shard_size)")
+    if size is None:
+        raise ConfigError("hfzero.prepare: quantize_gradients needs its group to be a block of consecutive ranks (the "
+                          "world, an HSDP shard group or a pipeline stage's dp ranks); with tensor parallelism or a "
+                          "group of your own it is not built yet")
     groups = [list(range(start, start + size)) for start in range(0, world, size)]
-    return build_quantized_reduce(comm, config.quantize_gradients, config.quantize_block, groups)
+    return build_quantized_reduce(comm, config.quantize_gradients, config.quantize_block, groups,
+                                  error_feedback=config.quantize_error_feedback)
 
 
 def _check_process_group(group: dist.ProcessGroup | None) -> None:

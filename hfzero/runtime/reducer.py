@@ -413,7 +413,8 @@ class GradientReducer:
             handle = self.comm.all_reduce(source, async_op=True)
         else:
             lo, hi = bucket.owned(self.comm.rank)
-            handle = self.scatter.reduce_scatter(source[lo:hi], source, async_op=True)
+            keyed = {} if self.scatter is self.comm else {"key": bucket.index}  # qgZ's error feedback
+            handle = self.scatter.reduce_scatter(source[lo:hi], source, async_op=True, **keyed)
         self._inflight.append((bucket, handle, source))
 
     def _complete(self, bucket: Bucket, handle: Handle, source: torch.Tensor) -> None:

@@ -191,16 +191,74 @@ def node_split(comm: dict[str, float], pp_rank: int, dp: int, per_node: int, *, 
     return inter
 
 
+def group_nodes(group: range, per_node: int) -> tuple[int, int]:
+    """(L, N): a group's ranks per node and nodes spanned; a ValueError when nodes hold different numbers of them
+    (qgZ's hops need equal parts)."""
+    from hfzero.topology import node_of
+
+    by_node: dict[int, int] = {}
+    for rank in group:
+        by_node[node_of(rank, per_node)] = by_node.get(node_of(rank, per_node), 0) + 1
+    if len(set(by_node.values())) != 1:
+        raise ValueError(f"quantized gradients need every node to hold as many of a shard group's ranks; "
+                         f"{len(group)} ranks on nodes of {per_node} do not")
+    return len(group) // len(by_node), len(by_node)
+
+
+def node_bytes(comm: dict[str, float], pp_rank: int, dp: int, per_node: int, *, element_bytes: float,
+               shard_size: int = 0, replicated: float = 0, tied: float = 0, stage: int = 0,
+               tied_peer: int | None = None, node_local: float = 0, quantize_weights: str | None = None,
+               quantize_gradients: str | None = None, quantize_block: int = 256) -> tuple[float, float]:
+    """(total, inter-node) bytes per step of pp rank ``pp_rank``'s ZeRO traffic ``comm`` (``node_split``'s
+    arguments; unquantized elements cost ``element_bytes``, parameters and gradients alike). qwZ packs every
+    parameter gather but hpZ's ``node_local`` backward gathers; qgZ replaces each reduction of n elements over the
+    shard group (L of its ranks per node, N nodes; See [Note: quantized collectives] in hfzero/quantized_comm.py) by
+    an all-to-all of n packed values inside the node (when L > 1) and one of n / L across nodes (when N > 1), so the
+    M reductions of "sharded" accumulation cross with n / L packed values each instead of the ring's share of n.
+    Packed values cost ``bits / 8 + 4 / block`` bytes (``estimate_quantized.packed_bytes_per_element``: no padding
+    of each chunk to whole blocks, exact when the chunks are whole blocks). The tied-embedding sum and HSDP's
+    replicate all-reduce stay unquantized. Stage 0 is never quantized."""
+    from hfzero.estimate_quantized import packed_bytes_per_element
+    from hfzero.topology import ring_crossings
+
+    shard = shard_size or dp
+    plain = dict(comm)
+    total = inter = 0.0
+    group = range(pp_rank * dp, pp_rank * dp + shard)  # dp rank 0's shard group
+    if stage and shard > 1 and quantize_gradients:
+        local, nodes = group_nodes(group, per_node)
+        wire = packed_bytes_per_element(quantize_gradients, quantize_block, element_bytes)
+        reduced, plain["reduce_scatter"] = plain["reduce_scatter"], 0.0
+        crossing = reduced / local * wire if nodes > 1 else 0.0
+        total += (reduced * wire if local > 1 else 0.0) + crossing
+        inter += crossing
+    if stage and shard > 1 and quantize_weights:
+        wire = packed_bytes_per_element(quantize_weights, quantize_block, element_bytes)
+        gathered, plain["all_gather"] = plain["all_gather"] - node_local, node_local
+        total += gathered * wire
+        inter += gathered * wire * ring_crossings(group, per_node) / shard
+    total += sum(plain.values()) * element_bytes
+    inter += element_bytes * node_split(plain, pp_rank, dp, per_node, shard_size=shard, replicated=replicated,
+                                        tied=tied, stage=stage, tied_peer=tied_peer, node_local=node_local)
+    return total, inter
+
+
 def estimate_pipeline(shapes: list[StageShape], *, pp: int, dp: int, stage: int, n_micro: int,
                       schedule: str = "1F1B", dtype: str = "bf16", optimizer: str = "adam",
                       accumulation: str = "auto", stage3_gather: str = "step",
                       stages_per_rank: int = 1, shard_size: int = 0, ranks_per_node: int = 0,
-                      secondary_partition: bool = False) -> dict[str, Any]:
+                      secondary_partition: bool = False, quantize_weights: str | None = None,
+                      quantize_gradients: str | None = None, quantize_block: int = 256,
+                      quantize_error_feedback: bool = False) -> dict[str, Any]:
     """Per-rank figures for every pp rank (its stages summed), as ``hfzero estimate --pp`` prints them.
     ``shard_size`` G (HSDP inside each stage): ZeRO over G of the stage's dp ranks, the gradient shard all-reduced
     over the dp / G replicas once per step. ``ranks_per_node`` (0: one node) adds each rank's inter-node elements
     (``node_split``); ``secondary_partition`` (hpZ, stage 3 gathering per micro-batch) keeps the backward gathers,
-    Ψ_s per micro-batch, inside the node (with ``stage3_gather="step"`` the backward gathers nothing)."""
+    Ψ_s per micro-batch, inside the node (with ``stage3_gather="step"`` the backward gathers nothing).
+    ``quantize_weights`` / ``quantize_gradients`` (qwZ / qgZ, stages 1-3): bytes per step change, not elements;
+    every rank's ``comm_bytes_per_step`` and ``inter_node_bytes_per_step`` count them (``node_bytes``);
+    ``quantize_error_feedback`` adds the role ``quant_residual`` (fp32: Ψ_s for the intra-node hop when L > 1, Ψ_s / L
+    for the inter-node hop when N > 1) to the model states."""
     from hfzero.parallel.pipeline.schedule import resolve_schedule
 
     shard = shard_size or dp
@@ -220,6 +278,9 @@ def estimate_pipeline(shapes: list[StageShape], *, pp: int, dp: int, stage: int,
         params, tied, shared = rank_params(shapes, ids)
         roles = model_state_roles(params, shard, stage, dtype=dtype, optimizer=optimizer, accumulation=policy,
                                   stage3_gather=stage3_gather)
+        if quantize_error_feedback and quantize_gradients and stage and shard > 1:
+            local, nodes = group_nodes(range(pp_rank * dp, pp_rank * dp + shard), per_node)
+            roles["quant_residual"] = 4.0 * ((params if local > 1 else 0.0) + (params / local if nodes > 1 else 0.0))
         comm = comm_elements(params, shard, stage, n_micro, accumulation=policy, stage3_gather=stage3_gather,
                              tied=tied, shared=shared)
         if shard < dp:  # HSDP: the gradient shard's all-reduce over the replicas
@@ -236,8 +297,14 @@ def estimate_pipeline(shapes: list[StageShape], *, pp: int, dp: int, stage: int,
                                                        tied_peer=peers[0] if tied and peers else None),
             "microbatches_in_flight": activation_in_flight(schedule, pp, pp_rank, n_micro),
         })
+        ranks[-1]["comm_bytes_per_step"], ranks[-1]["inter_node_bytes_per_step"] = node_bytes(
+            comm, pp_rank, dp, per_node, element_bytes=precision_bytes(dtype, optimizer).grad_bytes, shard_size=shard,
+            replicated=params if shard < dp else 0.0, tied=tied, stage=stage, node_local=node_local,
+            tied_peer=peers[0] if tied and peers else None, quantize_weights=quantize_weights,
+            quantize_gradients=quantize_gradients, quantize_block=quantize_block)
     return {"pp": pp, "dp": dp, "shard_size": shard, "ranks_per_node": per_node, "stage": stage, "n_micro": n_micro,
-            "schedule": schedule, "dtype": dtype,
+            "schedule": schedule, "dtype": dtype, "quantize_weights": quantize_weights,
+            "quantize_gradients": quantize_gradients, "quantize_block": quantize_block,
             "optimizer": optimizer, "accumulation": policy, "stage3_gather": stage3_gather,
             "bubble_fraction": bubble_fraction(pp, n_micro, stages_per_rank), "ranks": ranks}
 

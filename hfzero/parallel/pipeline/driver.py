@@ -98,11 +98,6 @@ class Pipeline:
             raise ConfigError(f"hfzero pipeline: schedule {self.kind.name} at ZeRO stage 3 with tied input/output "
                               "embeddings is not supported (both ends run on one rank, in two gathering units); "
                               "use InterleavedZeroBubble or Interleaved1F1B, or ZeRO stage 0-2")
-        if zero_config.quantize_gradients:  # every rank holds the same config: all raise together
-            raise ConfigError("hfzero pipeline: quantize_gradients (qgZ) under a pipeline is not built yet (its "
-                              "per-micro-batch reductions and node groups are untested there); drop "
-                              "--zero_quantize_gradients, or train without pipeline parallelism "
-                              "(quantize_weights works under a pipeline)")
         self.mesh = mesh or build_mesh(config.pp_size)
         if self.kind.stages_per_rank > 1 and self.mesh.pp_size == 1:
             raise ConfigError(f"hfzero pipeline: schedule {self.kind.name} needs pp_size >= 2")
