@@ -203,8 +203,8 @@ class ZeroConfig:
     all-to-all inside each node, then one across nodes, each hop quantized per ``quantize_block`` (int4: two
     codes per byte, scale = max|x| / 7), decoded and summed in fp32 (error feedback: ``quantize_error_feedback``).
     A block holding an inf/NaN decodes to NaN, so fp16 overflow still skips the step on every rank. None (default):
-    unquantized. Stages 1-3, over the whole data-parallel world, HSDP shard groups or a pipeline stage's dp ranks.
-    See docs/multinode.md."""
+    unquantized. Stages 1-3, over any data-parallel group layout: the whole world, HSDP shard groups, a pipeline
+    stage's dp ranks, a tensor-parallel dp group (not with ep_size or sp_size > 1). See docs/multinode.md."""
 
     quantize_error_feedback: bool = False
     """qgZ error feedback: each rank keeps, per bucket and hop, the quantization residual of what it sent (value
@@ -340,10 +340,9 @@ class ZeroConfig:
         _check(not self.quantize_error_feedback or bool(self.quantize_gradients), "quantize_error_feedback",
                self.quantize_error_feedback, "keeps the residual of quantized gradients: set quantize_gradients "
                '("int8" or "int4") too, or drop it')
-        _check(not self.quantize_gradients or self.ep_size == 1 and self.sp_size == 1 and self.tp_size == 1,
-               "quantize_gradients", self.quantize_gradients, "cannot be combined with tp_size, ep_size or sp_size "
-               "> 1 yet (the node groups are built for the whole data-parallel world, HSDP shard groups or pipeline "
-               "stages); drop one")
+        _check(not self.quantize_gradients or self.ep_size == 1 and self.sp_size == 1,
+               "quantize_gradients", self.quantize_gradients, "cannot be combined with ep_size or sp_size > 1 yet "
+               "(not built or tested with expert or sequence parallelism; tp_size and pipelines work); drop one")
         _check(self.min_loss_scale <= self.initial_loss_scale, "min_loss_scale", self.min_loss_scale,
                f"must not exceed initial_loss_scale ({self.initial_loss_scale})")
 

@@ -262,17 +262,6 @@ def _shard_groups(config: ZeroConfig, process_group: dist.ProcessGroup | None,
     return mesh.shard_group, mesh.replicate_group
 
 
-def _block_size(comm: Communicator) -> int | None:
-    """The size of ``comm``'s group when it is one of the equal blocks of consecutive ranks that cut the world
-    (the world, HSDP shard groups, a pipeline stage's ranks): every rank's group then has the same shape, so
-    groups built for every block are the same on every rank. None for any other group (TP's strided ones)."""
-    ranks, world = comm.global_ranks, dist.get_world_size()
-    size = len(ranks)
-    if ranks != list(range(ranks[0], ranks[0] + size)) or ranks[0] % size or world % size:
-        return None
-    return size
-
-
 def _node_comm(comm: Communicator, process_group: dist.ProcessGroup | None,
                replicate: Communicator | None) -> Communicator | None:
     """hpZ: a communicator over the ranks of ``comm``'s group on this rank's node (sharing its statistics), or None
@@ -316,20 +305,16 @@ def _world_groups(comm: Communicator) -> list[tuple[int, ...]]:
 
 def _quantized_reduce(comm: Communicator, config: ZeroConfig):
     """qgZ: the hierarchical quantized reduce-scatter over ``comm``'s group (See [Note: quantized collectives] in
-    hfzero/quantized_comm.py). Its node groups are made for every data-parallel group, in order, by every rank:
-    built where the groups are known on every rank, i.e. the world is cut into equal blocks of consecutive ranks
-    (the whole world, HSDP's shard groups, a pipeline stage's dp ranks or its shard groups; ``_block_size``)."""
+    hfzero/quantized_comm.py). As ``_node_comm``: every rank learns every rank's data-parallel group
+    (``_world_groups``, a collective of the world) and creates every group's node parts and cross-node groups in the
+    same order, so any layout works: the whole world, HSDP's shard groups, a pipeline stage's dp ranks or its shard
+    groups, a tensor-parallel dp group (ranks tp apart). Every group is checked before any is created (nodes must cut
+    each into equal parts), so every rank raises or none does."""
     from hfzero.quantized_comm import build_quantized_reduce
 
     if not comm.distributed or comm.world_size == 1:
         return None
-    world = dist.get_world_size()
-    size = _block_size(comm)
-    if size is None:
-        raise ConfigError("hfzero.prepare: quantize_gradients needs its group to be a block of consecutive ranks (the "
-                          "world, an HSDP shard group or a pipeline stage's dp ranks); with tensor parallelism or a "
-                          "group of your own it is not built yet")
-    groups = [list(range(start, start + size)) for start in range(0, world, size)]
+    groups = [list(group) for group in _world_groups(comm)]
     return build_quantized_reduce(comm, config.quantize_gradients, config.quantize_block, groups,
                                   error_feedback=config.quantize_error_feedback)
 
