@@ -23,7 +23,8 @@ bucket and hop, the sender keeps the residual of what it packed (its fp32 input 
 decoded codes; non-finite residuals zeroed, so an fp16 overflow is not carried into the next step) and adds it to the
 next reduction of that bucket before packing: the error of one reduction is paid back by the next instead of
 accumulating. Residuals are model states (QUANT_RESIDUAL): fp32, the whole bucket for the intra hop (L > 1) plus
-1/L of it for the inter hop (N > 1), per rank, kept across steps; checkpoints do not keep them.
+1/L of it for the inter hop (N > 1), per rank, kept across steps; checkpoints keep them with the rank's shard and
+restore them only into the same layout (hfzero/checkpoint/residuals.py).
 
 [Note: quantized buffers]
 The packed, received and decoded buffers are kept across calls (ZeRO-R's constant buffers), not allocated per
@@ -237,6 +238,20 @@ class QuantizedReduceScatter:
     def residual_bytes(self) -> int:
         """Bytes of the error-feedback residuals held (QUANT_RESIDUAL, a model state)."""
         return sum(r.numel() * r.element_size() for r in self._residuals.values())
+
+    def residual_state(self) -> dict[str, torch.Tensor]:
+        """The error-feedback residuals held, as ``"<bucket key>/<hop>"`` -> the live fp32 tensor (not a copy), for
+        checkpoints (hfzero/checkpoint/residuals.py). Empty without error feedback or before the first reduction."""
+        return {f"{key}/{hop}": residual for (key, hop), residual in sorted(self._residuals.items())}
+
+    def load_residual_state(self, state: dict[str, torch.Tensor], device: torch.device) -> None:
+        """Replace the residuals by ``state`` (``residual_state``'s form, integer bucket keys), copied to ``device``;
+        empty: drop them all, so the next reductions start from zero residuals."""
+        loaded = {}
+        for name, tensor in state.items():
+            key, hop = name.split("/")
+            loaded[int(key), hop] = tensor.to(device=device, dtype=torch.float32, copy=True)
+        self._residuals = loaded
 
     def _residual(self, key: Any, hop: str, shape: tuple[int, int], device: torch.device) -> torch.Tensor | None:
         if not self.error_feedback or key is None:

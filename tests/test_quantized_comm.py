@@ -13,7 +13,9 @@
 5. qgZ error feedback: repeated reductions' mean converges to the exact sum; its residuals are model states of the
    estimator's size; the quantized collectives' buffers are kept across steps (no allocation after the first step);
 6. qgZ under tensor parallelism (tp 2 x dp 2, the dp groups TP apart and crossing nodes), stages 2 and 3: losses
-   within 2e-4 (relative) of the unquantized TP run, inter-node bytes equal to the models.
+   within 2e-4 (relative) of the unquantized TP run, inter-node bytes equal to the models;
+7. error-feedback residuals in checkpoints: a run resumed after 2 steps equals the uninterrupted one bit for bit
+   (losses and parameters; without the residuals it does not), and a load into another layout drops them, warning once.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ from hfzero.testing.workloads import TrainSpec, train_zero
 
 WORLD, PER_NODE, STEPS, WARMUP, BATCH, SEQ, VOCAB = 4, 2, 16, 5, 16, 16, 128
 EF_ROUNDS = 16
+EF_EXTRA = (("param_persistence_threshold", 0), ("quantize_gradients", "int4"), ("quantize_block", 64),
+            ("quantize_error_feedback", True))
+EF_SAVE_AT, EF_STEPS = 2, 4
+"""Error-feedback residuals in checkpoints: save after 2 steps, resume for 2 more."""
 TP, TP_STEPS, TP_BLOCK, TP_RTOL = 2, 4, 8, 2e-4
 """qgZ under tensor parallelism: tp 2 x dp 2 on the same 4 ranks, 4 steps at lr 1e-3, block 8; losses within
 ``TP_RTOL`` (relative) of the unquantized TP run (as tests/test_hsdp_pipeline.py's QGZ_RTOL)."""
@@ -283,16 +289,76 @@ def _train_tp(stage: int, quantize: str | None) -> dict:
             "dp_ranks": engine.comm.global_ranks}
 
 
-def _all(rank: int, world: int) -> dict:
-    return {"collectives": _collectives(),
+def _ef_build(per_node: int = PER_NODE, seed: int = 0):
+    model = tiny_causal_lm("gpt2", vocab=VOCAB, positions=SEQ, seed=seed)
+    config = ZeroConfig(stage=2, reduce_bucket_size=8192, **dict(EF_EXTRA), ranks_per_node=per_node)
+    return prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3), config)
+
+
+def _ef_steps(model, opt, steps: range) -> list[float]:
+    rank, losses = dist.get_rank(), []
+    for step in steps:
+        mine = _sequences(step).chunk(WORLD)[rank]
+        loss = model(input_ids=mine, labels=mine).loss
+        opt.backward(loss)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _resume_with_error_feedback(root: str) -> dict:
+    """Train EF_SAVE_AT steps with qgZ int4 + error feedback, save (asynchronously), go on to EF_STEPS; a fresh run
+    loads the checkpoint and trains the same steps (its residuals restored); a control drops them after the load;
+    a load on other simulated nodes (one node of 4: another qgZ layout) drops them with a warning."""
+    import logging
+
+    from hfzero.checkpoint import load_checkpoint, save_checkpoint
+
+    params = lambda m: [p.detach().clone() for p in m.parameters()]  # noqa: E731
+    residuals = lambda m: {k: v.clone() for k, v in get_engine(m).reducer.scatter.residual_state().items()}  # noqa
+    directory = f"{root}/ef"
+    model, opt = _ef_build()
+    _ef_steps(model, opt, range(EF_SAVE_AT))
+    save_checkpoint(directory, model, opt, async_save=True)
+    saved = residuals(model)
+    uninterrupted = _ef_steps(model, opt, range(EF_SAVE_AT, EF_STEPS))
+    final = params(model)
+    out = {"saved_keys": sorted(saved), "uninterrupted": uninterrupted}
+    for name, control in (("resumed", False), ("control", True)):
+        model, opt = _ef_build(seed=1)
+        load_checkpoint(directory, model, opt)
+        if name == "resumed":
+            loaded = residuals(model)
+            out["restored"] = loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+        if control:
+            get_engine(model).reducer.scatter.load_residual_state({}, torch.device("cpu"))
+        out[name] = _ef_steps(model, opt, range(EF_SAVE_AT, EF_STEPS))
+        out[name + "_params_equal"] = all(torch.equal(a, b) for a, b in zip(params(model), final))
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("hfzero.checkpoint.residuals").addHandler(handler)
+    model, opt = _ef_build(per_node=WORLD)
+    _ef_steps(model, opt, range(1))  # residuals of its own layout, which the load must drop too
+    load_checkpoint(directory, model, opt)
+    logging.getLogger("hfzero.checkpoint.residuals").removeHandler(handler)
+    out["reshard_residual_bytes"] = get_engine(model).reducer.scatter.residual_bytes()
+    out["reshard_warnings"] = warnings
+    return out
+
+
+def _all(rank: int, world: int, root: str) -> dict:
+    return {"collectives": _collectives(), "resume": _resume_with_error_feedback(root),
             "train": {name: _train(stage, dict(extra)) for name, (stage, extra) in CASES.items()},
             "tp": {(stage, q): _train_tp(stage, q) for stage in (2, 3) for q in (None, "int8")},
             "overflow": train_zero(rank, world, OVERFLOW)["skipped"]}
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run_distributed(_all, WORLD, timeout=900)
+def results(tmp_path_factory) -> list[dict]:
+    return run_distributed(_all, WORLD, str(tmp_path_factory.mktemp("quantized")), timeout=900)
 
 
 def test_quantized_collectives_within_bounds(results):
@@ -433,3 +499,17 @@ def test_quantized_gradients_under_tensor_parallelism(results):
                 assert run["layout_inter"] == pytest.approx(run["estimate_inter"], rel=1e-3)  # measured: equal
             assert quantized["inter"][0].get("all_to_all", 0) > 0 and "reduce_scatter" not in {
                 k for k, v in quantized["inter"][0].items() if v}
+
+
+def test_error_feedback_residuals_resume_bitwise(results):
+    for rank, r in enumerate(results):
+        out = r["resume"]
+        buckets = {key.split("/")[0] for key in out["saved_keys"]}  # each bucket's two hops (nodes of 2 of 4 ranks)
+        assert out["saved_keys"] == sorted(f"{b}/{hop}" for b in buckets for hop in ("inter", "intra")), out
+        assert out["restored"], rank
+        assert out["resumed"] == out["uninterrupted"] and out["resumed_params_equal"], (rank, out)
+        assert not out["control_params_equal"], rank  # the residuals matter: without them the run differs
+        assert out["reshard_residual_bytes"] == 0, rank
+        expected = 1 if rank == 0 else 0  # one warning, on rank 0
+        assert len(out["reshard_warnings"]) == expected and all(
+            "layout differs" in w and "dropped" in w for w in out["reshard_warnings"]), (rank, out["reshard_warnings"])

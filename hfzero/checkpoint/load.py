@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from hfzero.checkpoint import background, rng
+from hfzero.checkpoint import background, residuals, rng
 from hfzero.checkpoint import format as fmt
 from hfzero.checkpoint.common import Inventory, Scope, agree, gather_json, inventory, scope_of
 from hfzero.checkpoint.errors import CheckpointError
@@ -67,7 +67,8 @@ def load_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: Ze
     [Note: pipeline checkpoints]). ``verify`` checks every file's SHA-256 (each file hashed by
     one rank, in 1 MiB chunks). Resident memory beyond training: one saved piece being copied, plus
     fresh optimizer-state tensors where the optimizer had none yet. RNG states are restored when
-    the world size is the one saved (rank r gets rank r's), and left alone otherwise. An asynchronous save
+    the world size is the one saved (rank r gets rank r's), and left alone otherwise; qgZ's error-feedback residuals
+    when every rank's layout is the one saved, else dropped with a warning ([Note: residuals in checkpoints]). An asynchronous save
     still in flight is waited for first (its failure raised).
     Raises CheckpointError, on every rank and before touching the model, for a missing, incomplete,
     corrupt or newer-format checkpoint or one of another model.
@@ -89,9 +90,11 @@ def load_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: Ze
         error = f"cannot read {directory}: {exc} ({type(exc).__name__})"
     agree(scope.comm, error, f"load_checkpoint({directory})")
     assert plan is not None
+    restore_residuals = residuals.decide(engine, scope, plan.manifest)  # See [Note: residuals in checkpoints]
     error = None
     try:
         _fill(plan, scope, optimizer, engine)
+        residuals.restore(engine, scope, plan.manifest, plan.directory, restore_residuals)
     except Exception as exc:  # noqa: BLE001 - an I/O failure after validation, reported on every rank
         logger.exception("reading checkpoint data failed")
         error = f"{type(exc).__name__}: {exc}"

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 import hfzero
-from hfzero.checkpoint import background, rng, staging
+from hfzero.checkpoint import background, residuals, rng, staging
 from hfzero.checkpoint import format as fmt
 from hfzero.checkpoint.common import Inventory, Scope, agree, gather_json, guard, inventory, scope_of
 from hfzero.checkpoint.errors import CheckpointError
@@ -125,8 +125,10 @@ def save_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: Ze
     def plan() -> None:
         nonlocal copies
         rng_tensors, rng_meta = rng.capture(engine.device)
-        files.extend(_plan_files(engine, scope, inv, rng_tensors))
+        residual_tensors, residual_meta = residuals.capture(engine, scope)  # See [Note: residuals in checkpoints]
+        files.extend(_plan_files(engine, scope, inv, {**rng_tensors, **residual_tensors}))
         report.update(_report(engine, scope, optimizer, inv, files[0], rng_meta))
+        report["quant_residual"] = residual_meta
         if async_save:
             copies = _stage(engine, files, private)
 
@@ -204,8 +206,9 @@ class _File:
 
 
 def _plan_files(engine: ZeroEngine, scope: Scope, inv: Inventory, rng_tensors: dict[str, torch.Tensor]) -> list[_File]:
-    """This rank's file (views of its master and optimizer-state slices, its RNG states) and, if it writes
-    them, its stage's frozen tensors. Nothing is copied (``rng_tensors``: small fresh tensors)."""
+    """This rank's file (views of its master and optimizer-state slices, its RNG states, qgZ's error-feedback
+    residuals) and, if it writes them, its stage's frozen tensors. Nothing is copied (``rng_tensors``: small fresh
+    RNG tensors and views of the live residuals)."""
     keys, _ = _split_state(engine)
     entries: list[TensorEntry] = []
     tensors: list[torch.Tensor] = []
@@ -234,8 +237,9 @@ def _plan_files(engine: ZeroEngine, scope: Scope, inv: Inventory, rng_tensors: d
 
 def _stage(engine: ZeroEngine, files: list[_File], private: set[str]) -> staging.StagedCopies:
     """Point every file's tensors that training may change before the background write at copies in the
-    staging buffer: the rank file's (master and optimizer-state slices, RNG: copied later, see staging.py)
-    and the frozen file's buffers (copied now: a forward may change them). Frozen *parameters* are not
+    staging buffer: the rank file's (master and optimizer-state slices, RNG: copied later, see staging.py;
+    qgZ's residuals: copied now, a backward changes them) and the frozen file's buffers (copied now: a forward may
+    change them). Frozen *parameters* are not
     staged: no optimizer steps them (and at stage 3 they are this save's own gathered copies), so a
     background write reads them as they are."""
     rank_file = files[0]
@@ -244,10 +248,14 @@ def _stage(engine: ZeroEngine, files: list[_File], private: set[str]) -> staging
     if frozen is not None:
         buffers = [t for e, t, kind in zip(frozen.entries, frozen.tensors, frozen.kinds)
                    if kind != "parameter" and e.name not in private]
-    copies = staging.StagedCopies(engine, buffers, rank_file.tensors)
-    rank_file.tensors = list(copies.deferred)
+    # qgZ's residuals change in the next backward, before the step that waits for deferred copies: copied now
+    eager_rank = [e.name.startswith(residuals.PREFIX) for e in rank_file.entries]
+    copies = staging.StagedCopies(engine, buffers + [t for t, now in zip(rank_file.tensors, eager_rank) if now],
+                                  [t for t, now in zip(rank_file.tensors, eager_rank) if not now])
+    residual_copies, deferred = iter(copies.eager[len(buffers):]), iter(copies.deferred)
+    rank_file.tensors = [next(residual_copies) if now else next(deferred) for now in eager_rank]
     if frozen is not None:
-        staged = iter(copies.eager)
+        staged = iter(copies.eager[:len(buffers)])
         frozen.tensors = [t if kind == "parameter" or e.name in private else next(staged)
                           for e, t, kind in zip(frozen.entries, frozen.tensors, frozen.kinds)]
     return copies
@@ -387,7 +395,8 @@ def _manifest(engine: ZeroEngine, optimizer: ZeroOptimizer, scope: Scope, report
         "frozen": frozen,
         "aliases": aliases, "order": order, "tied_targets": reports[0]["tied_targets"],
         "files": {},
-        "ranks": [{"file": r["file"], "rng": r["rng"]} for r in reports],
+        "ranks": [{"file": r["file"], "rng": r["rng"],
+                   **({"quant_residual": r["quant_residual"]} if r.get("quant_residual") else {})} for r in reports],
         "extra": extra,
     }
     if scope.tensor_parallel is not None:
