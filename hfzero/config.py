@@ -211,8 +211,9 @@ class ZeroConfig:
     minus its decoded code, fp32) and adds it to the next reduction of that bucket before quantizing, so the error
     does not accumulate over steps. Held across steps, so a model state (QUANT_RESIDUAL): per rank, fp32, the
     padded parameter count for the intra-node hop (when the group has more than one rank per node) plus 1/L of it
-    for the inter-node hop (when it spans nodes; L = the group's ranks per node). Not saved in checkpoints (a
-    resumed run starts with zero residuals). Needs ``quantize_gradients``."""
+    for the inter-node hop (when it spans nodes; L = the group's ranks per node). Saved in checkpoints with the
+    rank's shard and restored on a resume into the same layout (world size, stage, groups, ranks per node, bucket
+    sizes); dropped, with a warning, on any other. Needs ``quantize_gradients``."""
 
     quantize_block: int = 256
     """Elements per quantization block (one fp32 scale each) for ``quantize_weights`` / ``quantize_gradients``:

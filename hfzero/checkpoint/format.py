@@ -10,7 +10,10 @@ A checkpoint is a directory (see docs/checkpoints.md)::
     generation_config.json        likewise
 
 Tensor names inside rank files: ``master/<param>`` and ``state/<key>/<param>`` are 1-D fp32 element
-ranges of the flattened parameter (the manifest says which range), ``rng/<source>`` RNG states.
+ranges of the flattened parameter (the manifest says which range), ``rng/<source>`` RNG states,
+``quant_residual/<bucket>/<hop>`` qgZ's error-feedback residuals (only with ``quantize_error_feedback``; the rank's
+manifest entry says which layout they belong to: see hfzero/checkpoint/residuals.py). Readers that predate them
+ignore them, so the format version stays 1.
 Nothing is pickled: tensors are safetensors, everything else JSON.
 """
 
