@@ -68,8 +68,8 @@ def load_checkpoint(directory: str | os.PathLike[str], model: Any, optimizer: Ze
     one rank, in 1 MiB chunks). Resident memory beyond training: one saved piece being copied, plus
     fresh optimizer-state tensors where the optimizer had none yet. RNG states are restored when
     the world size is the one saved (rank r gets rank r's), and left alone otherwise; qgZ's error-feedback residuals
-    when every rank's layout is the one saved, else dropped with a warning ([Note: residuals in checkpoints]). An asynchronous save
-    still in flight is waited for first (its failure raised).
+    when every rank's layout is the one saved, else dropped with a warning ([Note: residuals in checkpoints]).
+    An asynchronous save still in flight is waited for first (its failure raised).
     Raises CheckpointError, on every rank and before touching the model, for a missing, incomplete,
     corrupt or newer-format checkpoint or one of another model.
     """

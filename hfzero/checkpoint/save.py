@@ -205,10 +205,10 @@ class _File:
         return {self.name: {"sha256": digest.sha256, "bytes": digest.bytes}}
 
 
-def _plan_files(engine: ZeroEngine, scope: Scope, inv: Inventory, rng_tensors: dict[str, torch.Tensor]) -> list[_File]:
+def _plan_files(engine: ZeroEngine, scope: Scope, inv: Inventory, rank_tensors: dict[str, torch.Tensor]) -> list[_File]:
     """This rank's file (views of its master and optimizer-state slices, its RNG states, qgZ's error-feedback
-    residuals) and, if it writes them, its stage's frozen tensors. Nothing is copied (``rng_tensors``: small fresh
-    RNG tensors and views of the live residuals)."""
+    residuals) and, if it writes them, its stage's frozen tensors. Nothing is copied (``rank_tensors``: the small fresh
+    RNG tensors and views of the live residuals, written as they are named)."""
     keys, _ = _split_state(engine)
     entries: list[TensorEntry] = []
     tensors: list[torch.Tensor] = []
@@ -219,7 +219,7 @@ def _plan_files(engine: ZeroEngine, scope: Scope, inv: Inventory, rng_tensors: d
         for key, source in [(fmt.master_key(r.name), view)] + [(fmt.state_key(k, r.name), state[k]) for k in keys]:
             entries.append(TensorEntry(key, source.dtype, (r.numel,)))
             tensors.append(source.reshape(-1)[r.view_start: r.view_start + r.numel])
-    for key, tensor in rng_tensors.items():
+    for key, tensor in rank_tensors.items():
         entries.append(TensorEntry(key, tensor.dtype, tuple(tensor.shape)))
         tensors.append(tensor)
     written = {r.name for r in ranges}
