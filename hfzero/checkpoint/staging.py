@@ -3,7 +3,8 @@
 ``stage(engine, eager, deferred)`` returns a ``StagedCopies``: views of one host byte buffer, one per tensor,
 which the background writer streams to the file while training goes on changing the originals.
 
-- ``eager`` tensors (persistent buffers: a forward may change them) are copied before ``stage`` returns.
+- ``eager`` tensors (persistent buffers: a forward may change them; qgZ's error-feedback residuals: a backward
+  changes them) are copied before ``stage`` returns.
 - ``deferred`` tensors (the rank's fp32 master and optimizer-state slices, RNG states) change only in an
   optimizer step, so the step need not wait for them at the save: on the CPU the background thread copies
   them (``StagedCopies.run``, the first thing it does) while the next forward and backward run, and the next
