@@ -95,9 +95,13 @@ def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: i
     host_inputs = {k: v for k, v in inputs.items() if k != "frozen_params"}
     device = model_states_bytes(**inputs, offload_optimizer=offloaded)
     host = model_states_cpu_bytes(**host_inputs, offload_optimizer=offloaded)
+    residuals = _error_feedback_bytes(engine, inputs["num_params"])
+    if residuals:  # qgZ error feedback: fp32 residuals kept across steps (QUANT_RESIDUAL)
+        formula += " + qgZ residuals 4Ψ(L > 1) + 4Ψ/L(nodes > 1)"
     staging = 0.0
     if getattr(config, "async_save", False):  # the staging buffer, held once the first save allocated it
-        staging = checkpoint_staging_bytes(inputs["num_params"], inputs["dp"], param_bytes=p, optimizer_k=k)
+        # it also holds a copy of the residuals (hfzero/checkpoint/residuals.py)
+        staging = checkpoint_staging_bytes(inputs["num_params"], inputs["dp"], param_bytes=p, optimizer_k=k) + residuals
         formula += f" + {k + (4 if p >= 4 else 0)}Ψ/N_d checkpoint staging (host, after the first save)"
         host += staging
     extra = {}
@@ -108,13 +112,25 @@ def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: i
         extra["stage3_gathered_bytes"] = stage3_gathered_numel(numels[0], numels[1:], int(engine.prefetch_numel)) * p
     return {**extra,
         # offloaded, the host holds gradients in fp32 (and an fp32 master in fp32 runs): the sum of both sides
-        "model_state_bytes": device + host if offloaded else model_states_bytes(**inputs) + staging,
-        "device_model_state_bytes": device,
+        "model_state_bytes": (device + host if offloaded else model_states_bytes(**inputs) + staging) + residuals,
+        "device_model_state_bytes": device + residuals,
         "host_model_state_bytes": host,
         "formula": formula,
         "optimizer": kind,
         "inputs": inputs,
     }
+
+
+def _error_feedback_bytes(engine: Any, num_params: int) -> float:
+    """qgZ error feedback's residuals per rank (``estimate_quantized.error_feedback_bytes``) for the nodes the
+    engine's group spans; 0 without error feedback."""
+    if not getattr(engine.config, "quantize_error_feedback", False) or engine.world_size < 2:
+        return 0.0
+    from hfzero.estimate_quantized import error_feedback_bytes
+
+    comm = engine.comm
+    nodes = len({r // comm.ranks_per_node for r in comm.global_ranks})
+    return error_feedback_bytes(num_params, engine.world_size, nodes=nodes)
 
 
 def offload_placement(engine: Any) -> dict[str, Any]:
