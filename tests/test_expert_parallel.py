@@ -2,14 +2,15 @@
 
 ep2 x edp2 and ep4 x edp1, each at stages 0-3, 10 steps (accumulation 2 in 7 of the 8 cases, under both
 accumulation policies): every rank reads its own quarter of the global batch, experts are split over the EP group by the
-model's ``base_model_ep_plan`` and reached by all-to-all, ZeRO shards over the expert-data-parallel group.
+model's ``base_model_ep_plan`` and reached by all-to-all, ZeRO shards the dense parameters over the world and the
+experts over the expert-data-parallel group.
 Losses, gradient norms (clipping acts at every step) and every parameter after the steps match a float64
 single-process run on the whole global batch within hfzero.testing.parity's rounding bounds (see [Note:
 parity against float64] in test_tensor_parallel.py). Also: the loss with the router's auxiliary loss equals
 the unsplit model's on each rank's batch; the all-to-all bytes are counted under their own comm kind; a rank
 whose tokens pick none of its experts in a layer (stage 3) neither hangs nor falls out of step; checkpoints
 reshard ep2 -> ep1 -> ep4 and consolidate to a from_pretrained-loadable model; per-rank model states equal the
-estimator's; bad input is refused before anything starts.
+estimator's (at stage 3 + ep4, plain stage 3's 16 Psi / 4); bad input is refused before anything starts.
 """
 
 from __future__ import annotations
@@ -76,12 +77,14 @@ def _train(rank: int, world: int, stage: int, ep: int, accumulation: int, policy
         optimizer.zero_grad()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    whole = hfzero.full_state_dict(model, rank0_only=False)  # gathers over edp, full_tensor() over ep
+    whole = hfzero.full_state_dict(model, rank0_only=False)  # gathers (dense: world, experts: edp); experts over ep
     params = torch.cat([whole[n].reshape(-1) for n, _ in model.named_parameters()])
     experts = model.model.layers[0].mlp.experts
     return {"losses": losses, "norms": norms, "params": params, "edp": mesh.edp_size,
             "local_experts": experts.gate_up_proj.to_local().shape[0] if stage < 3 else experts.num_experts,
             "num_params": engine.num_params, "engine_world": engine.world_size, "average_over": engine.average_over,
+            "expert_world": engine.expert_comm.world_size,
+            "partitions": sorted({(b.partition, b.shard_world) for b in engine.layout.buckets}),
             "model_states": engine.model_state_bytes(), "padded": engine.num_params_padded}
 
 
@@ -216,8 +219,8 @@ def test_expert_parallel_zero_matches_single_process(results, case: str) -> None
         ref.bound.check(got["params"], ref.params)
 
 
-def test_experts_are_split_and_zero_spans_the_expert_data_parallel_group(results) -> None:
-    from hfzero.estimate import expert_parallel_bytes
+def test_experts_are_split_dense_sharded_over_the_world_experts_over_edp(results) -> None:
+    from hfzero.estimate import expert_parallel_bytes, model_states_bytes
 
     ranks, _ = results
     model = tiny_moe_lm()
@@ -227,8 +230,11 @@ def test_experts_are_split_and_zero_spans_the_expert_data_parallel_group(results
         for name, (stage, ep, _, _) in CASES.items():
             got = rank[name]
             assert got["local_experts"] == EXPERTS // ep
-            assert got["edp"] == got["engine_world"] == WORLD // ep
-            assert got["average_over"] == WORLD  # summed over edp (and dense over ep), divided by the world
+            assert got["edp"] == got["expert_world"] == WORLD // ep
+            assert got["engine_world"] == WORLD  # the dense parameters' group
+            # dense buckets (partition 0) split over the world, expert buckets (1) over edp; stage 0 splits none
+            assert got["partitions"] == ([(0, 1), (1, 1)] if stage == 0 else [(0, WORLD), (1, WORLD // ep)])
+            assert got["average_over"] == WORLD  # summed over the world (experts: over edp of the EP exchange's)
             assert got["num_params"] == dense + experts // ep  # each rank lays out its E / ep experts
             # fp32 AdamW after a step: parameters 4, gradients 4 (zeroed, kept), K = 8 bytes per element,
             # laid out with padding (num_params_padded); the estimator's formula on the padded count
@@ -236,6 +242,13 @@ def test_experts_are_split_and_zero_spans_the_expert_data_parallel_group(results
                                              experts * got["padded"] / got["num_params"], WORLD, ep, stage,
                                              param_bytes=4, grad_bytes=4, optimizer_k=8).total
             assert got["model_states"] == pytest.approx(estimate, rel=0.01)
+            if (stage, ep) == (3, WORLD):  # 16 Psi_d / 4 + 16 Psi_e / 4: plain stage 3's bytes over the world
+                ratio = got["padded"] / got["num_params"]
+                assert estimate == pytest.approx(16 * (dense + experts) * ratio / WORLD)
+                plain = model_states_bytes((dense + experts) * ratio, WORLD, 3, param_bytes=4, grad_bytes=4,
+                                           optimizer_k=8)
+                assert got["model_states"] == pytest.approx(plain, rel=0.01)
+                assert got["model_states"] == pytest.approx(16 * (dense + experts) / WORLD, rel=0.01)
 
 
 def test_router_aux_loss_is_the_models_own(results) -> None:
