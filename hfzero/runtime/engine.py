@@ -91,8 +91,7 @@ class ZeroEngine:
         self.average_over = average_over if average_over is not None else comm.world_size * replicas
         """How many data-parallel ranks' summed gradients the step averages: the divisor of the gradient sums.
         Default: every rank the sums span (the group, times its replicas under HSDP); fewer where ranks of the
-        group train on the same samples (the S ranks of a sequence-parallel group), more where the group is not
-        the whole data-parallel world. See [Note: average_over]."""
+        group train on the same samples (the S ranks of a sequence-parallel group). See [Note: average_over]."""
         self._bucket_units = bucket_units
         """Stages 0-2: module names whose parameters never share a bucket with another's (prepare's ``units=``)."""
         self.config = config

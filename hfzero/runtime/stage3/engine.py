@@ -73,7 +73,10 @@ def _gather_group_comms(comm: Communicator) -> tuple[Communicator, Communicator 
     reductions at rank-independent points: [Note: collective order across ranks] in reducer.py), so the
     order on the wire is the same too. The cost: a prefetch gather issued after a unit's reduce-scatter
     waits for it (both still overlap compute, which runs on the compute stream). No process group is
-    created here, so no rank can skip one (tests/test_stage3_comm_order.py).
+    created here, so no rank can skip one (tests/test_stage3_comm_order.py). The one exception is expert
+    parallelism, whose expert buckets are gathered and reduced over the edp group beside the world's dense ones
+    ([Note: bucket partitions] in layout.py): both groups see their collectives in the one bucket and unit
+    order every rank shares, but they are two communicators (run on gloo only so far).
     """
     if comm.world_size == 1:
         return comm, None
