@@ -75,6 +75,9 @@ class GatherUnit:
         """The trainable buckets: their reductions launch when the backward pass is done with the unit."""
         self.has_frozen = bool(frozen)
         self.comms = comm if isinstance(comm, list) else [comm]
+        """What gathers each partition's buckets (``Bucket.partition`` indexes it)."""
+        self.comm = self.comms[0]
+        """What gathers partition 0's buckets: the data-parallel group's (the only one without expert parallelism)."""
         self.state = UnitState.SHARDED
         self.pool = pool
         self._borrowed: torch.UntypedStorage | None = None  # the pool buffer whose memory the unit holds
