@@ -6,9 +6,10 @@ kind), the median step time (variants interleaved in rounds, so machine noise hi
 per-rank model-state bytes beside ``hfzero.estimate`` (``expert_parallel_bytes``), and the losses against
 torch DDP on the same global batch (fp32; run first and freed before the variants are built; with
 ``--dtype bf16``, against the plain stage-3 run). Every variant is data-parallel on the same global batch, so
-losses agree to fp32 rounding. With ep = world (4) the expert-data-parallel group is one rank, so stages 1-3
-+ EP shard nothing: their model states are each rank's dense parameters and E / 4 experts, whole; stage 3 +
-EP=2 shards them over edp = 2.
+losses agree to fp32 rounding. Under EP the dense parameters are sharded over the world and the experts over
+the expert-data-parallel group: with ep = world (4) that group is one rank, so a rank's E / 4 experts stay
+whole while its dense parameters are sharded over 4 (stage 3 + EP=4 holds plain stage 3's bytes); stage 3 +
+EP=2 shards the experts over edp = 2.
 The model measured in docs/moe.md: ``--experts 32 --top-k 4 --hidden 512 --expert-hidden 256 --layers 4``
 (54.1M parameters, 93% in experts); ``--expert-hidden 384`` gives ~79M. The default is a quick small one.
 

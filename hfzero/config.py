@@ -146,8 +146,8 @@ class ZeroConfig:
     ep_size: int = 1
     """Expert-parallel degree for mixture-of-experts models: each MoE layer's experts are split over groups of
     ep_size ranks by the model's transformers ``base_model_ep_plan``, tokens travel to their experts by
-    all-to-all, and every rank still reads its own batch; dense parameters are ZeRO-sharded over the world /
-    ep_size ranks holding the same experts, experts over the same group (see hfzero/parallel/expert.py,
+    all-to-all, and every rank still reads its own batch; dense parameters are ZeRO-sharded over the whole
+    world, experts over the world / ep_size ranks holding the same experts (see hfzero/parallel/expert.py,
     docs/moe.md). 1: no expert parallelism."""
 
     sp_size: int = 1
@@ -287,11 +287,11 @@ class ZeroConfig:
         _check(self.ep_size == 1 or self.tp_size == 1, "ep_size", self.ep_size,
                "cannot be combined with tp_size > 1 yet (expert x tensor parallelism is not built); use one of them")
         _check(self.ep_size == 1 or self.dtype != "fp16", "ep_size", self.ep_size,
-               'cannot be combined with dtype="fp16" (its overflow check does not see the dense gradients\' sum '
-               'over the EP group); use dtype="bf16" or "fp32"')
+               'cannot be combined with dtype="fp16" yet (loss scaling under expert parallelism is not built or '
+               'tested); use dtype="bf16" or "fp32"')
         _check(self.ep_size == 1 or not self.offload_optimizer, "ep_size", self.ep_size,
-               "cannot be combined with offload_optimizer yet (the dense gradients' EP sum runs on the device "
-               "shard); drop one of them")
+               "cannot be combined with offload_optimizer yet (the host step of a shard sharded over two groups, "
+               "dense and expert, is not built or tested); drop one of them")
         _check(_is_int(self.sp_size) and self.sp_size > 0, "sp_size", self.sp_size, "must be a positive integer")
         _check(_is_int(self.loss_tiles) and self.loss_tiles > 0, "loss_tiles", self.loss_tiles,
                "must be a positive integer (1: untiled)")

@@ -324,19 +324,19 @@ class ExpertParallelBytes(NamedTuple):
 def expert_parallel_bytes(dense_params: float, expert_params: float, world: int, ep: int, stage: int,
                           **kwargs: Any) -> ExpertParallelBytes:
     """Per-device model-state bytes of a mixture-of-experts model under expert parallelism (hfzero/parallel/
-    expert.py): each rank holds the dense parameters Ψ_d and E / ep of every layer's experts (Ψ_e / ep), and
-    ZeRO shards both over the world / ep ranks holding the same experts (N_d = world / ep). So
-    dense = ``model_states_bytes(Ψ_d, world / ep, stage)`` and experts = ``model_states_bytes(Ψ_e / ep,
-    world / ep, stage)``; at stage 3, 16 Ψ_d ep / world + 16 Ψ_e / world with bf16 + Adam (``kwargs``: the
-    byte sizes and options of ``model_states_bytes``). Without EP (ep = 1) this is the plain formula.
+    expert.py): each rank holds the dense parameters Ψ_d and E / ep of every layer's experts (Ψ_e / ep). ZeRO
+    shards the dense parameters over the whole world, as plain ZeRO does, and the experts over the world / ep
+    ranks holding the same experts (N_e = world / ep; [Note: bucket partitions] in runtime/layout.py). So
+    dense = ``model_states_bytes(Ψ_d, world, stage)`` and experts = ``model_states_bytes(Ψ_e / ep, world / ep,
+    stage)``; at stage 3, 16 Ψ_d / world + 16 Ψ_e / world with bf16 + Adam, plain stage 3's bytes (``kwargs``:
+    the byte sizes and options of ``model_states_bytes``). Without EP (ep = 1) this is the plain formula.
     """
     _check_count("dense_params", dense_params)
     _check_count("expert_params", expert_params)
     if ep < 1 or world % ep:
         raise EstimateError(f"ep={ep} must be a positive divisor of the world size {world}")
-    edp = world // ep
-    return ExpertParallelBytes(model_states_bytes(dense_params, edp, stage, **kwargs),
-                               model_states_bytes(expert_params / ep, edp, stage, **kwargs))
+    return ExpertParallelBytes(model_states_bytes(dense_params, world, stage, **kwargs),
+                               model_states_bytes(expert_params / ep, world // ep, stage, **kwargs))
 
 
 def model_states_cpu_bytes(

@@ -2,14 +2,15 @@
 
 ep2 x edp2 and ep4 x edp1, each at stages 0-3, 10 steps (accumulation 2 in 7 of the 8 cases, under both
 accumulation policies): every rank reads its own quarter of the global batch, experts are split over the EP group by the
-model's ``base_model_ep_plan`` and reached by all-to-all, ZeRO shards over the expert-data-parallel group.
+model's ``base_model_ep_plan`` and reached by all-to-all, ZeRO shards the dense parameters over the world and the
+experts over the expert-data-parallel group.
 Losses, gradient norms (clipping acts at every step) and every parameter after the steps match a float64
 single-process run on the whole global batch within hfzero.testing.parity's rounding bounds (see [Note:
 parity against float64] in test_tensor_parallel.py). Also: the loss with the router's auxiliary loss equals
 the unsplit model's on each rank's batch; the all-to-all bytes are counted under their own comm kind; a rank
 whose tokens pick none of its experts in a layer (stage 3) neither hangs nor falls out of step; checkpoints
 reshard ep2 -> ep1 -> ep4 and consolidate to a from_pretrained-loadable model; per-rank model states equal the
-estimator's; bad input is refused before anything starts.
+estimator's (at stage 3 + ep4, plain stage 3's 16 Psi / 4); bad input is refused before anything starts.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def _train(rank: int, world: int, stage: int, ep: int, accumulation: int, policy
 
     import hfzero
     from hfzero.parallel.expert import prepare_expert_parallel
+    from hfzero.profiler.header import predict
 
     config = hfzero.ZeroConfig(stage=stage, ep_size=ep, accumulation=policy, reduce_bucket_size=3000,
                                param_persistence_threshold=0)
@@ -76,12 +78,17 @@ def _train(rank: int, world: int, stage: int, ep: int, accumulation: int, policy
         optimizer.zero_grad()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    whole = hfzero.full_state_dict(model, rank0_only=False)  # gathers over edp, full_tensor() over ep
+    prediction = predict(engine, optimizer, accumulation)  # the profiler header's, per partition
+    whole = hfzero.full_state_dict(model, rank0_only=False)  # gathers (dense: world, experts: edp); experts over ep
     params = torch.cat([whole[n].reshape(-1) for n, _ in model.named_parameters()])
     experts = model.model.layers[0].mlp.experts
     return {"losses": losses, "norms": norms, "params": params, "edp": mesh.edp_size,
             "local_experts": experts.gate_up_proj.to_local().shape[0] if stage < 3 else experts.num_experts,
             "num_params": engine.num_params, "engine_world": engine.world_size, "average_over": engine.average_over,
+            "expert_world": engine.expert_comm.world_size,
+            "partitions": sorted({(b.partition, b.shard_world) for b in engine.layout.buckets}),
+            "predicted": prediction["model_state_bytes"],
+            "predicted_dp": [part["dp"] for part in prediction["partition_inputs"]],
             "model_states": engine.model_state_bytes(), "padded": engine.num_params_padded}
 
 
@@ -216,8 +223,8 @@ def test_expert_parallel_zero_matches_single_process(results, case: str) -> None
         ref.bound.check(got["params"], ref.params)
 
 
-def test_experts_are_split_and_zero_spans_the_expert_data_parallel_group(results) -> None:
-    from hfzero.estimate import expert_parallel_bytes
+def test_experts_are_split_dense_sharded_over_the_world_experts_over_edp(results) -> None:
+    from hfzero.estimate import expert_parallel_bytes, model_states_bytes
 
     ranks, _ = results
     model = tiny_moe_lm()
@@ -227,8 +234,11 @@ def test_experts_are_split_and_zero_spans_the_expert_data_parallel_group(results
         for name, (stage, ep, _, _) in CASES.items():
             got = rank[name]
             assert got["local_experts"] == EXPERTS // ep
-            assert got["edp"] == got["engine_world"] == WORLD // ep
-            assert got["average_over"] == WORLD  # summed over edp (and dense over ep), divided by the world
+            assert got["edp"] == got["expert_world"] == WORLD // ep
+            assert got["engine_world"] == WORLD  # the dense parameters' group
+            # dense buckets (partition 0) split over the world, expert buckets (1) over edp; stage 0 splits none
+            assert got["partitions"] == ([(0, 1), (1, 1)] if stage == 0 else [(0, WORLD), (1, WORLD // ep)])
+            assert got["average_over"] == WORLD  # summed over the world (experts: over edp of the EP exchange's)
             assert got["num_params"] == dense + experts // ep  # each rank lays out its E / ep experts
             # fp32 AdamW after a step: parameters 4, gradients 4 (zeroed, kept), K = 8 bytes per element,
             # laid out with padding (num_params_padded); the estimator's formula on the padded count
@@ -236,6 +246,16 @@ def test_experts_are_split_and_zero_spans_the_expert_data_parallel_group(results
                                              experts * got["padded"] / got["num_params"], WORLD, ep, stage,
                                              param_bytes=4, grad_bytes=4, optimizer_k=8).total
             assert got["model_states"] == pytest.approx(estimate, rel=0.01)
+            assert got["predicted_dp"] == [WORLD, WORLD // ep]  # the profiler's prediction: dense / expert groups
+            if stage == 3:  # sharded accumulation: nothing held beyond the step's model states
+                assert got["model_states"] == pytest.approx(got["predicted"], rel=0.01)
+            if (stage, ep) == (3, WORLD):  # 16 Psi_d / 4 + 16 Psi_e / 4: plain stage 3's bytes over the world
+                ratio = got["padded"] / got["num_params"]
+                assert estimate == pytest.approx(16 * (dense + experts) * ratio / WORLD)
+                plain = model_states_bytes((dense + experts) * ratio, WORLD, 3, param_bytes=4, grad_bytes=4,
+                                           optimizer_k=8)
+                assert got["model_states"] == pytest.approx(plain, rel=0.01)
+                assert got["model_states"] == pytest.approx(16 * (dense + experts) / WORLD, rel=0.01)
 
 
 def test_router_aux_loss_is_the_models_own(results) -> None:
@@ -324,3 +344,38 @@ def test_bad_expert_parallel_input_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="config.ep_size=2 but the expert-parallel group has 1"):
         model = tiny_moe_lm()
         hfzero.prepare(model, torch.optim.AdamW(model.parameters()), hfzero.ZeroConfig(ep_size=2))
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_layout_partitions_never_mix_and_each_element_is_written_once(sharded: bool) -> None:
+    """In process, 4 simulated ranks of ep2 x edp2: dense parameters (partition 0, the world) and expert ones
+    (partition 1, edp) never share a bucket; each bucket's chunk follows its partition's size; stages 1-3
+    (``sharded``) and stage 0 alike, the ranks holding the same experts write each of their elements once, and
+    the world writes each dense element once (checkpoint/ranges.py)."""
+    from torch import nn
+
+    from hfzero.checkpoint.ranges import written_ranges
+    from hfzero.runtime.layout import FlatLayout, Partition
+
+    params = [nn.Parameter(torch.zeros(n)) for n in (37, 50, 13, 64, 9, 100)]
+    expert = {id(p) for p in params[1::2]}  # every other parameter an expert
+    named = [(i, f"p{i}", p) for i, p in enumerate(params)]
+    covered: dict[tuple[str, int], list[int]] = {}  # (name, ep rank of an expert / -1 dense) -> element counts
+    for rank in range(WORLD):
+        ep_rank, edp_rank = rank % 2, rank // 2
+        layout = FlatLayout([named], 60, WORLD if sharded else 1, rank,
+                            partitions=[Partition(WORLD, rank, sharded), Partition(2, edp_rank, sharded)],
+                            partition_of=lambda p: 1 if id(p) in expert else 0)
+        for bucket in layout.buckets:
+            assert len({id(s.param) in expert for s in bucket.slots}) == 1
+            assert bucket.partition == (1 if id(bucket.slots[0].param) in expert else 0)
+            shards = (WORLD if bucket.partition == 0 else 2) if sharded else 1
+            assert bucket.shard_world == shards and bucket.chunk * shards == bucket.padded
+        for r in written_ranges(layout, rank, WORLD):
+            key = (r.name, ep_rank if id(params[int(r.name[1:])]) in expert else -1)
+            counts = covered.setdefault(key, [0] * params[int(r.name[1:])].numel())
+            for element in range(r.start, r.end):
+                counts[element] += 1
+    for (name, ep_rank), counts in covered.items():
+        assert counts == [1] * len(counts), (name, ep_rank)
+    assert len(covered) == 3 + 3 * 2  # every dense parameter once, every expert on both EP ranks

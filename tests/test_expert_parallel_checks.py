@@ -1,7 +1,7 @@
 """Expert parallelism across EP ranks (one spawn of 2 ranks, ep_size=2, so each edp group is one rank):
 configs that differ between EP ranks are refused, and with find_unused_parameters a dense parameter used on
-one EP rank only is still updated on every rank (its gradient is summed over the EP group), so its replicas
-stay equal."""
+one EP rank only is still updated on every rank (its gradient is reduced over the world, its unused flag too),
+so its replicas stay equal."""
 
 from __future__ import annotations
 

@@ -193,7 +193,7 @@ def scope_of(model: Any, optimizer: torch.optim.Optimizer) -> tuple[ZeroEngine, 
     """The engine and the checkpoint scope of ``model``: a prepared model or a ``hfzero.pipeline`` Pipeline."""
     engine = engine_of(model, optimizer)
     groups = list(range(len(engine.optimizer.param_groups)))
-    if engine.replica_comm is not None and engine.replica_comm.world_size > 1:
+    if engine.expert_comm is not None:
         return engine, _expert_parallel_scope(model, engine, groups)
     if _is_pipeline(model):
         return engine, _pipeline_scope(model, engine, groups)
@@ -234,18 +234,20 @@ def _tensor_parallel_scope(model: nn.Module, engine: ZeroEngine, groups: list[in
 def _expert_parallel_scope(model: nn.Module, engine: ZeroEngine, groups: list[int]) -> Scope:
     """An edp x ep model (hfzero/parallel/expert.py) is checkpointed as a TP one is ([Note: tensor-parallel
     checkpoints] in tensor_parallel.py): every rank of the world writes a file; the experts are DTensors sharded
-    on dim 0 over the 1-D EP mesh, so each rank's ranges map to whole-parameter ranges the same way; the dense
-    parameters, equal on every EP rank, are written by EP rank 0's ranks only. Loading maps the pieces to any
-    layout (another ep size, no EP, any stage) and ``hfzero consolidate`` writes whole experts."""
+    on dim 0 over the 1-D EP mesh, so each rank's ranges map to whole-parameter ranges the same way. The engine
+    shards the dense parameters over the world and the experts over edp ([Note: bucket partitions] in
+    runtime/layout.py): each rank writes its slices of both (at stage 0, where every rank holds its buckets
+    whole, its part of each bucket split over the bucket's partition group: checkpoint/ranges.py), so each
+    element is written once. Loading maps the pieces to any layout (another ep size, no EP, any stage) and
+    ``hfzero consolidate`` writes whole experts."""
     import torch.distributed as dist
 
-    ep = engine.replica_comm
     refuse_sharded_frozen(model)
     world = engine.comm.on_group(dist.group.WORLD, share_stats=False)
-    skip = frozenset(replicated_names(engine)) if ep.rank > 0 else frozenset()
-    return Scope(model, world, dist.get_rank(), dist.get_world_size(), lambda n: n, groups, len(groups), skip=skip,
+    edp = engine.expert_comm.world_size
+    return Scope(model, world, dist.get_rank(), dist.get_world_size(), lambda n: n, groups, len(groups),
                  writes_frozen=dist.get_rank() == 0, configs=model,
-                 expert_parallel={"ep_size": ep.world_size, "edp_size": engine.world_size})
+                 expert_parallel={"ep_size": dist.get_world_size() // edp, "edp_size": edp})
 
 
 def _pipeline_scope(pipe: Any, engine: ZeroEngine, groups: list[int]) -> Scope:

@@ -1,7 +1,9 @@
 """Which element ranges of which parameters a rank holds or writes. See [Note: bucket sharding].
 
 A rank's master view of a bucket covers a contiguous range of the bucket: its owned slice
-(``Bucket.owned(rank)``) when the layout shards (stages 1-3), the whole padded bucket at stage 0.
+(``Bucket.owned(rank)``) when the layout shards (stages 1-3), the whole padded bucket at stage 0. A bucket
+of a layout partition other than the first (expert parallelism's experts: [Note: bucket partitions] in
+runtime/layout.py) is owned and split by the rank's index in that partition's group.
 Since a parameter never spans buckets, the view meets each parameter in at most one contiguous
 element range of the flattened parameter; padding elements belong to no parameter and are not
 saved. Checkpoints are keyed by these per-parameter ranges, never by bucket, so any layout
@@ -34,9 +36,20 @@ class ParamRange:
         return self.end - self.start
 
 
+def _place(layout: FlatLayout, bucket: Bucket, rank: int, world_size: int) -> tuple[int, int]:
+    """(rank, group size) for ``bucket``: ``rank`` of ``world_size`` (partition 0's group, the caller's) or,
+    for a bucket of another partition, this rank's index in that partition's group and its size."""
+    if bucket.partition == 0:
+        return rank, world_size
+    part = layout.partitions[bucket.partition]
+    return part.rank, part.ranks
+
+
 def held_range(layout: FlatLayout, bucket: Bucket, rank: int) -> tuple[int, int]:
     """The range of ``bucket`` (bucket-relative elements) that ``rank``'s master view covers."""
-    return bucket.owned(rank) if layout.shard_world > 1 else (0, bucket.padded)
+    if bucket.shard_world == 1:
+        return 0, bucket.padded
+    return bucket.owned(_place(layout, bucket, rank, layout.shard_world)[0])
 
 
 def _meet(bucket: Bucket, lo: int, hi: int, view_origin: int) -> list[ParamRange]:
@@ -62,15 +75,19 @@ def held_ranges(layout: FlatLayout, rank: int) -> list[ParamRange]:
 def written_ranges(layout: FlatLayout, rank: int, world_size: int) -> list[ParamRange]:
     """The parameter ranges ``rank`` writes to its checkpoint file.
 
-    Sharded layouts write what they own. At stage 0 every rank holds every bucket whole, so the
-    writing is split: rank r writes the r-th of ``world_size`` equal parts of each bucket, and the
-    ranks together write each element exactly once.
+    Sharded buckets write what they own. At stage 0 every rank holds every bucket whole, so the
+    writing is split: rank r writes the r-th of ``world_size`` equal parts of each bucket (of a bucket of
+    another partition: the part of its index in that partition's group), and the ranks together write
+    each element exactly once.
     """
-    if layout.shard_world > 1:
-        return held_ranges(layout, rank)
     out = []
     for bucket in layout.buckets:
-        part = math.ceil(bucket.padded / world_size)
-        lo, hi = rank * part, min((rank + 1) * part, bucket.padded)
+        if bucket.shard_world > 1:
+            lo, hi = held_range(layout, bucket, rank)
+            out += _meet(bucket, lo, hi, lo)
+            continue
+        index, size = _place(layout, bucket, rank, world_size)
+        part = math.ceil(bucket.padded / size)
+        lo, hi = index * part, min((index + 1) * part, bucket.padded)
         out += _meet(bucket, lo, hi, 0)
     return out

@@ -57,12 +57,12 @@ def is_tensor_parallel(model: Any) -> bool:
 
 
 def is_expert_parallel(model: Any) -> bool:
-    """True for a model prepared over the edp group of an edp x ep mesh (experts are DTensor shards over ep)."""
+    """True for a model prepared over an edp x ep mesh (experts are DTensor shards over ep, sharded by ZeRO over
+    edp: the engine's ``expert_comm``)."""
     try:
-        group = get_engine(model).replica_comm
+        return get_engine(model).expert_comm is not None
     except ValueError:
         return False
-    return group is not None and group.world_size > 1
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """Expert parallelism x ZeRO for mixture-of-experts models: an edp x ep mesh, each MoE layer's experts split
 over "ep" by the model's own transformers ``base_model_ep_plan``, tokens exchanged by all-to-all, and ZeRO
-over "edp".
+over the world (dense parameters) and "edp" (experts).
 
 [Note: expert parallelism x ZeRO]
 Transformers 5 stores a MoE layer's experts as fused 3-D parameters (Qwen3-MoE ``mlp.experts.gate_up_proj``
@@ -19,20 +19,28 @@ Every rank is a data-parallel replica reading its own batch (ep2 x dp2 on 4 rank
 Expert parameters are DTensors whose local tensor is this rank's E / ep experts; dense parameters are
 plain tensors, the same on every rank.
 
-The ZeRO side is one engine over the edp group with a replica group (the EP group) and
-``average_over = world``: see [Note: average_over] in runtime/engine.py. Each rank's engine flattens its
-local tensors (dense parameters and its experts, as a smaller model: the same shapes on every rank of the
-world, so every rank's layout is the same), shards them over edp (stages 1-3) and reduces their gradients
-over edp; at the step the owned slices of the dense parameters' gradients are also all-reduced over the EP
-group, so a dense gradient is the sum over the world and an expert's the sum over the world of its
-tokens', both divided by the world size. The gradient norm counts each dense element once (EP rank 0's)
-and each expert once; the step agreement (stages 0-2) and stage 3's step check run over the world.
-Why one engine, not a dense engine over the world beside an expert engine over edp: the engine owns the
-model's hooks (stage 3's unit gathers register on the decoder blocks, whose parameters are dense and
-expert alike; the step agreement; the reducer's graph roots), and two engines on one model would each
-gather, check and broadcast the other's parameters. The price is that dense parameters are sharded over
-world / ep ranks, not the world: their model states are ep times what a pure data-parallel stage would
-hold (small in a MoE model, where most parameters are experts; docs/moe.md gives the per-rank bytes).
+The ZeRO side is one engine over the whole world whose layout has two partitions ([Note: bucket partitions]
+in runtime/layout.py): the dense parameters (plain tensors, the same on every rank) are sharded over the world,
+as plain ZeRO shards them, and each rank's experts (the local tensors of the DTensor shards: its E / ep experts,
+the same shapes on every rank, so every rank's layout is the same) over its edp group. A bucket holds
+parameters of one partition only; its reduce-scatter (stage 0: all-reduce), stage 3's gathers and the post-step
+all-gather run on its partition's communicator, in the one bucket order every rank shares. A dense gradient is
+then the world's sum and an expert's the sum over the world of its tokens' (the all-to-all brought it its EP
+group's tokens, the edp reduction adds the other EP groups'), both divided by the world size ([Note:
+average_over] in runtime/engine.py). The gradient norm is one all-reduce over the world: each dense element is
+owned by one rank of the world, each expert element by one rank of its edp group, and the edp groups hold
+different experts (at stage 0, where buckets are whole, rank 0 of each partition group counts them). The step
+agreement (stages 0-2), stage 3's step check and the overflow flag run over the world, the engine's group.
+At stage 3 with ep = world the edp group is one rank: the experts stay whole on their rank while the dense
+parameters are sharded over the world, so a rank holds 16 Psi_d / N + 16 Psi_e / N bytes (bf16 + Adam), plain
+stage 3's; docs/moe.md gives the per-rank bytes. Why one engine, not a dense engine over the world beside an
+expert engine over edp: the engine owns the model's hooks (stage 3's unit gathers register on the decoder blocks,
+whose parameters are dense and expert alike; the step agreement; the reducer's graph roots), and two engines on
+one model would each gather, check and broadcast the other's parameters.
+On NCCL a step uses three communicators (the world's, the edp group's and the EP group's all-to-alls); each is
+issued in the same order on every rank (bucket order, units in the recorded order, the model's layers), but only
+gloo has run it here (see [Note: one communicator per data-parallel group] in runtime/stage3/engine.py for why
+one communicator is preferred where it can be).
 """
 
 from __future__ import annotations
@@ -72,7 +80,8 @@ class ExpertMesh:
             batch; transformers' dispatch takes the ranks sharing a batch as its "tp" mesh).
         edp_size: ranks holding the same experts; ep_size: ranks splitting one layer's experts.
         edp_rank, ep_rank: this rank's coordinates.
-        edp_group: ranks with the same ep_rank (ZeRO runs here); ep_group: the ranks tokens travel between.
+        edp_group: ranks with the same ep_rank (ZeRO shards the experts here); ep_group: the ranks tokens travel
+            between.
     """
 
     mesh: DeviceMesh
@@ -161,8 +170,9 @@ def check_expert_parallel(model: nn.Module, config: ZeroConfig, world_size: int)
 
 
 def _sync_from_rank0(model: nn.Module) -> None:
-    """Start every rank from world rank 0's weights and buffers (the engine's own broadcast runs over edp only,
-    and expert sharding keeps each rank's own slice of its full expert tensors)."""
+    """Start every rank from world rank 0's weights and buffers, before the split: expert sharding keeps each
+    rank's own slice of its full expert tensors, and the engine's broadcast sends each expert bucket over its edp
+    group only (from rank 0 of that group, which holds the same experts)."""
     world = Communicator(None)
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
@@ -224,7 +234,8 @@ def prepare_expert_parallel(
         model: nn.Module,
         optimizer_factory: Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer] | torch.optim.Optimizer,
         config: ZeroConfig) -> tuple[nn.Module, ZeroOptimizer, ExpertMesh]:
-    """Build the edp x ep mesh, split ``model``'s experts over ep and prepare ZeRO over edp (stages 0-3).
+    """Build the edp x ep mesh, split ``model``'s experts over ep and prepare ZeRO (stages 0-3): the dense
+    parameters sharded over the world, the experts over edp.
 
     ``optimizer_factory(params)`` builds the optimizer over the expert-parallel parameters (built after the
     split, which replaces the expert parameters); an optimizer already built over the unsplit model is taken
@@ -247,7 +258,7 @@ def prepare_expert_parallel(
     model, optimizer = hfzero.prepare(model, optimizer, config, process_group=mesh.edp_group, ep_group=mesh.ep_group)
     ledger.comm = hfzero.get_engine(model).comm.on_group(mesh.ep_group)  # counts into the engine's statistics
     experts = sum(isinstance(p, DTensor) for p in model.parameters())
-    logger.info("expert parallelism: edp=%d x ep=%d, %d expert parameter(s) split over ep, ZeRO stage %s over edp "
-                "(gradients averaged over the world of %d)", mesh.edp_size, mesh.ep_size, experts, config.stage,
-                mesh.edp_size * mesh.ep_size)
+    logger.info("expert parallelism: edp=%d x ep=%d, %d expert parameter(s) split over ep; ZeRO stage %s shards the "
+                "dense parameters over the world of %d and the experts over edp", mesh.edp_size, mesh.ep_size, experts,
+                config.stage, mesh.edp_size * mesh.ep_size)
     return model, optimizer, mesh

@@ -92,9 +92,12 @@ def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: i
     offloaded = offload_placement(engine)["offloaded"]
     if offloaded:
         formula += " with the K part" + (" and 4Ψ/N_d fp32 gradients" if inputs["stage"] >= 2 else "") + " on the host"
-    host_inputs = {k: v for k, v in inputs.items() if k != "frozen_params"}
-    device = model_states_bytes(**inputs, offload_optimizer=offloaded)
-    host = model_states_cpu_bytes(**host_inputs, offload_optimizer=offloaded)
+    parts = _partition_inputs(engine, inputs)
+    if len(parts) > 1:
+        formula += " for the dense parameters over N_d = the world, plus the same for the experts over N_e = edp"
+    device = sum(model_states_bytes(**part, offload_optimizer=offloaded) for part in parts)
+    host = sum(model_states_cpu_bytes(**{k: v for k, v in part.items() if k != "frozen_params"},
+                                      offload_optimizer=offloaded) for part in parts)
     residuals = _error_feedback_bytes(engine, inputs["num_params"])
     if residuals:  # qgZ error feedback: fp32 residuals kept across steps (QUANT_RESIDUAL)
         formula += " + qgZ residuals 4Ψ(L > 1) + 4Ψ/L(nodes > 1)"
@@ -112,12 +115,14 @@ def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: i
         extra["stage3_gathered_bytes"] = stage3_gathered_numel(numels[0], numels[1:], int(engine.prefetch_numel)) * p
     return {**extra,
         # offloaded, the host holds gradients in fp32 (and an fp32 master in fp32 runs): the sum of both sides
-        "model_state_bytes": (device + host if offloaded else model_states_bytes(**inputs) + staging) + residuals,
+        "model_state_bytes": (device + host if offloaded
+                              else sum(model_states_bytes(**part) for part in parts) + staging) + residuals,
         "device_model_state_bytes": device + residuals,
         "host_model_state_bytes": host,
         "formula": formula,
         "optimizer": kind,
         "inputs": inputs,
+        **({"partition_inputs": parts} if len(parts) > 1 else {}),
     }
 
 
@@ -131,6 +136,23 @@ def _error_feedback_bytes(engine: Any, num_params: int) -> float:
     comm = engine.comm
     nodes = len({r // comm.ranks_per_node for r in comm.global_ranks})
     return error_feedback_bytes(num_params, engine.world_size, nodes=nodes)
+
+
+def _partition_inputs(engine: Any, inputs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The estimator's inputs per layout partition: ``inputs`` alone, or under expert parallelism the dense
+    parameters over the world and the experts over the edp group (See [Note: bucket partitions] in
+    runtime/layout.py; ``hfzero.estimate.expert_parallel_bytes`` is the same split)."""
+    comms = getattr(engine, "partition_comms", None)
+    if comms is None or len(comms) == 1:
+        return [inputs]
+    persistent = {b.index for b in engine._persistent_buckets()} if hasattr(engine, "_persistent_buckets") else set()
+    parts = []
+    for index, comm in enumerate(comms):
+        buckets = [b for b in engine.layout.buckets if b.partition == index]
+        parts.append(dict(inputs, num_params=sum(b.numel for b in buckets), dp=int(comm.world_size),
+                          persistent_params=sum(b.numel for b in buckets if b.index in persistent),
+                          frozen_params=inputs["frozen_params"] if index == 0 else 0))
+    return parts
 
 
 def offload_placement(engine: Any) -> dict[str, Any]:

@@ -17,18 +17,16 @@ Memory held (bf16 + Adam, Ψ trainable parameters, N ranks), matching the paper:
 [Note: average_over]
 The reducer stores gradient SUMS over the engine's group ([Note: gradient sums] in reducer.py); the step
 divides them by ``average_over``, the number of data-parallel ranks whose batches the step averages. By
-default that is the group's size. It differs when the group the engine shards over is not the whole
-data-parallel world: under expert parallelism (hfzero/parallel/expert.py) the engine shards over the
-expert-data-parallel group (the ranks holding the same experts, world / ep of them) while every rank reads
-its own batch, so the divisor is the world size. The gradients of the parameters every rank holds alike
-(the dense ones) are then summed over ``replica_comm`` (the EP group) too, once per step, after the
-group's reduction: the sum over edp ranks, then over ep ranks, is the sum over the world. An expert's
-gradient already is the sum over the world of its tokens' contributions: the all-to-all brought it the
-tokens of the EP group's ranks and the edp reduction adds the other EP groups'. HSDP (a shard group and a
-replicate group) is the same pattern with every parameter replicated. Under sequence parallelism the
-divisor is smaller than the group: the engine shards over the whole world, but the S ranks of an SP group
-train on parts of the same sequences, so the step averages over world / S replicas ([Note: sequence-parallel
-gradients] in hfzero/parallel/sequence/loss.py).
+default that is the group's size (times the replicas under HSDP, whose replicate group sums them further).
+Under expert parallelism (hfzero/parallel/expert.py) the engine's group is the whole world, every rank
+reading its own batch, and the experts (``expert_comm``) are a second partition of the layout, sharded and
+reduced over the expert-data-parallel group ([Note: bucket partitions] in layout.py): a dense gradient is
+the world's reduce-scatter (or all-reduce), a sum over the world; an expert's gradient is the sum over the
+world of its tokens' contributions too (the all-to-all brought it the tokens of its EP group's ranks and the
+edp reduction adds the other EP groups'), so both are divided by the world size, the default. Under
+sequence parallelism the divisor is smaller than the group: the engine shards over the whole world, but
+the S ranks of an SP group train on parts of the same sequences, so the step averages over world / S
+replicas ([Note: sequence-parallel gradients] in hfzero/parallel/sequence/loss.py).
 
 [Note: hierarchical sharding]
 With a ``replicate`` communicator (HSDP / MiCS, ``ZeroConfig.shard_size``; groups from
@@ -68,7 +66,7 @@ from hfzero.quantized_comm import QuantizedGather, QuantizedReduceScatter
 from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
 from hfzero.runtime.agreement import StepAgreement
 from hfzero.runtime.compile import eager_hook
-from hfzero.runtime.layout import FlatLayout
+from hfzero.runtime.layout import FlatLayout, Partition
 from hfzero.runtime.offload import HostOffload, offload_active
 from hfzero.runtime.precision import LossScaler, PrecisionPolicy
 from hfzero.runtime.reducer import GradientReducer, GradState
@@ -86,9 +84,8 @@ class ZeroEngine:
 
     def __init__(self, model: nn.Module, param_groups: list[list[nn.Parameter]], config: ZeroConfig,
                  comm: Communicator, device: torch.device, *, bucket_units: Sequence[str] | None = None,
-                 average_over: int | None = None, replica_comm: Communicator | None = None,
-                 check_comm: Communicator | None = None, replicate: Communicator | None = None,
-                 grad_reduce: QuantizedReduceScatter | None = None):
+                 average_over: int | None = None, expert_comm: Communicator | None = None,
+                 replicate: Communicator | None = None, grad_reduce: QuantizedReduceScatter | None = None):
         self.model = model
         self.replicate = replicate if replicate is not None and replicate.world_size > 1 else None
         """HSDP: the ranks holding the same shard as this one (None: flat). See [Note: hierarchical sharding]."""
@@ -96,16 +93,23 @@ class ZeroEngine:
         self.average_over = average_over if average_over is not None else comm.world_size * replicas
         """How many data-parallel ranks' summed gradients the step averages: the divisor of the gradient sums.
         Default: every rank the sums span (the group, times its replicas under HSDP); fewer where ranks of the
-        group train on the same samples (the S ranks of a sequence-parallel group), more where the group is not
-        the whole data-parallel world (expert parallelism). See [Note: average_over]."""
+        group train on the same samples (the S ranks of a sequence-parallel group). See [Note: average_over]."""
         self._bucket_units = bucket_units
         """Stages 0-2: module names whose parameters never share a bucket with another's (prepare's ``units=``)."""
         self.config = config
         self.comm = comm
-        self.param_gather: Communicator | QuantizedGather = (
-            QuantizedGather(comm, config.quantize_weights, config.quantize_block) if config.quantize_weights else comm)
-        """What parameter all-gathers run through: the group's communicator, or qwZ's block-quantized gather
-        (See [Note: quantized collectives] in hfzero/quantized_comm.py)."""
+        self.expert_comm = expert_comm
+        """Expert parallelism: the expert-data-parallel group, over which the parameters that are DTensor shards
+        (the experts, whose local tensors differ between EP ranks) are sharded and reduced; ``comm`` (the world)
+        shards the others. None otherwise. See [Note: bucket partitions] in layout.py."""
+        self.partition_comms: list[Communicator] = [comm] if expert_comm is None else [comm, expert_comm]
+        """The communicator of each layout partition (``Bucket.partition`` indexes it)."""
+        self.param_gathers: list[Communicator | QuantizedGather] = [
+            QuantizedGather(c, config.quantize_weights, config.quantize_block) if config.quantize_weights else c
+            for c in self.partition_comms]
+        """What each partition's parameter all-gathers run through: its communicator, or qwZ's block-quantized
+        gather over it (See [Note: quantized collectives] in hfzero/quantized_comm.py)."""
+        self.param_gather = self.param_gathers[0]
         self.device = device
         self.stage = config.stage
         self.rank = comm.rank
@@ -121,13 +125,9 @@ class ZeroEngine:
         self.unused_ranges: list[tuple[int, int, int]] = []
         self.norm_group: Communicator | None = None
         """The tensor-parallel group (set by prepare with a dp x tp mesh): the gradient norm spans it too."""
-        self.replica_comm = replica_comm
-        """A second group over which the parameters replicated on it (plain tensors, not DTensor shards) have
-        their gradients summed as well, once per step (expert parallelism: the EP group). See [Note: average_over]."""
-        self.check_comm = check_comm or comm
+        self.check_comm = comm
         """The group whose ranks must agree on every step (step agreement, stage 3's step check, fp16's
-        overflow flag): the engine's own group, or the whole world when ``replica_comm`` is set."""
-        self._replica_ranges: list[tuple[int, list[tuple[int, int]]]] | None = None
+        overflow flag): the engine's own group (the whole world under expert parallelism)."""
         self.checkpoint_staging: torch.Tensor | None = None
         """Host bytes an asynchronous checkpoint save copies this rank's shard into (hfzero/checkpoint/staging.py):
         allocated at the first such save and reused by the next, so held across steps (CKPT_STAGING)."""
@@ -162,7 +162,7 @@ class ZeroEngine:
         """The accumulation policy that runs ("sharded" or "local"); see [Note: accumulation policy]."""
         self.reducer = GradientReducer(self.layout, comm, self.stage, self.policy.param_dtype, device,
                                        config.overlap_comm, config.max_inflight_buckets, self.accumulation,
-                                       sink=self.offload)
+                                       sink=self.offload, comms=self.partition_comms)
         self.reducer.before_first_grad = self._before_backward
         self.reducer.always_find_unused = config.find_unused_parameters
         self.reducer.replicate = self.replicate
@@ -207,7 +207,15 @@ class ZeroEngine:
         self.bucket_numel = self.config.bucket_numel(num_params, self.world_size)
         """Elements per gradient bucket (``ZeroConfig.bucket_numel``: sized to the model unless set)."""
         return FlatLayout(groups, self.bucket_numel, shard_world, self.rank,
-                          unit_of=self._bucket_unit_of())
+                          unit_of=self._bucket_unit_of(), **self._partitioning())
+
+    def _partitioning(self) -> dict[str, Any]:
+        """The layout's partitions under expert parallelism (dense parameters over ``comm``, the world; DTensor
+        shards over ``expert_comm``); none otherwise. See [Note: bucket partitions] in layout.py."""
+        if self.expert_comm is None:
+            return {}
+        return {"partitions": [Partition(c.world_size, c.rank, self.stage > 0) for c in self.partition_comms],
+                "partition_of": lambda p: 0 if is_replicated_over_tp(p) else 1}
 
     def _bucket_unit_of(self) -> Callable[[nn.Parameter], Hashable] | None:
         """The unit of each parameter (buckets never span two units): at stages 0-2 the index of the first of
@@ -233,7 +241,7 @@ class ZeroEngine:
 
     # ---- views ----------------------------------------------------------------------------------
     def _owned_param(self, bucket) -> torch.Tensor:
-        lo, hi = bucket.owned(self.rank) if self.layout.shard_world > 1 else (0, bucket.padded)
+        lo, hi = bucket.mine()
         return self.param_flat[bucket.offset + lo: bucket.offset + hi]
 
     def _master_view(self, bucket) -> torch.Tensor:
@@ -241,18 +249,31 @@ class ZeroEngine:
             return self._owned_param(bucket)
         return self.master_flat[bucket.shard_offset: bucket.shard_offset + bucket.chunk]
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
+    def _broadcast(self, tensor: torch.Tensor, partition: int = 0) -> None:
         """``tensor`` from data-parallel rank 0 to every rank: inside the shard group, then (HSDP) across the
-        replicate group (See [Note: hierarchical sharding])."""
+        replicate group (See [Note: hierarchical sharding]); a tensor of another layout partition (an expert)
+        from rank 0 of its partition's group (See [Note: bucket partitions] in layout.py)."""
+        if partition:
+            self.partition_comms[partition].broadcast(tensor)
+            return
         self.comm.broadcast(tensor)
         if self.replicate is not None:
             self.replicate.broadcast(tensor)
 
+    def _partition_of(self, param: torch.Tensor) -> int:
+        """The layout partition a parameter outside the layout would belong to (0 without expert parallelism)."""
+        return 0 if self.expert_comm is None or is_replicated_over_tp(param) else 1
+
     def _broadcast_initial_state(self) -> None:
-        """Start every rank from rank 0's parameters and buffers, as DDP does."""
+        """Start every rank from rank 0's parameters and buffers, as DDP does (each bucket from rank 0 of its
+        partition's group)."""
         if self.world_size == 1 and self.replicate is None:
             return
-        self._broadcast(self.param_flat)
+        if self.expert_comm is None:
+            self._broadcast(self.param_flat)
+        else:
+            for bucket in self.layout.buckets:
+                self._broadcast(self.param_flat[bucket.offset: bucket.offset + bucket.padded], bucket.partition)
         self._broadcast_untracked()
 
     def _broadcast_untracked(self) -> None:
@@ -262,7 +283,7 @@ class ZeroEngine:
         in_layout = set(self.layout.slots)
         for p in self.model.parameters():
             if p not in in_layout:
-                self._broadcast(local_tensor(p).data)
+                self._broadcast(local_tensor(p).data, self._partition_of(p))
         for b in self.model.buffers():
             self._broadcast(b)
 
@@ -345,7 +366,6 @@ class ZeroEngine:
         self.reducer.reduce_pending()
         self._reduce_shard_over_replicas()  # HSDP: before the checks, so fp16's overflow flag sees whole sums
         self.overflow = self._check_step(self._overflow_flag())
-        self._reduce_over_replica_comm()
         if self.offload is not None:  # the host writes master weights next: See [Note: offload copies]
             self.offload.wait_uploads()
         factor = 1.0 / (self.average_over * self.scaler.scale)
@@ -360,47 +380,14 @@ class ZeroEngine:
         self._materialized = True
         self.unused_ranges = self._find_unused_ranges() if self.config.find_unused_parameters else []
 
-    def _reduce_over_replica_comm(self) -> None:
-        """Sum the owned gradient slices of the parameters replicated over ``replica_comm`` across it (one
-        all-reduce of their concatenation per bucket that has any; none without ``replica_comm``). Every rank
-        of the group holds the same layout, so the slices line up. See [Note: average_over]."""
-        if self.replica_comm is None or self.replica_comm.world_size == 1:
-            return
-        if self._replica_ranges is None:
-            self._replica_ranges = [(bucket.index, ranges) for bucket in self.layout.buckets
-                                    if (ranges := self._owned_spans(bucket, is_replicated_over_tp))]
-        for index, ranges in self._replica_ranges:
-            grad = self.reducer.owned_grad(self.layout.buckets[index])
-            if len(ranges) == 1:  # one run of replicated parameters: summed in place, nothing copied
-                self.replica_comm.all_reduce(grad[ranges[0][0]: ranges[0][1]])
-                continue
-            parts = torch.cat([grad[start:end] for start, end in ranges])  # (replicated owned elements,)
-            self.replica_comm.all_reduce(parts)
-            offset = 0
-            for start, end in ranges:
-                grad[start:end].copy_(parts[offset: offset + end - start])
-                offset += end - start
-
     def _owned_ranges(self, bucket, keep: Callable[[torch.Tensor], bool]) -> list[tuple[int, int]]:
         """(start, end) ranges, relative to this rank's owned slice of ``bucket``, of the parameters ``keep``
         accepts."""
         return [span for slot, span in self._slot_ranges(bucket) if keep(slot.param)]
 
-    def _owned_spans(self, bucket, keep: Callable[[torch.Tensor], bool]) -> list[tuple[int, int]]:
-        """``_owned_ranges`` with neighbours joined across the alignment padding between them (padding belongs
-        to no parameter: summing it changes nothing that is read), so a bucket whose kept parameters are
-        consecutive is one span."""
-        spans: list[tuple[int, int]] = []
-        joined = False  # whether the previous slot was kept: a kept slot then extends its span
-        for slot, (start, end) in self._slot_ranges(bucket):
-            if keep(slot.param):
-                spans[-1:] = [(spans[-1][0], end)] if joined else [*spans[-1:], (start, end)]
-            joined = keep(slot.param)
-        return spans
-
     def _slot_ranges(self, bucket) -> list[tuple[Any, tuple[int, int]]]:
         """(slot, (start, end)) for the slots overlapping this rank's owned slice of ``bucket``, relative to it."""
-        lo, hi = bucket.owned(self.rank) if self.layout.shard_world > 1 else (0, bucket.padded)
+        lo, hi = bucket.mine()
         out = []
         for slot in bucket.slots:
             start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
@@ -461,27 +448,29 @@ class ZeroEngine:
     def _find_unused_ranges(self) -> list[tuple[int, int, int]]:
         """(bucket index, start, end) ranges of master views whose parameters no rank used since the
         last step (one all-reduce of a flag per parameter; one more over the replicate group (HSDP) or
-        over ``replica_comm`` for the parameters replicated on it (EP))."""
+        over ``expert_comm`` for the experts (EP))."""
         slots = list(self.layout.slots.values())
         flags = torch.tensor([slot.param in self.reducer.used for slot in slots], dtype=torch.uint8,
                              device=self.comm_device)
+        experts = None
+        if self.expert_comm is not None:
+            # EP: an expert's slot holds other experts on the other EP ranks, so its flag is its edp group's
+            # (the ranks reducing its gradient); a dense parameter's is the world's, as its reduction
+            is_expert = torch.tensor([self.layout.buckets[slot.bucket].partition == 1 for slot in slots],
+                                     dtype=torch.bool, device=self.comm_device)
+            experts = flags.clone()
+            self.expert_comm.all_reduce(experts, op=torch.distributed.ReduceOp.MAX)
         self.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         if self.replicate is not None:  # used on any rank of the world
             self.replicate.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        if self.replica_comm is not None and self.replica_comm.world_size > 1:
-            # EP: a dense parameter's gradient is summed over the EP group too, so it is used when any rank of
-            # the world used it (else its replicas would drift apart); an expert's slot holds other experts
-            # on the other EP ranks, so its flag stays the edp group's
-            dense = torch.tensor([is_replicated_over_tp(slot.param) for slot in slots], dtype=torch.uint8,
-                                 device=self.comm_device) * flags
-            self.replica_comm.all_reduce(dense, op=torch.distributed.ReduceOp.MAX)
-            flags = torch.maximum(flags, dense)
+        if experts is not None:
+            flags = torch.where(is_expert, experts, flags)
         ranges = []
         for slot, used in zip(slots, flags.tolist()):
             if used:
                 continue
             bucket = self.layout.buckets[slot.bucket]
-            lo, hi = bucket.owned(self.rank) if self.layout.shard_world > 1 else (0, bucket.padded)
+            lo, hi = bucket.mine()
             start, end = max(slot.offset, lo), min(slot.offset + slot.numel, hi)
             if start < end:
                 ranges.append((bucket.index, start - lo, end - lo))
@@ -520,30 +509,33 @@ class ZeroEngine:
         Equal to ``torch.nn.utils.clip_grad_norm_`` over the full averaged gradient: each rank sums
         its slice and one small all-reduce combines them (none at stage 0, where slices are whole).
         With tensor parallelism (``norm_group``) the sum also spans the TP group, each parameter
-        replicated over it counted once (by TP rank 0); with expert parallelism (``replica_comm``) it spans
-        the EP group the same way: each expert once, each dense parameter once.
+        replicated over it counted once (by TP rank 0). With expert parallelism (layout partitions) it is one
+        all-reduce over the world, each rank summing the buckets it counts (``_counted_grads``): each dense
+        element and each expert element once.
         """
         self.materialize_grads()
         grads = [m.grad for m in self.master_views]
         norm_type = float(norm_type)
         device = grads[0].device if grads else self.policy.master_device
-        # the TP group (tensor parallelism) or the replica group (expert parallelism): never both
-        outer = next((g for g in (self.norm_group, self.replica_comm) if g is not None and g.world_size > 1), None)
+        outer = self.norm_group if self.norm_group is not None and self.norm_group.world_size > 1 else None
+        partitioned = self.expert_comm is not None
+        reduced = self.layout.shard_world > 1 or (partitioned and self.world_size > 1)
         if norm_type == float("inf"):
             local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
             total = local.to(self.comm_device, torch.float32).reshape(1)
-            if self.layout.shard_world > 1:
+            if reduced:
                 self.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
             if outer is not None:
                 outer.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
             total = total[0]
         else:
-            local = sum((torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type for g in grads),
+            counted = self._counted_grads() if partitioned else grads
+            local = sum((torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type for g in counted),
                         torch.zeros((), device=device))
             if outer is not None and outer.rank > 0:  # replicated over ``outer``: counted once, by its rank 0
                 local = local - self._replicated_norm_power(norm_type, device)
             total = local.to(self.comm_device, torch.float32).reshape(1)
-            if self.layout.shard_world > 1:
+            if reduced:
                 self.comm.all_reduce(total)
             if outer is not None:
                 outer.all_reduce(total)
@@ -553,9 +545,18 @@ class ZeroEngine:
             g.mul_(coef.to(g.device, g.dtype))
         return total
 
+    def _counted_grads(self) -> list[torch.Tensor]:
+        """With layout partitions: the gradients of the owned slices this rank counts in the norm. A bucket's
+        slice is held by its partition group's ranks; sharded (stages 1-3) each holds a different slice, whole
+        (stage 0) all hold the same: it is counted by the first ``shard_world`` ranks of its group, so over the
+        world each element of a partition group's buckets is counted once, and the expert groups (ranks with the
+        same experts) hold different experts. See [Note: bucket partitions] in layout.py."""
+        return [master.grad for bucket, master in zip(self.layout.buckets, self.master_views)
+                if self.partition_comms[bucket.partition].rank < bucket.shard_world]
+
     def _replicated_norm_power(self, norm_type: float, device: torch.device) -> torch.Tensor:
         """Sum of |g|^p over this rank's slice of the parameters replicated over the TP group (tensor
-        parallelism) or over ``replica_comm`` (expert parallelism: the dense ones)."""
+        parallelism)."""
         total = torch.zeros((), device=device, dtype=torch.float32)
         for bucket in self.layout.buckets:
             grad = self.master_views[bucket.index].grad
@@ -568,7 +569,6 @@ class ZeroEngine:
 
         Offloaded, bucket by bucket: the asynchronous host-to-device copy of bucket k+1 runs while bucket
         k is all-gathered (see [Note: offload copies])."""
-        gather = self.layout.shard_world > 1
         if self.offload is not None:
             self.offload.begin_upload()
         elif self.policy.separate_master:
@@ -578,9 +578,10 @@ class ZeroEngine:
         for bucket, master in zip(self.layout.buckets, self.master_views):
             if self.offload is not None:
                 self.offload.upload(bucket, master, self._owned_param(bucket))
-            if gather:
+            if bucket.shard_world > 1:  # its partition's group: See [Note: bucket partitions] in layout.py
                 full = self.param_flat[bucket.offset: bucket.offset + bucket.padded]
-                handles.append(self.param_gather.all_gather(full, self._owned_param(bucket), async_op=True))
+                handles.append(self.param_gathers[bucket.partition].all_gather(full, self._owned_param(bucket),
+                                                                              async_op=True))
         for handle in handles:
             handle.wait()
 

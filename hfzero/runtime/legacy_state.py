@@ -31,6 +31,10 @@ from hfzero.runtime.layout import Bucket, FlatLayout
 
 
 def _old_layout(engine: ZeroEngine) -> FlatLayout:
+    if len(engine.layout.partitions) > 1:  # written before expert parallelism existed: never one of its layouts
+        raise ConfigError("hfzero: an optimizer state of format 1 cannot be loaded into an expert-parallel engine "
+                          "(its buckets are sharded over two groups); load it without ep_size and save a hfzero "
+                          "checkpoint (hfzero.checkpoint.save_checkpoint), which any layout can read")
     old = engine.layout.realigned(1)
     if [[s.param for s in b.slots] for b in old.buckets] != [[s.param for s in b.slots] for b in engine.layout.buckets]:
         raise ConfigError("hfzero: this optimizer state (format 1) has buckets other than the running layout's; "

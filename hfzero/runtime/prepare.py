@@ -62,10 +62,11 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     ``tp_group``: the tensor-parallel group of a dp x tp mesh (``process_group`` is then its dp group);
     build both with ``hfzero.parallel.tensor.prepare_tensor_parallel`` rather than by hand.
     ``ep_group``: the expert-parallel group of an edp x ep mesh (``process_group`` is then its
-    expert-data-parallel group): gradients of the parameters that are not DTensor shards (the dense ones)
-    are summed over it as well, and the step checks span the world; build both with
-    ``hfzero.parallel.expert.prepare_expert_parallel``. ``average_over``: how many data-parallel ranks'
-    gradient sums the step averages (default: the group's size; with ``ep_group``, the world size; sequence
+    expert-data-parallel group): the parameters that are DTensor shards (the experts) are sharded and reduced
+    over ``process_group``, the others (dense) over the whole world, as are the step checks (See [Note: bucket
+    partitions] in layout.py); build both with ``hfzero.parallel.expert.prepare_expert_parallel``.
+    ``average_over``: how many data-parallel ranks' gradient sums the step averages (default: the group's
+    size; with ``ep_group``, the world size; sequence
     parallelism passes world / sp_size, as an SP group's ranks train on the same samples: build it with
     ``hfzero.parallel.sequence.prepare_sequence_parallel``); see [Note: average_over] in engine.py and
     [Note: sequence-parallel gradients].
@@ -113,6 +114,9 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         raise ConfigError(f"hfzero.prepare: config.mlp_tiles={config.mlp_tiles} but the model's MLPs are tiled in "
                           f"{mlp_tiles_of(model)}; pass the same mlp_tiles (prepare tiles them itself)")
     process_group, replicate_group = _shard_groups(config, process_group, replicate_group, tp_size)
+    expert_group = None
+    if ep_size > 1:  # the engine's group is the world (dense); the experts' is the edp group given
+        expert_group, process_group = process_group, None
     pending = find_pending(model) if weights is None else None
     if pending is not None:  # See [Note: pending weights] in runtime/pending.py
         weights = _read_pending(model, optimizer, config, process_group, pending)
@@ -134,11 +138,8 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
     replicate = comm.on_group(replicate_group) if replicate_group is not None else None  # counted with comm's
     _check_ranks_agree(comm, config, model, optimizer, groups)
     groups_kw = {"average_over": average_over}
-    if ep_group is not None:  # See [Note: average_over] in engine.py
-        groups_kw = {"average_over": average_over or dist.get_world_size(), "check_comm": comm.on_group(None),
-                     "replica_comm": comm.on_group(ep_group)}
-    if ep_group is not None:  # the other edp groups too (their experts differ, not the shapes): the whole world
-        _check_ranks_agree(comm.on_group(ep_group, share_stats=False), config, model, optimizer, groups)
+    if expert_group is not None:  # See [Note: bucket partitions] in layout.py; counted with comm's
+        groups_kw["expert_comm"] = comm.on_group(expert_group)
     if replicate is not None:  # the other shard groups too: the whole world passes the same
         _check_ranks_agree(replicate.on_group(replicate.group, share_stats=False), config, model, optimizer, groups)
     secondary = _node_comm(comm, process_group, replicate) if config.secondary_partition else None

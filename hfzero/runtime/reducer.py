@@ -109,12 +109,16 @@ class GradientReducer:
 
     def __init__(self, layout: FlatLayout, comm: Communicator, stage: int, dtype: torch.dtype,
                  device: torch.device, overlap: bool, max_inflight: int, policy: str = "local",
-                 sink: HostOffload | None = None):
+                 sink: HostOffload | None = None, comms: list[Communicator] | None = None):
         self.layout = layout
         self.comm = comm
+        self.comms = comms or [comm]
+        """The communicator of each layout partition (``Bucket.partition`` indexes it; ``comm`` is partition 0's):
+        a bucket is reduced over its partition's group. See [Note: bucket partitions] in layout.py."""
         self.scatter: Any = comm
-        """What runs the reduce-scatters (stages 1-3): ``comm``, or qgZ's hierarchical quantized reduction (set by
-        the engine; same signature. See [Note: quantized collectives] in hfzero/quantized_comm.py)."""
+        """What runs partition 0's reduce-scatters (stages 1-3): ``comm``, or qgZ's hierarchical quantized
+        reduction (set by the engine; same signature. See [Note: quantized collectives] in
+        hfzero/quantized_comm.py)."""
         self.stage = stage
         self.dtype = dtype
         self._element = torch.empty(0, dtype=dtype).element_size()
@@ -286,14 +290,22 @@ class GradientReducer:
     def _zero_before_new_sums(self) -> None:
         """Stage 0, after a reduction: every rank but rank 0 zeroes the buckets about to be reduced again, so
         only rank 0 keeps the sum S (see [Note: gradient sums]); the other buckets keep S on every rank."""
-        if self.state is not GradState.REDUCED or self.stage != 0 or self.comm.rank == 0:
+        if self.state is GradState.REDUCED and self.stage == 0:
+            self._zero_off_root(self.active)
+
+    def _zero_off_root(self, indices: Iterable[int] | None) -> None:
+        """Stage 0: zero buckets ``indices`` (None: all) where this rank is not rank 0 of the bucket's partition
+        group, which alone keeps the sum (See [Note: gradient sums] and [Note: bucket partitions])."""
+        off_root = [c.rank != 0 for c in self.comms]
+        if not any(off_root):
             return
-        if self.active is None:
+        if indices is None and all(off_root):
             self.grad_full.zero_()
             return
-        for index in self.active:
+        for index in range(len(self.layout.buckets)) if indices is None else indices:
             bucket = self.layout.buckets[index]
-            self.grad_full[bucket.offset: bucket.offset + bucket.padded].zero_()
+            if off_root[bucket.partition]:
+                self.grad_full[bucket.offset: bucket.offset + bucket.padded].zero_()
 
     def _is_active(self, index: int) -> bool:
         return self.active is None or index in self.active
@@ -409,17 +421,19 @@ class GradientReducer:
         while len(self._inflight) >= self.max_inflight:
             self._complete(*self._inflight.popleft())
         source = self._fill_target(bucket) if source is None else source
+        comm = self.comms[bucket.partition]  # See [Note: bucket partitions] in layout.py
         if self.stage == 0:
-            handle = self.comm.all_reduce(source, async_op=True)
+            handle = comm.all_reduce(source, async_op=True)
         else:
-            lo, hi = bucket.owned(self.comm.rank)
-            keyed = {} if self.scatter is self.comm else {"key": bucket.index}  # qgZ's error feedback
-            handle = self.scatter.reduce_scatter(source[lo:hi], source, async_op=True, **keyed)
+            lo, hi = bucket.mine()
+            scatter = self.scatter if bucket.partition == 0 else comm  # qgZ covers partition 0 (EP refuses qgZ)
+            keyed = {} if scatter is comm else {"key": bucket.index}  # qgZ's error feedback
+            handle = scatter.reduce_scatter(source[lo:hi], source, async_op=True, **keyed)
         self._inflight.append((bucket, handle, source))
 
     def _complete(self, bucket: Bucket, handle: Handle, source: torch.Tensor) -> None:
         handle.wait()
-        lo, hi = bucket.owned(self.comm.rank) if self.stage > 0 else (0, bucket.padded)
+        lo, hi = bucket.mine()
         if self.stage == 1:
             source[:lo].zero_()  # See [Note: gradient sums]
             source[hi:].zero_()
@@ -482,8 +496,8 @@ class GradientReducer:
         local store, to be reduced by the next ``reduce_pending()``. See [Note: gradient sums]."""
         if self._in_backward:
             raise RuntimeError("hfzero: gradients can be added by hand only between backward passes")
-        if self.state is GradState.REDUCED and self.stage == 0 and self.comm.rank != 0:
-            self.grad_full.zero_()
+        if self.state is GradState.REDUCED and self.stage == 0:
+            self._zero_off_root(None)
         if self.grad_full is None and self.accumulator is None:
             self.accumulator = torch.zeros(self.layout.total_padded, dtype=self.dtype, device=self.device)
         store = self.grad_full if self.grad_full is not None else self.accumulator
@@ -552,7 +566,7 @@ class GradientReducer:
             return self.sink.gradient(bucket)
         if self.grad_shard is not None:
             return self.grad_shard[bucket.shard_offset: bucket.shard_offset + bucket.chunk]
-        lo, hi = bucket.owned(self.comm.rank) if self.stage == 1 else (0, bucket.padded)
+        lo, hi = bucket.mine()
         return self.grad_full[bucket.offset + lo: bucket.offset + hi]
 
     def zero(self) -> None:

@@ -73,7 +73,10 @@ def _gather_group_comms(comm: Communicator) -> tuple[Communicator, Communicator 
     reductions at rank-independent points: [Note: collective order across ranks] in reducer.py), so the
     order on the wire is the same too. The cost: a prefetch gather issued after a unit's reduce-scatter
     waits for it (both still overlap compute, which runs on the compute stream). No process group is
-    created here, so no rank can skip one (tests/test_stage3_comm_order.py).
+    created here, so no rank can skip one (tests/test_stage3_comm_order.py). The one exception is expert
+    parallelism, whose expert buckets are gathered and reduced over the edp group beside the world's dense ones
+    ([Note: bucket partitions] in layout.py): both groups see their collectives in the one bucket and unit
+    order every rank shares, but they are two communicators (run on gloo only so far).
     """
     if comm.world_size == 1:
         return comm, None
@@ -86,9 +89,9 @@ class Stage3Engine(ZeroEngine):
     def __init__(self, model: nn.Module, param_groups: list[list[nn.Parameter]], config: ZeroConfig,
                  comm: Communicator, device: torch.device, *, units: Sequence[str] | None = None,
                  verify_gather_order: bool = True, weights: WeightSource | None = None,
-                 average_over: int | None = None, replica_comm: Communicator | None = None,
-                 check_comm: Communicator | None = None, replicate: Communicator | None = None,
-                 secondary: Communicator | None = None, grad_reduce: QuantizedReduceScatter | None = None):
+                 average_over: int | None = None, expert_comm: Communicator | None = None,
+                 replicate: Communicator | None = None, secondary: Communicator | None = None,
+                 grad_reduce: QuantizedReduceScatter | None = None):
         self._weights = weights  # see [Note: stage-3 sharded construction] in weights.py
         trainable = {p for group in param_groups for p in group if p.requires_grad}
         # See [Note: stage-3 frozen parameters]
@@ -105,8 +108,7 @@ class Stage3Engine(ZeroEngine):
         [Note: secondary partition] in unit.py."""
         self._verify_gather_order = verify_gather_order
         super().__init__(model, param_groups, config, comm, device, average_over=average_over,
-                         replica_comm=replica_comm, check_comm=check_comm, replicate=replicate,
-                         grad_reduce=grad_reduce)
+                         expert_comm=expert_comm, replicate=replicate, grad_reduce=grad_reduce)
         self.gather_pool = GatherBufferPool(self.policy.param_dtype, device)
         self.units = [self._make_unit(spec) for spec in self.unit_specs]
         partitioned_frozen = set(self.frozen_layout.slots)
@@ -178,7 +180,7 @@ class Stage3Engine(ZeroEngine):
         names = {p: n for n, p in self.model.named_parameters()}
         frozen = sorted((order[p], names[p], p) for p in self._frozen if self._unit_of.get(p, _PERSISTENT) != _PERSISTENT)
         return FlatLayout([frozen], self.bucket_numel, self.world_size, self.rank,
-                          unit_of=self._unit_of.__getitem__)
+                          unit_of=self._unit_of.__getitem__, **self._partitioning())
 
     def _place_frozen(self) -> None:
         """This rank's slice of every frozen bucket (PARAM_SHARD); the unit gathers the rest when it runs."""
@@ -187,7 +189,7 @@ class Stage3Engine(ZeroEngine):
                                         device=self.device)
         self._frozen_views: dict[int, torch.Tensor] = {}
         for bucket in self.frozen_layout.buckets:
-            lo, hi = bucket.owned(self.rank)
+            lo, hi = bucket.mine()
             full = None if self._weights is not None else self._broadcast_bucket(bucket)
             view = self._frozen_views[bucket.index] = self.frozen_shard[bucket.shard_offset: bucket.shard_offset + bucket.chunk]
             self._fill(bucket, lo, hi, view, full)
@@ -199,7 +201,7 @@ class Stage3Engine(ZeroEngine):
         placed = set(self.layout.slots) | set(self.frozen_layout.slots)
         for p in dict.fromkeys(self.model.parameters()):
             if p not in placed:
-                self._broadcast(local_tensor(p).data)
+                self._broadcast(local_tensor(p).data, self._partition_of(p))
         for b in self.model.buffers():
             self._broadcast(b)
 
@@ -215,7 +217,7 @@ class Stage3Engine(ZeroEngine):
         self._persistent_full: dict[int, torch.Tensor] = {}
         shard_at = full_at = 0
         for bucket in self.layout.buckets:
-            lo, hi = bucket.owned(self.rank)
+            lo, hi = bucket.mine()
             full = None if self._weights is not None else self._broadcast_bucket(bucket)
             if bucket in persistent:
                 kept = self.persistent_flat[full_at: full_at + bucket.padded]
@@ -232,11 +234,11 @@ class Stage3Engine(ZeroEngine):
         self._broadcast_untracked()
 
     def _broadcast_bucket(self, bucket: Bucket) -> torch.Tensor:
-        """Rank 0's values of the whole bucket (transient, one bucket)."""
+        """Rank 0's values of the whole bucket (transient, one bucket), over its partition's group."""
         full = torch.zeros(bucket.padded, dtype=self.policy.param_dtype, device=self.device)
         for slot in bucket.slots:
             full[slot.offset: slot.offset + slot.numel].copy_(local_tensor(slot.param).detach().reshape(-1))
-        self._broadcast(full)
+        self._broadcast(full, bucket.partition)
         return full
 
     def _fill(self, bucket: Bucket, lo: int, hi: int, out: torch.Tensor, full: torch.Tensor | None) -> None:
@@ -250,7 +252,7 @@ class Stage3Engine(ZeroEngine):
         buckets = [b for b in self.layout.buckets if self._unit_of[b.slots[0].param] == spec.index]
         frozen = [b for b in self.frozen_layout.buckets if self._unit_of[b.slots[0].param] == spec.index]
         return GatherUnit(spec.index, spec.name, spec.module, [(b, self._shard_views[b.index]) for b in buckets],
-                          [(b, self._frozen_views[b.index]) for b in frozen], self.param_gather,
+                          [(b, self._frozen_views[b.index]) for b in frozen], self.param_gathers,
                           self.policy.param_dtype, self.device, self.gather_pool, secondary=self.secondary)
 
     def _gather_pool_limit(self) -> int:
@@ -299,7 +301,8 @@ class Stage3Engine(ZeroEngine):
         elif self.policy.separate_master:
             for bucket, master in zip(self.layout.buckets, self.master_views):
                 self._owned_param(bucket).copy_(master)
-        handles = [self.param_gather.all_gather(self._persistent_full[b.index], self._shard_views[b.index], async_op=True)
+        handles = [self.param_gathers[b.partition].all_gather(  # its partition's group: [Note: bucket partitions]
+                       self._persistent_full[b.index], self._shard_views[b.index], async_op=True)
                    for b in self._persistent_buckets()]
         for handle in handles:
             handle.wait()
@@ -328,7 +331,7 @@ class Stage3Engine(ZeroEngine):
         """Write this rank's slice of ``value`` (the whole parameter) into the frozen shard."""
         slot = self.frozen_layout.slots[param]
         bucket = self.frozen_layout.buckets[slot.bucket]
-        lo, hi = bucket.owned(self.rank)
+        lo, hi = bucket.mine()
         start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         if start < stop:
             flat = value.reshape(-1)[start - slot.offset: stop - slot.offset]

@@ -22,7 +22,9 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
 
     Collective over the model's data-parallel group (and its tensor-parallel group). With
     ``rank0_only`` the other ranks take part in the gathers but return ``{}``, so only data-parallel
-    rank 0 (every TP rank of it) holds the (CPU) copy of the model.
+    rank 0 (every TP rank of it) holds the (CPU) copy of the model. Under expert parallelism the engine's
+    group is the world: world rank 0 keeps the copy, the other ranks of its EP group (edp rank 0) make the
+    experts whole with it (``full_tensor()`` over EP) and return ``{}``.
     """
     from hfzero.runtime.prepare import get_engine
     from hfzero.runtime.stage3.engine import Stage3Engine
@@ -30,26 +32,29 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
 
     engine = get_engine(model)
     keep = not rank0_only or engine.rank == 0
+    expert_comm = getattr(engine, "expert_comm", None)
+    collect = keep or (expert_comm is not None and expert_comm.rank == 0)  # rank 0's EP group: full_tensor()
     if not isinstance(engine, Stage3Engine):
-        return _copies(model.state_dict(keep_vars=True), {}) if keep else {}
+        copies = _copies(model.state_dict(keep_vars=True), {}) if collect else {}
+        return copies if keep else {}
     gathered: dict[nn.Parameter, torch.Tensor] = {}
     for unit in engine.units:
         was_sharded = unit.state is UnitState.SHARDED
         engine.scheduler.gather_now(unit)
-        if keep:
+        if collect:
             for p in unit.params:
                 gathered[p] = whole_cpu(p)
         if was_sharded:
             unit.release()
-    if not keep:
+    if not collect:
         return {}
-    out: dict[str, torch.Tensor] = {}
     engine.allow_partitioned_state_dict = True  # the empty entries are replaced by the gathered tensors below
     try:
         entries = model.state_dict(keep_vars=True)
     finally:
         engine.allow_partitioned_state_dict = False
-    return _copies(entries, gathered)
+    copies = _copies(entries, gathered)  # whole_cpu of any DTensor not in a unit: collective over its mesh too
+    return copies if keep else {}
 
 
 def _copies(entries: dict[str, torch.Tensor], gathered: dict[nn.Parameter, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -55,10 +55,13 @@ class GatherUnit:
     """The gathered (non-persistent) buckets of one unit; see [Note: stage-3 release]."""
 
     def __init__(self, index: int, name: str, module: nn.Module, buckets: list[tuple[Bucket, torch.Tensor]],
-                 frozen: list[tuple[Bucket, torch.Tensor]], comm: Communicator | QuantizedGather, dtype: torch.dtype,
+                 frozen: list[tuple[Bucket, torch.Tensor]],
+                 comm: Communicator | QuantizedGather | list[Communicator | QuantizedGather], dtype: torch.dtype,
                  device: torch.device, pool: GatherBufferPool | None = None, secondary: Communicator | None = None):
         """``buckets``/``frozen``: (bucket, this rank's shard slice of it) for the unit's trainable and
         frozen buckets; both are gathered into one full buffer (see [Note: stage-3 frozen parameters]).
+        ``comm``: what gathers them, or one per layout partition (a bucket's ``partition`` indexes it: See
+        [Note: bucket partitions] in layout.py).
         ``pool``: where the full buffer's memory is borrowed from per gather (see [Note: stage-3 gather
         buffers]); None keeps today's storage resize. ``secondary``: the node's communicator for hpZ (See
         [Note: secondary partition])."""
@@ -71,7 +74,10 @@ class GatherUnit:
         self.buckets = [b for b, _ in buckets]
         """The trainable buckets: their reductions launch when the backward pass is done with the unit."""
         self.has_frozen = bool(frozen)
-        self.comm = comm
+        self.comms = comm if isinstance(comm, list) else [comm]
+        """What gathers each partition's buckets (``Bucket.partition`` indexes it)."""
+        self.comm = self.comms[0]
+        """What gathers partition 0's buckets: the data-parallel group's (the only one without expert parallelism)."""
         self.state = UnitState.SHARDED
         self.pool = pool
         self._borrowed: torch.UntypedStorage | None = None  # the pool buffer whose memory the unit holds
@@ -80,6 +86,7 @@ class GatherUnit:
         self._nbytes = self.numel * self.full.element_size()
         self._empty = torch.empty(0, dtype=dtype, device=device)
         self._targets: list[tuple[torch.Tensor, torch.Tensor]] = []  # (full bucket view, shard slice)
+        self._partitions = [b.partition for b, _ in buckets + frozen]  # each target's gathering group
         self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
         start = 0
         for bucket, shard in buckets + frozen:
@@ -129,8 +136,9 @@ class GatherUnit:
             self._handles = [self.secondary.all_gather(full, part, async_op=True)
                              for (full, _), part in zip(self._targets, self._secondary_parts)]
         else:
-            gather = self.comm.comm if exact and isinstance(self.comm, QuantizedGather) else self.comm
-            self._handles = [gather.all_gather(full, shard, async_op=True) for full, shard in self._targets]
+            gathers = [c.comm if exact and isinstance(c, QuantizedGather) else c for c in self.comms]
+            self._handles = [gathers[partition].all_gather(full, shard, async_op=True)
+                             for (full, shard), partition in zip(self._targets, self._partitions)]
         self.state = UnitState.GATHERING
 
     def wait(self) -> None:
