@@ -10,6 +10,14 @@ Side by side:
 - "world1", started once ref's checkpoint-4 is complete: that checkpoint resumed on 1 rank; gradient
   accumulation 2 -> 4 keeps the global batch.
 - "fail": arguments TrainingArguments refuses in the worker: the launcher names the rank, node and error.
+
+The launches are staggered: one starts only when the one before it has restarted (or, for the last two, is
+training), never while another launcher's workers are starting or restarting. Under
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchelastic picks the workers' store port with ``get_free_port`` (bind to
+port 0, close, let rank 0 bind it later): workers of another launcher starting at the same moment can take that
+port for a gloo listener in between, and rank 0 then fails before training (seen in a full run: a connection
+reset on the store port, the one restart spent on it, the kill at step 3 of the second attempt fatal). Users
+running one launcher per host do not meet this; several launchers starting together on one host can.
 """
 
 from __future__ import annotations
@@ -47,6 +55,17 @@ def _start(log: Path, launcher: list[str], script_args: list[str]) -> tuple[subp
     return proc, log
 
 
+def _wait_for(started: tuple[subprocess.Popen, Path], *texts: str, also: Path | None = None) -> None:
+    """Wait until every one of ``texts`` is in the launch's log (or ``also``'s), or it ended, or the timeout."""
+    proc, log = started
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        seen = log.read_text() + (also.read_text() if also is not None else "")
+        if all(text in seen for text in texts):
+            return
+        time.sleep(0.5)
+
+
 def _finish(procs: list[tuple[subprocess.Popen, Path]], failing: str = "") -> dict[str, str]:
     """Wait for the launches; each must succeed except ``failing``, which must exit 1."""
     logs = {}
@@ -70,8 +89,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]
                      "--max_restarts", "1"],
                     ["--output_dir", str(root / f"node{k}"), "--save_on_each_node", "true", "--kill_at_step", "3",
                      "--kill_marker", str(root / "killed")]) for k in (0, 1)]
+    _wait_for(nodes[0], "restart 1: resuming from", "'epoch': '0.3", also=nodes[1][1])
     kill = _start(root / "kill.log", ["--standalone", "--nproc_per_node", "2", "--max_restarts", "1"],
                   ["--output_dir", str(root / "kill"), "--kill_at_step", "3", "--kill_marker", str(root / "killed1")])
+    _wait_for(kill, "restart 1: resuming from", "'epoch': '0.3")
     ref = _start(root / "ref.log", ["--standalone", "--nproc_per_node", "2"], ["--output_dir", str(root / "ref")])
     checkpoint = root / "ref" / "checkpoint-4"
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
@@ -79,6 +100,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]
         time.sleep(0.5)  # start the world-1 resume as soon as the reference's checkpoint-4 is complete
     world1 = _start(root / "world1.log", ["--standalone", "--nproc_per_node", "1"],
                     ["--output_dir", str(root / "world1"), "--resume_from_checkpoint", str(checkpoint)])
+    _wait_for(world1, "'loss'")
     fail = _start(root / "fail.log", ["--standalone", "--nproc_per_node", "1"],
                   ["--output_dir", str(root / "fail"), "--eval_strategy", "no", "--load_best_model_at_end", "true"])
     return root, _finish([*nodes, kill, ref, world1, fail], failing="fail")
