@@ -156,6 +156,18 @@ def _layout_inter_bytes(engine, stage: int, extra: dict) -> int:
     return total
 
 
+def _step(model, opt, engine, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
+    """One clipped training step on ``ids``: its loss and the inter-node bytes each comm kind moved in it."""
+    before = engine.comm.stats()
+    loss = model(input_ids=ids, labels=ids).loss
+    opt.backward(loss)
+    opt.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
+    after = engine.comm.stats()
+    return loss, {k: s.inter_node_bytes - (before[k].inter_node_bytes if k in before else 0) for k, s in after.items()}
+
+
 def _train(stage: int, extra: dict) -> dict:
     model = tiny_causal_lm("gpt2", vocab=VOCAB, positions=SEQ)
     config = ZeroConfig(stage=stage, reduce_bucket_size=8192, **extra)
@@ -164,16 +176,8 @@ def _train(stage: int, extra: dict) -> dict:
     rank = dist.get_rank()
     losses, inter, allocations = [], [], []
     for step in range(STEPS):
-        before = engine.comm.stats()
-        mine = _sequences(step).chunk(WORLD)[rank]
-        loss = model(input_ids=mine, labels=mine).loss
-        opt.backward(loss)
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        after = engine.comm.stats()
-        inter.append(sum(s.inter_node_bytes - (before[k].inter_node_bytes if k in before else 0)
-                         for k, s in after.items()))
+        loss, crossed = _step(model, opt, engine, _sequences(step).chunk(WORLD)[rank])
+        inter.append(sum(crossed.values()))
         value = loss.detach().reshape(1).clone()
         dist.all_reduce(value)
         losses.append(value.item() / WORLD)
@@ -264,16 +268,8 @@ def _train_tp(stage: int, quantize: str | None) -> dict:
     dp_rank = dist.get_rank() // TP
     losses, inter = [], []
     for step in range(TP_STEPS):
-        before = engine.comm.stats()
-        mine = _sequences(step).chunk(WORLD // TP)[dp_rank]
-        loss = model(input_ids=mine, labels=mine).loss
-        opt.backward(loss)
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        after = engine.comm.stats()
-        inter.append({k: s.inter_node_bytes - (before[k].inter_node_bytes if k in before else 0)
-                      for k, s in after.items()})
+        loss, crossed = _step(model, opt, engine, _sequences(step).chunk(WORLD // TP)[dp_rank])
+        inter.append(crossed)
         value = loss.detach().reshape(1).clone()
         dist.all_reduce(value)
         losses.append(value.item() / WORLD)

@@ -142,9 +142,12 @@ def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConf
         groups_kw["expert_comm"] = comm.on_group(expert_group)
     if replicate is not None:  # the other shard groups too: the whole world passes the same
         _check_ranks_agree(replicate.on_group(replicate.group, share_stats=False), config, model, optimizer, groups)
-    secondary = _node_comm(comm, process_group, replicate) if config.secondary_partition else None
-    if config.quantize_gradients:
-        groups_kw["grad_reduce"] = _quantized_reduce(comm, config)
+    # hpZ and qgZ both build node groups from every rank's group: learned once (a collective of the world)
+    quantized = bool(config.quantize_gradients) and comm.distributed and comm.world_size > 1
+    world_groups = _world_groups(comm) if config.secondary_partition or quantized else []
+    secondary = _node_comm(comm, world_groups) if config.secondary_partition else None
+    if quantized:
+        groups_kw["grad_reduce"] = _quantized_reduce(comm, config, world_groups)
     if config.stage == 3:
         try:
             engine = Stage3Engine(model, groups, config, comm, device, units=units,
@@ -263,17 +266,15 @@ def _shard_groups(config: ZeroConfig, process_group: dist.ProcessGroup | None,
     return mesh.shard_group, mesh.replicate_group
 
 
-def _node_comm(comm: Communicator, process_group: dist.ProcessGroup | None,
-               replicate: Communicator | None) -> Communicator | None:
+def _node_comm(comm: Communicator, groups: list[tuple[int, ...]]) -> Communicator | None:
     """hpZ: a communicator over the ranks of ``comm``'s group on this rank's node (sharing its statistics), or None
     when no group crosses a node or each node holds one rank of it (nothing would change). Every rank learns every
     rank's group (``_world_groups``) and creates every node part of every group, in the same order (a collective of
     the world), so any group layout works: the world, HSDP shard groups, a pipeline's stages, a tensor-parallel
     dp or shard group (ranks tp apart), provided each node holds the same number k of each group's ranks, k
     dividing the group's size (the slices are ``full.view(k, -1)``). Decided from world-wide facts, so every rank
-    takes the same branch."""
+    takes the same branch. ``groups``: every rank's group, from ``_world_groups``."""
     per_node = comm.ranks_per_node
-    groups = _world_groups(comm)
     parts = [[r for r in group if r // per_node == node] for group in groups
              for node in sorted({r // per_node for r in group})]
     sizes, counts = {len(group) for group in groups}, {len(part) for part in parts}
@@ -304,18 +305,16 @@ def _world_groups(comm: Communicator) -> list[tuple[int, ...]]:
     return sorted({tuple(json.loads(payload)) for payload in everyone})
 
 
-def _quantized_reduce(comm: Communicator, config: ZeroConfig):
+def _quantized_reduce(comm: Communicator, config: ZeroConfig, world_groups: list[tuple[int, ...]]):
     """qgZ: the hierarchical quantized reduce-scatter over ``comm``'s group (See [Note: quantized collectives] in
     hfzero/quantized_comm.py). As ``_node_comm``: every rank learns every rank's data-parallel group
     (``_world_groups``, a collective of the world) and creates every group's node parts and cross-node groups in the
     same order, so any layout works: the whole world, HSDP's shard groups, a pipeline stage's dp ranks or its shard
     groups, a tensor-parallel dp group (ranks tp apart). Every group is checked before any is created (nodes must cut
-    each into equal parts), so every rank raises or none does."""
+    each into equal parts), so every rank raises or none does. Called where the group has more than one rank."""
     from hfzero.quantized_comm import build_quantized_reduce
 
-    if not comm.distributed or comm.world_size == 1:
-        return None
-    groups = [list(group) for group in _world_groups(comm)]
+    groups = [list(group) for group in world_groups]
     return build_quantized_reduce(comm, config.quantize_gradients, config.quantize_block, groups,
                                   error_feedback=config.quantize_error_feedback)
 
