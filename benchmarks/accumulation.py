@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import hfzero
-from hfzero.estimate import comm_elements_per_step, model_states_bytes, precision_bytes
+from hfzero.planning.estimate import comm_elements_per_step, model_states_bytes, precision_bytes
 from hfzero.testing import run_distributed
 from hfzero.testing.models import tiny_causal_lm
 

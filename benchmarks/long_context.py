@@ -135,7 +135,7 @@ def _predict(v: Variant, model_kw: dict[str, int], seq: int, runtime: float, wor
              steps: int = 1) -> float:
     """The peak RSS the estimator predicts for one rank: its runtime + the larger of two phases (see the module
     docstring). ``steps`` > 1: Adam's states exist from the second forward on."""
-    from hfzero import estimate as est
+    from hfzero.planning import estimate as est
 
     lm = _llama(model_kw)
     params = sum(p.numel() for p in lm.parameters())

@@ -3,7 +3,7 @@
 A Qwen3-MoE-shaped model from config (most parameters in experts). Per variant: the bytes each rank sends
 per optimizer step (all of the engine's collectives, the all-to-all token exchange counted under its own
 kind), the median step time (variants interleaved in rounds, so machine noise hits each alike), the
-per-rank model-state bytes beside ``hfzero.estimate`` (``expert_parallel_bytes``), and the losses against
+per-rank model-state bytes beside ``hfzero.planning.estimate`` (``expert_parallel_bytes``), and the losses against
 torch DDP on the same global batch (fp32; run first and freed before the variants are built; with
 ``--dtype bf16``, against the plain stage-3 run). Every variant is data-parallel on the same global batch, so
 losses agree to fp32 rounding. Under EP the dense parameters are sharded over the world and the experts over
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import hfzero
-from hfzero.estimate import expert_parallel_bytes
+from hfzero.planning.estimate import expert_parallel_bytes
 from hfzero.testing import run_distributed
 from hfzero.testing.models import tiny_moe_lm
 

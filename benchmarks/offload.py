@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import hfzero
-from hfzero.estimate import model_states_bytes, model_states_cpu_bytes, precision_bytes
+from hfzero.planning.estimate import model_states_bytes, model_states_cpu_bytes, precision_bytes
 from hfzero.roles import MODEL_STATE_ROLES
 from hfzero.runtime.offload import FORCE_ENV
 from hfzero.testing import run_distributed

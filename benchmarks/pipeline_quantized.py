@@ -6,7 +6,7 @@ pp 2 x dp 4 on 8 gloo ranks, simulated nodes of ``--ranks-per-node`` (default 2:
 nodes), a tiny tied Llama, ZeRO stage 2 under 1F1B. For each M in ``--micro``: "local" accumulation (one reduction
 per step), "sharded" (M per-micro-batch reduce-scatters: ZeRO-2 memory, the M-fold traffic), and "sharded" with
 qgZ int8 and int4 (``--block`` elements per scale). Per system: the inter-node bytes per step of dp rank 0 of each
-stage (measured: hfzero/comm.py's node split), the pipeline cost model's (``estimate_pipeline(...)
+stage (measured: hfzero/comm/collectives.py's node split), the pipeline cost model's (``estimate_pipeline(...)
 ["ranks"][pp]["inter_node_bytes_per_step"]``), their ratio to "local", and the last step's loss beside the
 unquantized "sharded" run's.
 """

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import hfzero
-from hfzero.estimate import model_states_bytes
+from hfzero.planning.estimate import model_states_bytes
 from hfzero.testing import run_distributed
 from hfzero.testing.procmem import status
 
@@ -147,7 +147,7 @@ def _check(rank: int, world: int, num_params: float) -> dict[str, Any]:
     """hfzero stage 3 built with init_sharded (no rank materializes the model), one step."""
     from transformers import GPT2Config
 
-    from hfzero.runtime.stage3.init import init_sharded
+    from hfzero.loading.construct import init_sharded
 
     hidden = 2048
     layers = max(1, round((num_params - VOCAB * hidden) / (12 * hidden * hidden)))

@@ -5,12 +5,12 @@
 Every rank of ``--world`` gloo ranks trains a GPT-2 (``--hidden`` x ``--layers``, fp32) for a few steps under
 each system, one after the other in one spawn; ``--ranks-per-node`` simulates nodes (``ZeroConfig.ranks_per_node``).
 Bytes are deterministic, so a few steps suffice; they follow the paper's logical volume and the node split of
-[Note: node traffic] in hfzero/comm.py. Printed beside the closed form of docs/multinode.md:
+[Note: node traffic] in hfzero/comm/collectives.py. Printed beside the closed form of docs/multinode.md:
 flat stage 3 crosses nodes with half of (A + 2A) Ψ_p x 4 bytes on 2 nodes (2 of 4 ring hops cross), HSDP with the
 shard group = a node with 2 x Ψ_p / G x 4 bytes (the replicate all-reduce of the shard), plus the clip norm;
 stage 3 with hpZ (secondary partition) with half of (A + A) Ψ_p x 4 bytes (backward gathers stay in the node).
 The quantized rows (hpZ + qwZ, hpZ + qwZ + qgZ int8 / int4, ``--block`` elements per scale) are printed beside
-the byte model of hfzero/estimate_quantized.py (which the other flat rows match too), plus the clip norm.
+the byte model of hfzero/planning/quantized.py (which the other flat rows match too), plus the clip norm.
 Step time on gloo is printed too (wall, median), for what it is: all ranks share this host's cores.
 
     python benchmarks/scale_out.py --loss-steps 200 --lr 1e-3
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 import hfzero
-from hfzero.estimate_quantized import node_comm_bytes_per_step
+from hfzero.planning.quantized import node_comm_bytes_per_step
 from hfzero.testing import run_distributed
 from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
 
@@ -103,7 +103,7 @@ def bench(rank: int, world: int, args: argparse.Namespace) -> dict[str, dict[str
         padded, shard_numel = engine.num_params_padded, engine.layout.shard_numel
         element = engine.param_shard.element_size() if stage == 3 else engine.param_flat.element_size()
         a = args.accumulation
-        if engine.replicate is None:  # the estimator's bytes (hfzero/estimate_quantized.py) plus the clip norm
+        if engine.replicate is None:  # the estimator's bytes (hfzero/planning/quantized.py) plus the clip norm
             model_inter = node_comm_bytes_per_step(
                 padded, world, stage, nodes=world // args.ranks_per_node, accumulation_steps=a,
                 secondary_partition=hpz, param_bytes=element, grad_bytes=element, quantize_weights=qw,

@@ -2,7 +2,7 @@
 
 1. Activation bytes vs the estimator: tiny GPT-2 and Llama (one process), eager and sdpa attention,
    fp32 and bf16, with and without checkpointing: the profiler's measured roles (``activations`` +
-   ``act_checkpoint`` at the forward's end) beside ``hfzero.estimate.decoder_activation_bytes``.
+   ``act_checkpoint`` at the forward's end) beside ``hfzero.planning.estimate.decoder_activation_bytes``.
 2. Checkpoint bytes per rank with and without P_a and offload: a Llama on dp=2 x tp=2 (4 gloo ranks),
    checkpointing, P_a, P_a+cpu: the checkpoint function's measured peak and the activations saved
    outside the checkpoints, beside the estimate.
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 import hfzero
-from hfzero import estimate as est
+from hfzero.planning import estimate as est
 from hfzero.profiler import ZeroProfiler, load_run
 from hfzero.testing import run_distributed
 from hfzero.testing.models import tiny_causal_lm

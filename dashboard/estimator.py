@@ -1,4 +1,4 @@
-"""The paper's Table 1 and Table 2 layouts from ``hfzero.estimate`` (no Streamlit here)."""
+"""The paper's Table 1 and Table 2 layouts from ``hfzero.planning.estimate`` (no Streamlit here)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
-from hfzero import estimate as est
+from hfzero.planning import estimate as est
 
 GB = 1e9
 """The paper's GB: 1e9 bytes."""
@@ -22,7 +22,7 @@ def model_states_table(models: Mapping[str, float], dps: Sequence[int], *, dtype
     parameter bytes only: whole at stages 0-2, /N_d at stage 3).
 
     Rows are the data-parallel degrees ``dps`` (index "DP"); columns are (model name, stage name)
-    pairs for every stage 0-3, stage names from ``hfzero.estimate.STAGE_NAMES``. ``models`` maps a
+    pairs for every stage 0-3, stage names from ``hfzero.planning.estimate.STAGE_NAMES``. ``models`` maps a
     display name to its Ψ. Raises ``EstimateError`` for an unknown dtype/optimizer or a bad N_d.
     """
     precision = est.precision_bytes(dtype, optimizer)

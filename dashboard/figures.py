@@ -17,7 +17,7 @@ from plotly.subplots import make_subplots
 
 from dashboard.data import (OVERHEAD_PARTS, LoadedRun, activation_peaks, activation_prediction, comm_theory_elements,
                             overhead_split, peak_roles, prediction_inputs, whole_peak)
-from hfzero import estimate as est
+from hfzero.planning import estimate as est
 from hfzero.logging import get_logger
 from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
 

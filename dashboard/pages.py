@@ -16,7 +16,7 @@ import streamlit as st
 from dashboard import data, estimator, figures
 from dashboard import pipeline as pipeline_view
 from dashboard.data import LoadedRun
-from hfzero import estimate as est
+from hfzero.planning import estimate as est
 from hfzero.logging import get_logger
 
 logger = get_logger(__name__)
@@ -248,7 +248,7 @@ def view_estimator(settings: dict[str, int]) -> None:
 def view_plan(settings: dict[str, int]) -> None:
     """``hfzero plan`` interactively: every configuration's per-rank peak and estimated step time, the
     ones that fit ranked by throughput, the reason each other one does not (see docs/plan.md)."""
-    from hfzero import plan as planner
+    from hfzero.planning import plan as planner
 
     left, middle, right = st.columns(3)
     with left:
@@ -303,7 +303,7 @@ def view_plan(settings: dict[str, int]) -> None:
                  hide_index=True)
     st.caption("Step time = compute (6ΨT + attention FLOPs over the devices, x 4/3 with checkpointing, x (1 + "
                "bubble) with pp) + data-parallel, tensor-parallel, pipeline and offload traffic over their links, "
-               "nothing overlapped. See [Note: plan cost model] in hfzero/plan.py.")
+               "nothing overlapped. See [Note: plan cost model] in hfzero/planning/plan.py.")
 
 
 def _plan_row(row: dict[str, object]) -> dict[str, object]:

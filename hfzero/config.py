@@ -17,7 +17,7 @@ DtypeName = Literal["fp32", "bf16", "fp16"]
 AccumulationName = Literal["auto", "sharded", "local"]
 
 STAGE_AUTO = "auto"
-"""``ZeroConfig.stage`` value asking the estimator to pick the stage (see hfzero/autostage.py)."""
+"""``ZeroConfig.stage`` value asking the estimator to pick the stage (see hfzero/planning/autostage.py)."""
 
 _DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -38,7 +38,7 @@ class ZeroConfig:
     (P_os+g), 3 = + parameters (P_os+g+p). "auto": the lowest stage whose per-rank memory (model
     states, accumulation buffer, activation estimate) fits ``memory_budget_bytes`` or the device's
     memory, chosen by the Trainer/accelerate integration when the model is prepared
-    (``hfzero.autostage.resolve_auto_stage``); it is an int afterwards."""
+    (``hfzero.planning.autostage.resolve_auto_stage``); it is an int afterwards."""
 
     memory_budget_bytes: int = 0
     """stage="auto" only: bytes one rank may use. 0 = measure: free CUDA memory, or on a CPU the
@@ -187,7 +187,7 @@ class ZeroConfig:
 
     ranks_per_node: int = 0
     """Ranks per node, for the intra-/inter-node split of every collective's bytes (see [Note: node
-    traffic] in hfzero/comm.py). 0 (default): detected from LOCAL_WORLD_SIZE (torchrun, ``hfzero run
+    traffic] in hfzero/comm/collectives.py). 0 (default): detected from LOCAL_WORLD_SIZE (torchrun, ``hfzero run
     --nnodes``), else the whole world is one node. Set it to simulate several nodes on one host (e.g. 2
     on a 4-rank run: ranks 0-1 form node 0, ranks 2-3 node 1). Must divide the world size."""
 

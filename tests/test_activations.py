@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hfzero
-from hfzero import estimate as est
+from hfzero.planning import estimate as est
 from hfzero.config import ConfigError
 from hfzero.profiler import ZeroProfiler, load_run
 from hfzero.testing.models import tiny_causal_lm

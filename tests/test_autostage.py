@@ -9,10 +9,10 @@ import logging
 import pytest
 import torch
 
-from hfzero import estimate as est
-from hfzero.autostage import activation_reserve, resolve_auto_stage
+from hfzero.planning import estimate as est
+from hfzero.planning.autostage import activation_reserve, resolve_auto_stage
 from hfzero.config import ConfigError, ZeroConfig
-from hfzero.estimate import EstimateError
+from hfzero.planning.estimate import EstimateError
 from hfzero.testing.models import tiny_causal_lm
 
 BUDGET = 500_000  # bytes per rank: fp32 + AdamW GPT-2s of 1, 2 and 4 layers need stages 0, 1 and 3 at world 2

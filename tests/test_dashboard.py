@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dashboard import data, estimator, figures
-from hfzero import estimate as est
+from hfzero.planning import estimate as est
 from hfzero.cli import main as cli_main
 from hfzero.cli.dashboard import build_command, build_parser_for_tests
 from hfzero.roles import MemoryRole

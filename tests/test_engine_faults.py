@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hfzero
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 from hfzero.testing import run_distributed
 from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
 

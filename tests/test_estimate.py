@@ -1,4 +1,4 @@
-"""The paper's memory model (hfzero.estimate) against its Table 1 and Table 2, Ψ counted from HF configs,
+"""The paper's memory model (hfzero.planning.estimate) against its Table 1 and Table 2, Ψ counted from HF configs,
 the activation estimate against the paper's GPT-2 example, and the ``hfzero estimate`` command line."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, ViTConfig
 
-from hfzero import estimate as est
+from hfzero.planning import estimate as est
 from hfzero.cli import main
 
 GB = 1e9

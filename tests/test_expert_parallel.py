@@ -224,7 +224,7 @@ def test_expert_parallel_zero_matches_single_process(results, case: str) -> None
 
 
 def test_experts_are_split_dense_sharded_over_the_world_experts_over_edp(results) -> None:
-    from hfzero.estimate import expert_parallel_bytes, model_states_bytes
+    from hfzero.planning.estimate import expert_parallel_bytes, model_states_bytes
 
     ranks, _ = results
     model = tiny_moe_lm()

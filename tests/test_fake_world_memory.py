@@ -2,7 +2,7 @@
 of a world of 8 and of 64 on torch's fake process group (collectives return at once and move nothing:
 losses are meaningless, every tensor's size is real). bf16 + AdamW, stages 1-3, a 120k-parameter GPT-2.
 
-- the model-state bytes the engine holds equal the paper's formula (hfzero.estimate) evaluated on the
+- the model-state bytes the engine holds equal the paper's formula (hfzero.planning.estimate) evaluated on the
   padded parameter count plus Adam's fp32 ``step`` scalar per bucket, and lie within that padding of
   the formula on Ψ: 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N;
 - stage 3's gather buffers are flat over steps: no pool allocation after the first step, the same idle

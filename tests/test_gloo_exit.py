@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from hfzero import gloo_exit
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 
 
 def test_gloo_communicator_installs_the_exit_hook_once(monkeypatch) -> None:

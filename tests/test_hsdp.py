@@ -6,7 +6,7 @@ One spawn of 4 ranks runs everything:
    "node"), 2 accumulation micro-batches, both accumulation policies, clipping, an LR schedule, plus flat
    stage 3 for comparison, and ZeRO-Offload (forced on) at stages 2-3: losses and final parameters within the
    float64 rounding bounds (hfzero/testing/parity.py), and each step's intra-/inter-node bytes equal to the
-   closed form of [Note: node traffic] (hfzero/comm.py);
+   closed form of [Note: node traffic] (hfzero/comm/collectives.py);
 2. checkpoints resharded along G=2 (stage 2) -> flat (stage 3) -> G=4, the whole 4-rank world (stage 1) ->
    G=2 (stage 2): each load saved again at once, every saved master and optimizer-state element equal bit
    for bit to the first save's; back at the saved configuration, training resumes bit for bit as the
@@ -37,7 +37,7 @@ from hfzero.testing import run_distributed
 from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
 from hfzero.testing.parity import ParityReference
 from hfzero.testing.workloads import TrainSpec, train_many, train_reference64
-from hfzero.topology import ranks_per_node, ring_crossings
+from hfzero.comm.topology import ranks_per_node, ring_crossings
 
 WORLD, G, PER_NODE, STEPS, ACCUM = 4, 2, 2, 3, 2
 NODES = (("ranks_per_node", PER_NODE),)
@@ -265,7 +265,7 @@ def test_hpz_secondary_partition_memory():
     """PARAM_SECONDARY holds 1/ranks_per_node of every gathered unit from a training forward to its backward,
     the estimator's (Ψ - P)/ranks_per_node within bucket padding; nothing after the backward or the step; off
     when the group lies inside a node (HSDP G=2 with 2 ranks per node)."""
-    from hfzero import estimate as est
+    from hfzero.planning import estimate as est
 
     for rank, r in enumerate(results()[0]):
         out = r["secondary"]
@@ -377,7 +377,7 @@ def test_topology_from_environment(monkeypatch):
 def test_profile_records_and_summarizes_the_node_split():
     """The recorder's comm deltas carry the split; the reader averages it, and old records without it read as
     before (no split fields, ``comm_inter_node_bytes_per_step`` None)."""
-    from hfzero.comm import CommStats
+    from hfzero.comm.collectives import CommStats
     from hfzero.profiler.reader import _comm_per_step
     from hfzero.profiler.recorder import _comm_delta
 
@@ -402,7 +402,7 @@ def test_launcher_refuses_sizes_that_do_not_divide_the_world(option, value):
 
 def test_estimator_node_split_matches_the_measured_closed_form(capsys):
     """``hfzero estimate --nodes/--shard-size``: the cost model this file measures, without padding and clipping."""
-    from hfzero import estimate as est
+    from hfzero.planning import estimate as est
     from hfzero.cli import main as cli_main
 
     psi = 1e6

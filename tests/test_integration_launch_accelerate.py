@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_integration_common import ROOT, assert_losses_match, hfzero_run, launch_env, torchrun
 
-from hfzero.estimate import model_states_bytes
+from hfzero.planning.estimate import model_states_bytes
 from hfzero.integrations.launch import NOT_APPLIED_EXIT
 from hfzero.roles import MODEL_STATE_ROLES
 
@@ -49,8 +49,8 @@ def test_zero_stage_auto_picks_the_tables_stage(tmp_path: Path) -> None:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from hfzero import estimate as est
-    from hfzero.autostage import activation_reserve, resolve_auto_stage
+    from hfzero.planning import estimate as est
+    from hfzero.planning.autostage import activation_reserve, resolve_auto_stage
     from hfzero.config import ZeroConfig
 
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=32, vocab_size=128,

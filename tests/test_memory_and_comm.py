@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from distributed_results import ACCUMULATION_MEMORY_CASES, FP32_CASES, MEMORY_CASES, case_id, policy_of, results
-from hfzero.estimate import model_states_bytes
+from hfzero.planning.estimate import model_states_bytes
 
 WORLDS = [1, 2, 4]
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.distributed.run
 
 import hfzero
-from hfzero.comm import Communicator, _default_device
+from hfzero.comm.collectives import Communicator, _default_device
 from hfzero.config import ConfigError
 from hfzero.devices import parse_backend_config
 from hfzero.runtime.placement import Placement, placement_error

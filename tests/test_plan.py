@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from hfzero import estimate as est
-from hfzero import plan as planner
+from hfzero.planning import estimate as est
+from hfzero.planning import plan as planner
 from hfzero.cli import main
 
 

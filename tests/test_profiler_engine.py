@@ -1,7 +1,7 @@
 """ZeroProfiler on the real engine: 2 gloo ranks, a tiny bf16 GPT-2 with AdamW, stages 0-3.
 
 The measured peak model-state bytes per rank must lie within [0.995, 1.01] of the paper's formula
-(hfzero.estimate.model_states_bytes with the unpadded Ψ and, at stage 3, the engine's persistent
+(hfzero.planning.estimate.model_states_bytes with the unpadded Ψ and, at stage 3, the engine's persistent
 parameter count P; the engine pads each bucket to a multiple of N_d and Adam keeps a 4-byte step
 counter per master view, both far inside the band), and the communication per step must be the
 paper's 2Ψ elements at stages 0-2 and 3Ψ at stage 3 (less P: persistent parameters are never
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hfzero
-from hfzero.estimate import model_states_bytes, precision_bytes
+from hfzero.planning.estimate import model_states_bytes, precision_bytes
 from hfzero.profiler import ZeroProfiler, load_run, summarize
 from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
 from hfzero.testing.spawn import run_distributed

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hfzero.config import ZeroConfig
-from hfzero.estimate import model_states_bytes
+from hfzero.planning.estimate import model_states_bytes
 from hfzero.profiler import ZeroProfiler, load_run, summarize
 from hfzero.roles import MemoryRole
 from hfzero.testing.spawn import run_distributed
@@ -40,7 +40,7 @@ class FakeComm:
         return {k: dataclasses.replace(v) for k, v in self._stats.items()}
 
     def settle_timings(self, *, wait: bool = False) -> None:
-        """Wall times are complete at once: nothing to read later (see hfzero/timing.py)."""
+        """Wall times are complete at once: nothing to read later (see hfzero/comm/timing.py)."""
 
     def run(self, kind: str, elements: int, element_size: int = 2) -> None:
         s = self._stats.setdefault(kind, FakeCommStats())

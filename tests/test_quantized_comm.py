@@ -6,7 +6,7 @@
 2. training a tiny GPT-2 on a learnable sequence task at stage 3 with hpZ, unquantized against hpZ + qwZ + qgZ
    int8 and int4 and against stage 2 with qwZ + qgZ int8: losses within 1% (relative) at every step after 5
    warm-up steps, and each step's inter-node bytes equal to the exact per-bucket model
-   (``hfzero.estimate_quantized.layout_*``), and the estimator's Ψ-level model (no block padding) below it by
+   (``hfzero.planning.quantized.layout_*``), and the estimator's Ψ-level model (no block padding) below it by
    at most 15% on this tiny model (exact unquantized; within 2% on benchmarks/scale_out.py's 1.33M model);
 3. stage 3's ``full_state_dict`` gathers exactly under qwZ;
 4. fp16 with an inf loss on rank 1 at step 1 under qwZ + qgZ: the step is skipped on every rank;
@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 
 from hfzero import ZeroConfig, get_engine, prepare
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 from hfzero.config import ConfigError
-from hfzero.estimate_quantized import (layout_gather_bytes, layout_reduce_bytes, node_comm_bytes_per_step)
+from hfzero.planning.quantized import (layout_gather_bytes, layout_reduce_bytes, node_comm_bytes_per_step)
 from hfzero.profiler.header import predict
-from hfzero.quantize import dequantize_rows, levels, packed_row_bytes, quantize_rows
-from hfzero.quantized_comm import QuantizedGather, build_quantized_reduce
+from hfzero.comm.codec import dequantize_rows, levels, packed_row_bytes, quantize_rows
+from hfzero.comm.quantized import QuantizedGather, build_quantized_reduce
 from hfzero.roles import MODEL_STATE_ROLES
 from hfzero.runtime.stage3 import full_state_dict
 from hfzero.testing import run_distributed
@@ -379,7 +379,7 @@ def test_error_feedback_pays_back_the_quantization_error(results):
 def test_error_feedback_residuals_are_model_states(results):
     """QUANT_RESIDUAL equals the estimator's formula on the padded count and is in model_state_bytes; the quantized
     collectives' kept buffers (COMM_BUFFER) stop allocating after the first step."""
-    from hfzero.estimate_quantized import error_feedback_bytes
+    from hfzero.planning.quantized import error_feedback_bytes
 
     for r in results:
         run = r["train"]["stage 2 qgZ int4 + error feedback"]
@@ -450,7 +450,7 @@ def test_error_feedback_in_the_estimators(capsys):
     """The residuals' formula in ``hfzero estimate`` and the pipeline cost model: fp32 Ψ (intra hop) + Ψ / L (inter
     hop) per rank on nodes of L = 2; nothing when the group lies inside one node but its intra hop (Ψ)."""
     from hfzero.cli import main
-    from hfzero.estimate_quantized import error_feedback_bytes
+    from hfzero.planning.quantized import error_feedback_bytes
     from hfzero.parallel.pipeline.cost import StageShape, estimate_pipeline
 
     assert error_feedback_bytes(1e8, 4, nodes=2) == 4 * 1.5e8
@@ -467,7 +467,7 @@ def test_error_feedback_in_the_estimators(capsys):
 
 
 def test_gather_free_list_holds_no_more_than_was_in_flight():
-    from hfzero.quantized_comm import _FreeList
+    from hfzero.comm.quantized import _FreeList
 
     pool, cpu = _FreeList(), torch.device("cpu")
     first, second = pool.take(10, cpu), pool.take(20, cpu)  # two gathers in flight

@@ -162,7 +162,7 @@ def test_checkpoints_offloaded_under_sp_hold_one_chunk(runs: list[dict]) -> None
     holds one layer input per layer of the rank's 8 of 16 positions, the estimator's checkpoints_host."""
     from transformers import LlamaConfig
 
-    from hfzero import estimate as est
+    from hfzero.planning import estimate as est
 
     name = "stage3_cpu_checkpoints_tiled_mlp_and_loss"
     for run in runs:
@@ -183,7 +183,7 @@ def test_measured_activations_match_the_estimator_with_sp(runs: list[dict]) -> N
     tolerance tests/test_activations.py gives the unsplit model)."""
     from transformers import LlamaConfig
 
-    from hfzero import estimate as est
+    from hfzero.planning import estimate as est
 
     for run in runs:
         measured = run["activations"]
@@ -204,7 +204,7 @@ def test_stage3_gradient_staging_matches_the_estimator(runs: list[dict]) -> None
     (< world elements per bucket; measured: none)."""
     from transformers import LlamaConfig
 
-    from hfzero import estimate as est
+    from hfzero.planning import estimate as est
 
     for name in ("stage3", "stage3_checkpointing_tiled_loss", "stage3_cpu_checkpoints_tiled_mlp_and_loss"):
         for run in runs:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hfzero
-from hfzero.estimate import model_states_bytes
+from hfzero.planning.estimate import model_states_bytes
 from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
 from hfzero.runtime.stage3 import GatherOrderError, full_state_dict
 from hfzero.testing import run_distributed

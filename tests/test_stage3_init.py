@@ -16,7 +16,7 @@ import hfzero
 from hfzero.config import ConfigError
 from hfzero.roles import MemoryRole
 from hfzero.runtime.stage3 import full_state_dict
-from hfzero.runtime.stage3.init import from_pretrained_sharded, init_sharded
+from hfzero.loading.construct import from_pretrained_sharded, init_sharded
 from hfzero.runtime.stage3.weights import WeightLoadError
 from hfzero.testing import run_distributed
 from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches

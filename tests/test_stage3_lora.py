@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import hfzero
-from hfzero.estimate import model_states_bytes, precision_bytes
+from hfzero.planning.estimate import model_states_bytes, precision_bytes
 from hfzero.profiler import ZeroProfiler, load_run, summarize
 from hfzero.testing.models import tiny_causal_lm, train_causal_lm
 from hfzero.testing.spawn import run_distributed
@@ -50,7 +50,7 @@ def _sharded_construction(rank: int, world: int, root: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from hfzero.runtime.stage3 import full_state_dict
-    from hfzero.runtime.stage3.init import from_pretrained_sharded
+    from hfzero.loading.construct import from_pretrained_sharded
 
     saved = Path(root) / "base"
     if rank == 0:

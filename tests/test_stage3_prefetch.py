@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 import hfzero
-from hfzero import estimate
+from hfzero.planning import estimate
 from hfzero.profiler.header import predict
 from hfzero.roles import MemoryRole
 from hfzero.testing.models import tiny_causal_lm, token_batches

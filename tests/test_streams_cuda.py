@@ -85,7 +85,7 @@ def test_cpu_checkpoints_on_cuda_are_exact_prefetched_and_pinned():
 
 
 def test_event_timer_resolves_lazily_with_device_time():
-    from hfzero.timing import DeviceTimer
+    from hfzero.comm.timing import DeviceTimer
 
     timer = DeviceTimer("cuda")
     got = []

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 from hfzero.parallel.pipeline.timeline import StageClock
-from hfzero.timing import DeviceTimer
+from hfzero.comm.timing import DeviceTimer
 
 
 class _Event:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from hfzero.checkpoint.errors import CheckpointError
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 from hfzero.logging import get_logger
 
 logger = get_logger(__name__)

@@ -13,10 +13,10 @@ from torch import nn
 
 from hfzero.checkpoint.errors import CheckpointError
 from hfzero.checkpoint.tensor_parallel import refuse_sharded_frozen, replicated_names, tp_info
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 from hfzero.logging import get_logger
 from hfzero.runtime.engine import ZeroEngine
-from hfzero.runtime.prepare import get_engine
+from hfzero.runtime.engine import get_engine
 
 logger = get_logger(__name__)
 

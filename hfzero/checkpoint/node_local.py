@@ -46,7 +46,7 @@ from hfzero.checkpoint.errors import CheckpointError
 from hfzero.checkpoint.load import load_checkpoint
 from hfzero.checkpoint.save import _prepare_dir, save_checkpoint, swap_into_place
 from hfzero.checkpoint.stream import fsync_dir, write_bytes_durably
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 from hfzero.logging import get_logger
 from hfzero.runtime.optimizer import ZeroOptimizer
 

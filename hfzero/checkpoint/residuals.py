@@ -2,7 +2,7 @@
 
 [Note: residuals in checkpoints]
 With ``quantize_error_feedback`` each rank holds, per bucket and hop, the fp32 residual of what it last packed
-(QUANT_RESIDUAL, see [Note: quantized collectives] in hfzero/quantized_comm.py). ``save_checkpoint`` writes them
+(QUANT_RESIDUAL, see [Note: quantized collectives] in hfzero/comm/quantized.py). ``save_checkpoint`` writes them
 into the rank's own file as ``quant_residual/<bucket>/<hop>`` (safetensors, no copy: views of the live tensors,
 staged eagerly by an asynchronous save since the next backward changes them) and records in the manifest's entry of
 the rank (``ranks[r].quant_residual``) the layout they belong to: world size, stage, the rank's data-parallel

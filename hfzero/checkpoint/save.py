@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 
-import hfzero
 from hfzero.checkpoint import background, residuals, rng, staging
 from hfzero.checkpoint import format as fmt
 from hfzero.checkpoint.common import Inventory, Scope, agree, gather_json, guard, inventory, scope_of
@@ -46,6 +45,7 @@ from hfzero.checkpoint.stream import (TensorEntry, dtype_name, fsync_dir, write_
                                       write_safetensors)
 from hfzero.checkpoint.tensor_parallel import whole_runs, whole_shape
 from hfzero.logging import get_logger
+from hfzero.version import __version__
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.stage3.engine import Stage3Engine
@@ -385,7 +385,7 @@ def _manifest(engine: ZeroEngine, optimizer: ZeroOptimizer, scope: Scope, report
         for name, scalars in report["scalars"].items():
             params[name]["scalars"] = scalars
     manifest = {
-        "format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION, "hfzero_version": hfzero.__version__,
+        "format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION, "hfzero_version": __version__,
         "world_size": scope.world_size, "stage": engine.stage, "config": engine.config.to_dict(),
         "param_dtype": dtype_name(engine.policy.param_dtype), "master_dtype": dtype_name(engine.policy.master_dtype),
         "optimizer": {"class": type(engine.optimizer).__name__, "state_keys": list(keys.pop() if keys else []),

@@ -82,7 +82,7 @@ def whole_runs(param: torch.Tensor, start: int, end: int) -> list[Run]:
 def tp_info(model: Any) -> tuple[int, int, int] | None:
     """(tp size, tp rank, dp size) when ``model``'s engine runs over the dp group of a dp x tp mesh (or, HSDP x TP,
     over a shard group of it: dp is then the shard group times its replicas), else None."""
-    from hfzero.runtime.prepare import get_engine
+    from hfzero.runtime.engine import get_engine
 
     engine = get_engine(model)
     group = engine.norm_group

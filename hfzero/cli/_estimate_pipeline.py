@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from hfzero import estimate as est
+from hfzero.planning import estimate as est
 from hfzero.config import ConfigError
 
 

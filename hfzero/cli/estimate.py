@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from hfzero import estimate as est
+from hfzero.planning import estimate as est
 from hfzero.cli import _estimate_pipeline
 
 _GB = 1e9
@@ -293,7 +293,7 @@ def _estimate(request: _Request) -> dict[str, Any]:
             result["secondary_partition_bytes"] = est.secondary_partition_bytes(
                 params / request.mp, dp // request.nodes, param_bytes=precision.param_bytes,
                 persistent_params=request.persistent_params)
-        from hfzero.estimate_quantized import node_comm_bytes_per_step
+        from hfzero.planning.quantized import node_comm_bytes_per_step
 
         quantized = request.quantize_weights or request.quantize_gradients
         node_bytes = {str(stage): node_comm_bytes_per_step(
@@ -309,7 +309,7 @@ def _estimate(request: _Request) -> dict[str, Any]:
             result["quantization"] = {"weights": request.quantize_weights, "gradients": request.quantize_gradients,
                                       "block": request.quantize_block}
         if request.quantize_error_feedback:
-            from hfzero.estimate_quantized import error_feedback_bytes
+            from hfzero.planning.quantized import error_feedback_bytes
 
             result["error_feedback_bytes"] = error_feedback_bytes(params / request.mp, result["dp"],
                                                                   nodes=request.nodes, shard_size=request.shard_size)
@@ -332,7 +332,7 @@ def _estimate(request: _Request) -> dict[str, Any]:
 
 
 def _activations(request: _Request, precision: est.PrecisionBytes) -> dict[str, Any]:
-    """The decoder activation model's figures (``hfzero.estimate.decoder_activation_bytes``), with
+    """The decoder activation model's figures (``hfzero.planning.estimate.decoder_activation_bytes``), with
     Korthikanti et al.'s closed form beside them for reference."""
     config = est.load_hf_config(request.config)
     dtype = precision.param_bytes

@@ -1,6 +1,6 @@
 """``hfzero plan``: every feasible configuration of a model on some hardware, ranked by estimated
 throughput, with the reason each rejected one does not fit; ``--verify`` runs the top choice here.
-See ``docs/plan.md`` and [Note: plan cost model] in ``hfzero/plan.py``."""
+See ``docs/plan.md`` and [Note: plan cost model] in ``hfzero/planning/plan.py``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import re
 import sys
 from typing import Any
 
-from hfzero import estimate as est
-from hfzero import plan as planner
-from hfzero.plan_measured import fastest_that_fits, read_measurements
+from hfzero.planning import estimate as est
+from hfzero.planning import plan as planner
+from hfzero.planning.measured import fastest_that_fits, read_measurements
 
 _GB = 1e9
 
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         if top is None:
             print("hfzero plan: error: --verify: no data-parallel configuration fits", file=sys.stderr)
             return 2
-        from hfzero.plan_verify import verify
+        from hfzero.planning.verify import verify
 
         result["verify"] = verify(args.config, top, workload, steps=args.verify_steps)
         result["verify"]["is_choice"] = result["best"] is not None and top.candidate.label() == result["best"]["label"]

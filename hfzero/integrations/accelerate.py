@@ -48,7 +48,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType, recursively_apply
 from torch import nn
 
-from hfzero.autostage import auto_batch_from, default_seq_len, resolve_auto_stage
+from hfzero.planning.autostage import auto_batch_from, default_seq_len, resolve_auto_stage
 from hfzero.checkpoint.background import wait as wait_for_save
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.env import config_from_env
@@ -65,7 +65,8 @@ from hfzero.parallel.sequence import (SequenceCollator, check_sp_size, enable_ti
                                      prepare_sequence_parallel)
 from hfzero.parallel.tensor import check_tp_size, prepare_tensor_parallel
 from hfzero.runtime.optimizer import ZeroOptimizer
-from hfzero.runtime.prepare import get_engine, prepare as zero_prepare
+from hfzero.runtime.engine import get_engine
+from hfzero.parallel.data_parallel import prepare as zero_prepare
 from hfzero.runtime.stage3 import full_state_dict
 
 logger = get_logger(__name__)

@@ -27,7 +27,7 @@ from hfzero.config import ConfigError
 from hfzero.logging import get_logger
 from hfzero.parallel.pipeline import pipeline_of
 from hfzero.runtime.optimizer import ZeroOptimizer
-from hfzero.runtime.prepare import get_engine
+from hfzero.runtime.engine import get_engine
 
 logger = get_logger(__name__)
 

@@ -47,10 +47,10 @@ import transformers.trainer as _trainer_module
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from hfzero.autostage import default_seq_len
+from hfzero.planning.autostage import default_seq_len
 from hfzero.checkpoint.background import wait as wait_for_save
 from hfzero.checkpoint.format import TRAINER_SHARD_DIR as SHARD_DIR
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.integrations.accelerate import ZeroAccelerator, apply_mixed_precision
 from hfzero.integrations.env import config_strings_from_env, pipeline_strings_from_env, profile_dir_from_env

@@ -1,7 +1,12 @@
-"""Parallelism beyond data parallelism, built on the ZeRO engine: the pp x dp mesh and pipelines, the dp x tp
-mesh (tensor.py) and the dp x sp mesh of sequence parallelism (sequence/).
+"""The groups ZeRO runs over and the parallelism built on the engine.
 
-The engine stays ignorant of them: each pipeline stage is a module prepared with
-``hfzero.prepare(..., process_group=dp_group)`` (docs/pipeline.md); sequence parallelism prepares over the
-whole world with ``average_over`` = the dp replicas (docs/sequence.md).
+- data_parallel.py: ``hfzero.prepare``, the public entry point: ZeRO over the world, a given group, or HSDP's
+  dp_replicate x dp_shard mesh (``ZeroConfig.shard_size``), then the engine (runtime/prepare.py), which takes the
+  resolved groups and never builds a mesh;
+- mesh.py: the pp x dp mesh and the HSDP shard / replicate groups inside a pipeline stage or a tp mesh;
+- pipeline/, tensor.py, sequence/, expert.py: pipelines, tensor, sequence and expert parallelism.
+
+Each wrapper prepares with ``hfzero.prepare`` over the groups it builds: a pipeline stage over its dp group
+(docs/pipeline.md), sequence parallelism over the whole world with ``average_over`` = the dp replicas
+(docs/sequence.md).
 """

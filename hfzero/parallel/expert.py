@@ -56,7 +56,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.logging import get_logger
 from hfzero.parallel.mesh import check_divides, initialized_world_size, split_world_mesh
@@ -191,7 +191,7 @@ class AllToAllLedger:
         """One dispatch and its combine: the rows of each exchange's input, the dispatched rows and the rows
         combined back (and again in backward, whose exchanges mirror them, when gradients flow), counted when the
         forward runs. As every kind is counted (an all-gather its whole output, a sequence-parallel all-to-all its
-        whole input; [Note: node traffic] in hfzero/comm.py), the rows a rank keeps for its own experts are
+        whole input; [Note: node traffic] in hfzero/comm/collectives.py), the rows a rank keeps for its own experts are
         included: the volume is the buffer's, not the (S - 1) / S of it that leaves the rank."""
         if self.comm is None:
             return
@@ -243,7 +243,8 @@ def prepare_expert_parallel(
     Refuses, before any collective: ep_size not dividing the world or a layer's experts, a model without an
     EP plan. Every rank reads its own batch.
     """
-    import hfzero
+    from hfzero.parallel.data_parallel import prepare
+    from hfzero.runtime.engine import get_engine
     from hfzero.parallel.tensor import repoint_optimizer
 
     plan = check_expert_parallel(model, config, initialized_world_size("expert parallelism"))
@@ -255,8 +256,8 @@ def prepare_expert_parallel(
         repoint_optimizer(optimizer, before, model)
     else:
         optimizer = optimizer_factory(model.parameters())
-    model, optimizer = hfzero.prepare(model, optimizer, config, process_group=mesh.edp_group, ep_group=mesh.ep_group)
-    ledger.comm = hfzero.get_engine(model).comm.on_group(mesh.ep_group)  # counts into the engine's statistics
+    model, optimizer = prepare(model, optimizer, config, process_group=mesh.edp_group, ep_group=mesh.ep_group)
+    ledger.comm = get_engine(model).comm.on_group(mesh.ep_group)  # counts into the engine's statistics
     experts = sum(isinstance(p, DTensor) for p in model.parameters())
     logger.info("expert parallelism: edp=%d x ep=%d, %d expert parameter(s) split over ep; ZeRO stage %s shards the "
                 "dense parameters over the world of %d and the experts over edp", mesh.edp_size, mesh.ep_size, experts,

@@ -14,7 +14,7 @@ import dataclasses
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hfzero.comm import _default_device
+from hfzero.comm.collectives import _default_device
 from hfzero.config import ConfigError
 
 

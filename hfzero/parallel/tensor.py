@@ -170,7 +170,7 @@ def prepare_tensor_parallel(
     ``config.shard_size`` G below the dp size: HSDP over each TP rank's dp group (ZeRO over shard groups of G
     dp ranks, replicated over the dp / G of them; see the module docstring).
     """
-    import hfzero
+    from hfzero.parallel.data_parallel import prepare
 
     mesh = build_tp_mesh(config.tp_size)
     groups = {"process_group": mesh.dp_group}
@@ -183,7 +183,7 @@ def prepare_tensor_parallel(
     else:
         apply_tensor_parallel(model, mesh)
         optimizer = optimizer_factory(model.parameters())
-    model, optimizer = hfzero.prepare(model, optimizer, config, tp_group=mesh.tp_group, **groups)
+    model, optimizer = prepare(model, optimizer, config, tp_group=mesh.tp_group, **groups)
     sharded = sum(isinstance(p, DTensor) for p in model.parameters())
     hsdp = f" (HSDP: sharded over {config.shard_size}, replicated x{mesh.dp_size // config.shard_size})" \
         if "replicate_group" in groups else ""

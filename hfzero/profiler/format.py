@@ -52,7 +52,7 @@ COMM_FIELDS = ("calls", "elements", "bytes", "seconds")
 
 NODE_COMM_FIELDS = ("intra_node_bytes", "inter_node_bytes")
 """Optional fields of a ``comm`` entry (issue 22; absent from earlier files): the part of ``bytes`` that stays
-inside a node and the part that crosses nodes, by [Note: node traffic] in hfzero/comm.py."""
+inside a node and the part that crosses nodes, by [Note: node traffic] in hfzero/comm/collectives.py."""
 
 
 def rank_file_name(rank: int) -> str:

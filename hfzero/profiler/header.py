@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from hfzero.logging import get_logger
+from hfzero.planning.models import model_activation_estimate, optimizer_kind
 from hfzero.profiler.format import FORMAT_VERSION
 
 logger = get_logger(__name__)
@@ -28,20 +29,6 @@ _STAGE_FORMULAS: dict[int, str] = {
     3: "({p} + {g} + {k})Ψ/N_d",
 }
 """The paper's per-device model-state formula for each stage, with p, g and K filled in."""
-
-
-def optimizer_kind(optimizer: torch.optim.Optimizer) -> str | None:
-    """The estimator's name for ``optimizer``'s update rule ("adam", "sgd_momentum", "sgd"), or None.
-
-    Read from the first parameter group's hyperparameters, which a sharded optimizer keeps from the
-    optimizer it wraps: Adam-family groups carry ``betas``, SGD groups ``momentum``.
-    """
-    group = optimizer.param_groups[0] if optimizer.param_groups else {}
-    if "betas" in group:
-        return "adam"
-    if "momentum" in group:
-        return "sgd_momentum" if group["momentum"] else "sgd"
-    return None
 
 
 def frozen_param_count(engine: Any) -> int:
@@ -66,7 +53,7 @@ def predict(engine: Any, optimizer: torch.optim.Optimizer, accumulation_steps: i
     ``model_state_bytes`` minus ``host_model_state_bytes`` and ``host_model_state_bytes`` measure.
     Returns None (and logs why) when the optimizer's kind is not one the estimator knows.
     """
-    from hfzero.estimate import (accumulator_held, checkpoint_staging_bytes, model_states_bytes,
+    from hfzero.planning.estimate import (accumulator_held, checkpoint_staging_bytes, model_states_bytes,
                                  model_states_cpu_bytes, precision_bytes)
 
     kind = optimizer_kind(optimizer)
@@ -131,7 +118,7 @@ def _error_feedback_bytes(engine: Any, num_params: int) -> float:
     engine's group spans; 0 without error feedback."""
     if not getattr(engine.config, "quantize_error_feedback", False) or engine.world_size < 2:
         return 0.0
-    from hfzero.estimate_quantized import error_feedback_bytes
+    from hfzero.planning.quantized import error_feedback_bytes
 
     comm = engine.comm
     nodes = len({r // comm.ranks_per_node for r in comm.global_ranks})
@@ -141,7 +128,7 @@ def _error_feedback_bytes(engine: Any, num_params: int) -> float:
 def _partition_inputs(engine: Any, inputs: dict[str, Any]) -> list[dict[str, Any]]:
     """The estimator's inputs per layout partition: ``inputs`` alone, or under expert parallelism the dense
     parameters over the world and the experts over the edp group (See [Note: bucket partitions] in
-    runtime/layout.py; ``hfzero.estimate.expert_parallel_bytes`` is the same split)."""
+    runtime/layout.py; ``hfzero.planning.estimate.expert_parallel_bytes`` is the same split)."""
     comms = getattr(engine, "partition_comms", None)
     if comms is None or len(comms) == 1:
         return [inputs]
@@ -181,7 +168,7 @@ def build_header(*, run_id: str, engine: Any, model: torch.nn.Module, optimizer:
     """
     import transformers
 
-    import hfzero
+    from hfzero.version import __version__
 
     config = engine.config
     now = time.time()
@@ -211,7 +198,7 @@ def build_header(*, run_id: str, engine: Any, model: torch.nn.Module, optimizer:
         "optimizer_class": type(optimizer).__name__,
         "placement": offload_placement(engine),
         "device_type": device.type,
-        "versions": {"hfzero": hfzero.__version__, "torch": torch.__version__,
+        "versions": {"hfzero": __version__, "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
         "host": {"hostname": socket.gethostname(), "platform": sys.platform},
         "profiler": {"every_n_steps": every_n_steps, "cuda_snapshot": cuda_snapshot},
@@ -222,45 +209,9 @@ def build_header(*, run_id: str, engine: Any, model: torch.nn.Module, optimizer:
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def model_activation_estimate(model: torch.nn.Module, zero: Any, batch_size: int, seq_len: int, *,
-                              dtype: str | int, device: torch.device) -> Any:
-    """The decoder activation model's ``DecoderActivationEstimate`` for ``model`` trained under the
-    ZeRO config ``zero`` (its ``tp_size``, ``partition_activations``, ``cpu_checkpointing``; the model's
-    own checkpointing flag), or None (logged) when ``model`` is not a whole transformers model whose
-    config the model reads. Shared by the profile header and ``--zero_stage auto``. Reads attributes only."""
-    from transformers import PreTrainedModel
-
-    from hfzero import estimate as est
-
-    config = getattr(model, "config", None)
-    if not isinstance(model, PreTrainedModel) or config is None:
-        # e.g. a pipeline stage: it carries the whole model's config but holds some of its layers
-        logger.debug("no decoder activation estimate: %s is not a whole transformers model", type(model).__name__)
-        return None
-    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
-    checkpointing = bool(getattr(model, flag, False))  # transformers 5 renamed it (the old name warns)
-    try:
-        if est.is_encoder_config(config):  # BERT, RoBERTa, BART, T5 families: See [Note: encoder activation model]
-            head = "classifier" if "SequenceClassification" in type(model).__name__ else "lm"
-            return est.encoder_activation_bytes(
-                est.EncoderShape.from_hf_config(config, head=head), seq_len, batch_size, dtype=dtype,
-                attention=getattr(config, "_attn_implementation", None), checkpointing=checkpointing,
-                tp=int(getattr(zero, "tp_size", 1) or 1),
-                cpu=checkpointing and bool(getattr(zero, "cpu_checkpointing", False)), device=device.type)
-        shape = est.DecoderShape.from_hf_config(config)
-        return est.decoder_activation_bytes(
-            shape, seq_len, batch_size, dtype=dtype, attention=getattr(config, "_attn_implementation", None),
-            checkpointing=checkpointing, tp=int(getattr(zero, "tp_size", 1) or 1),
-            partition=checkpointing and bool(getattr(zero, "partition_activations", False)),
-            cpu=checkpointing and bool(getattr(zero, "cpu_checkpointing", False)), device=device.type)
-    except est.EstimateError as err:
-        logger.info("no activation estimate for %s: %s", type(model).__name__, err)
-        return None
-
-
 def activation_prediction(model: torch.nn.Module, engine: Any, batch_size: int, seq_len: int,
                           device: torch.device) -> dict[str, Any] | None:
-    """The activation model's figures for this run (``hfzero.estimate.decoder_activation_bytes``) at
+    """The activation model's figures for this run (``hfzero.planning.estimate.decoder_activation_bytes``) at
     the first recorded forward's (batch, sequence), in the parameters' dtype, or None (logged) when
     the model is not a whole transformers decoder the model knows (a pipeline stage holds only some
     layers). Reads attributes only."""

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from hfzero.profiler.stages import pp_rank_of, stage_table
 from hfzero.profiler.format import (
     COMM_FIELDS,
     NODE_COMM_FIELDS,
@@ -364,8 +365,6 @@ def summarize(run: Run) -> dict[str, Any]:
     (the header's ``pipeline.ranks``), and ``pipeline`` is ``hfzero.profiler.stages.stage_table``
     (None without pipeline).
     """
-    from hfzero.profiler.stages import pp_rank_of, stage_table
-
     prediction = run.header.get("prediction")
     predicted = prediction.get("model_state_bytes") if isinstance(prediction, dict) else None
     per_stage = {e.get("pp_rank"): e.get("model_state_bytes")

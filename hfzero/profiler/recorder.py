@@ -34,7 +34,7 @@ only every n-th step (the others cost one ``comm.stats()`` copy). ``cuda_snapsho
 On CUDA the phase records' ``t`` and ``seconds`` are host wall times at the hooks (a phase's
 ``seconds`` covers launching its kernels; the time they still run is billed to whichever later phase
 waits for them), while the step record's ``phase_seconds`` and every ``comm`` ``seconds`` are device
-times between CUDA events recorded at the same hooks and around each collective (hfzero/timing.py,
+times between CUDA events recorded at the same hooks and around each collective (hfzero/comm/timing.py,
 [Note: device timing]). Nothing waits for those events until the recorded step's end, where the
 profiler waits once for the step's last collective and its own last event: one host synchronization
 per recorded step, none per collective or phase (steps that are not recorded add none). Collectives
@@ -74,7 +74,7 @@ from hfzero.profiler.writer import RankWriter, remove_stale_rank_files, write_he
 from hfzero.roles import MODEL_STATE_ROLES
 from hfzero.runtime.activations.accounting import ActivationAccounting
 from hfzero.runtime.compile import eager_hook
-from hfzero.timing import DeviceTimer
+from hfzero.comm.timing import DeviceTimer
 
 logger = get_logger(__name__)
 
@@ -188,7 +188,7 @@ class ZeroProfiler:
         self._header: dict[str, Any] | None = None
         pipeline_header = None
         if self.pipeline is not None:  # collective: every rank's place in the mesh, for rank 0's header
-            from hfzero.profiler.header import optimizer_kind
+            from hfzero.planning.models import optimizer_kind
             from hfzero.profiler.pipeline import gather_identities, header_section
 
             pipeline_header = header_section(self.pipeline, gather_identities(self.pipeline),
@@ -538,9 +538,9 @@ def _find_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> An
     engine = getattr(optimizer, "engine", None)
     if engine is not None:
         return engine
-    import hfzero
+    from hfzero.runtime.engine import get_engine
 
-    return hfzero.get_engine(model)
+    return get_engine(model)
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:

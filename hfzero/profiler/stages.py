@@ -7,10 +7,22 @@ recorded without pipeline parallelism (or a version-1 file) has no stage table.
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from hfzero.profiler.reader import Run
+
+class _RankLog(Protocol):
+    rank: int
+    records: list[dict[str, Any]]
+
+    def of_kind(self, kind: str) -> list[dict[str, Any]]: ...
+
+
+class ProfileRun(Protocol):
+    """What the stage table reads of a run: the reader's ``Run`` (reader.py imports this module, not the reverse)."""
+
+    header: dict[str, Any]
+    ranks: Mapping[int, _RankLog]
 
 _TIMES = ("wall_seconds", "busy_seconds", "idle_seconds", "bubble_fraction", "idle_fraction")
 """Clock figures of a step record's ``pipeline`` object summarized by their median."""
@@ -24,7 +36,7 @@ def pp_rank_of(records: list[dict[str, Any]]) -> int:
     return 0
 
 
-def stage_table(run: "Run") -> list[dict[str, Any]] | None:
+def stage_table(run: ProfileRun) -> list[dict[str, Any]] | None:
     """One row per pp rank, or None when the run has no ``pipeline`` header section.
 
     Each row: ``pp_rank``, ``stages``, ``ranks`` (global ranks with a file), ``steps`` (step records

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hfzero.comm import Communicator, Handle
+from hfzero.comm.collectives import Communicator, Handle
 from hfzero.runtime.compile import eager_hook
 
 

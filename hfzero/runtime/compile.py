@@ -44,6 +44,10 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 _COMPILED_ATTR = "_hfzero_compiled_forward"
 _BODY_ATTR = "_hfzero_compiled_body"
 
+BLOCKS_ATTR = "hfzero_block_names"
+"""A module that holds a model's blocks under its own names (a pipeline stage: parallel/pipeline/split.py's
+DecoderStage) lists their qualified names in this attribute; ``region_names`` compiles those."""
+
 
 def eager_hook(fn: _F) -> _F:
     """``fn`` (a hook of hfzero's) never traced by dynamo: under torch.compile it runs eagerly between two
@@ -54,13 +58,12 @@ def eager_hook(fn: _F) -> _F:
 def region_names(model: nn.Module) -> list[str]:
     """The modules ``compile_regions`` compiles: the children of the model's block stacks (the decoder
     blocks, the stage-3 units by default; see [Note: stage-3 units]). A pipeline's stage module (``pipe.module``:
-    a DecoderStage, or the StageChunks of a multi-stage schedule) names its own blocks."""
-    from hfzero.parallel.pipeline.split import DecoderStage
+    a DecoderStage, or the StageChunks of a multi-stage schedule) names its own blocks (``BLOCKS_ATTR``)."""
     from hfzero.runtime.stage3.units import default_unit_names  # stage3 imports this module
 
-    stages = [(name, m) for name, m in model.named_modules() if isinstance(m, DecoderStage)]
+    stages = [(name, m) for name, m in model.named_modules() if hasattr(m, BLOCKS_ATTR)]
     if stages:
-        return [f"{name}.{block}" if name else block for name, stage in stages for block in stage.block_names]
+        return [f"{name}.{block}" if name else block for name, stage in stages for block in getattr(stage, BLOCKS_ATTR)]
     return default_unit_names(model)
 
 

@@ -18,7 +18,7 @@ Memory held (bf16 + Adam, Ψ trainable parameters, N ranks), matching the paper:
 The reducer stores gradient SUMS over the engine's group ([Note: gradient sums] in reducer.py); the step
 divides them by ``average_over``, the number of data-parallel ranks whose batches the step averages. By
 default that is the group's size (times the replicas under HSDP, whose replicate group sums them further).
-Under expert parallelism (hfzero/parallel/expert.py) the engine's group is the whole world, every rank
+Under expert parallelism (parallel/expert.py) the engine's group is the whole world, every rank
 reading its own batch, and the experts (``expert_comm``) are a second partition of the layout, sharded and
 reduced over the expert-data-parallel group ([Note: bucket partitions] in layout.py): a dense gradient is
 the world's reduce-scatter (or all-reduce), a sum over the world; an expert's gradient is the sum over the
@@ -26,11 +26,11 @@ world of its tokens' contributions too (the all-to-all brought it the tokens of 
 edp reduction adds the other EP groups'), so both are divided by the world size, the default. Under
 sequence parallelism the divisor is smaller than the group: the engine shards over the whole world, but
 the S ranks of an SP group train on parts of the same sequences, so the step averages over world / S
-replicas ([Note: sequence-parallel gradients] in hfzero/parallel/sequence/loss.py).
+replicas ([Note: sequence-parallel gradients] in parallel/sequence/loss.py).
 
 [Note: hierarchical sharding]
-With a ``replicate`` communicator (HSDP / MiCS, ``ZeroConfig.shard_size``; groups from
-hfzero.parallel.mesh.build_shard_mesh) ``comm`` is the rank's shard group: the layout, the buckets, the
+With a ``replicate`` communicator (HSDP / MiCS, ``ZeroConfig.shard_size``; the groups
+resolved by ``hfzero.prepare`` in parallel/data_parallel.py) ``comm`` is the rank's shard group: the layout, the buckets, the
 reduce-scatters, stage 3's gathers and the post-step all-gather all run inside it, exactly as flat ZeRO
 over a world of G ranks, so each rank holds 1/G of the sharded model states. The replicate group joins the
 ranks holding the same shard; once per optimizer step (``materialize_grads``, after every micro-batch's
@@ -59,10 +59,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 from hfzero.config import ZeroConfig
 from hfzero.logging import get_logger
-from hfzero.quantized_comm import QuantizedGather, QuantizedReduceScatter
+from hfzero.comm.quantized import QuantizedGather, QuantizedReduceScatter
 from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
 from hfzero.runtime.agreement import StepAgreement
 from hfzero.runtime.compile import eager_hook
@@ -108,7 +108,7 @@ class ZeroEngine:
             QuantizedGather(c, config.quantize_weights, config.quantize_block) if config.quantize_weights else c
             for c in self.partition_comms]
         """What each partition's parameter all-gathers run through: its communicator, or qwZ's block-quantized
-        gather over it (See [Note: quantized collectives] in hfzero/quantized_comm.py)."""
+        gather over it (See [Note: quantized collectives] in hfzero/comm/quantized.py)."""
         self.param_gather = self.param_gathers[0]
         self.device = device
         self.stage = config.stage
@@ -665,3 +665,15 @@ class ZeroEngine:
     def model_state_bytes(self) -> int:
         """Sum of the model-state roles held right now."""
         return sum(v for k, v in self.memory_by_role().items() if k in MODEL_STATE_ROLES)
+
+
+ENGINE_ATTR = "hfzero_engine"
+"""The attribute ``prepare`` sets on a prepared model: its engine."""
+
+
+def get_engine(obj: nn.Module | torch.optim.Optimizer) -> ZeroEngine:
+    """The engine behind a prepared model or its ZeroOptimizer."""
+    engine = getattr(obj, ENGINE_ATTR, None) or getattr(obj, "engine", None)
+    if not isinstance(engine, ZeroEngine):
+        raise ValueError(f"{type(obj).__name__} was not prepared by hfzero.prepare")
+    return engine

@@ -20,7 +20,7 @@ gradient shard are laid out that way.
 [Note: bucket partitions]
 A layout may shard different parameters over different groups of ranks: ``partitions`` lists them and
 ``partition_of`` maps a parameter to its index (default: one partition, ``shard_world`` ranks, this rank
-``rank``). Under expert parallelism (hfzero/parallel/expert.py) partition 0 is the whole data-parallel
+``rank``). Under expert parallelism (parallel/expert.py) partition 0 is the whole data-parallel
 world (the dense parameters, the same on every rank) and partition 1 the expert-data-parallel group (the
 experts, DTensor shards whose local tensors differ between EP ranks). A bucket never holds parameters of
 two partitions (a change of partition cuts a bucket, as a change of stage-3 unit does); its ``chunk`` and

@@ -74,7 +74,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hfzero.comm import Communicator, Handle
+from hfzero.comm.collectives import Communicator, Handle
 from hfzero.logging import get_logger
 from hfzero.runtime.tensors import iter_tensors, local_tensor
 from hfzero.runtime.layout import Bucket, FlatLayout, ParamSlot
@@ -118,7 +118,7 @@ class GradientReducer:
         self.scatter: Any = comm
         """What runs partition 0's reduce-scatters (stages 1-3): ``comm``, or qgZ's hierarchical quantized
         reduction (set by the engine; same signature. See [Note: quantized collectives] in
-        hfzero/quantized_comm.py)."""
+        hfzero/comm/quantized.py)."""
         self.stage = stage
         self.dtype = dtype
         self._element = torch.empty(0, dtype=dtype).element_size()

@@ -26,7 +26,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's local shard (tensor parallelism), else the tensor itself.
 
     The engine flattens, shards and updates local tensors only; see [Note: tensor-parallel parameters]
-    in hfzero/parallel/tensor.py. Under no_grad this is the DTensor's own local tensor object, so
+    in parallel/tensor.py. Under no_grad this is the DTensor's own local tensor object, so
     setting its ``.data`` re-points the DTensor's storage.
     """
     if isinstance(tensor, DTensor):

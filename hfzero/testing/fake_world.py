@@ -5,7 +5,7 @@ rank ``rank`` of ``world_size`` ranks, every collective returns at once and move
 parameters are meaningless but every tensor the engine allocates has its real size. Each spec prepares a
 GPT-2 model at one stage, trains a few steps and reports, after every step, the model-state bytes the
 engine holds (by role), the stage-3 gather pool's state and, on CUDA, the allocator's peaks; with the
-paper's formula (``hfzero.estimate``) on Ψ and on the padded count, so callers compare without
+paper's formula (``hfzero.planning.estimate``) on Ψ and on the padded count, so callers compare without
 re-deriving it. Used by tests/test_fake_world_memory.py (CPU, tiny) and the GPU check (CUDA, ~350M).
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import hfzero
-from hfzero.estimate import model_states_bytes, precision_bytes
+from hfzero.planning.estimate import model_states_bytes, precision_bytes
 from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
 from hfzero.testing.models import tiny_causal_lm
 from hfzero.testing.workloads import param_groups

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hfzero.estimate import precision_bytes
+from hfzero.planning.estimate import precision_bytes
 
 ROLE_NAMES = ("param_full", "param_shard", "param_gathered", "grad_full", "grad_shard", "grad_accum",
               "master_shard", "optim_state")
@@ -170,12 +170,12 @@ def node_split(comm: dict[str, float], pp_rank: int, dp: int, per_node: int, *, 
     """Inter-node elements per step of pp rank ``pp_rank``'s ZeRO traffic ``comm`` (``comm_elements``, shard
     group G = ``shard_size`` or dp, plus under HSDP the all-reduce of the ``replicated`` elements' shard over the
     replicas), for the pp x dp world on nodes of
-    ``per_node`` consecutive ranks (``rank = pp_rank * dp + dp_rank``), as hfzero/comm.py counts it ([Note: node
+    ``per_node`` consecutive ranks (``rank = pp_rank * dp + dp_rank``), as hfzero/comm/collectives.py counts it ([Note: node
     traffic]): each collective's elements times its ring's crossing hops over its ranks, for dp rank 0's groups.
     The tied-embedding all-reduce (``tied`` elements, counted in ``comm["all_reduce"]``) runs over the pair
     (this stage's rank, pp rank ``tied_peer``'s) of the same dp index. ``node_local``: elements of the gathers
     that hpZ's secondary partition keeps inside the node (the backward gathers)."""
-    from hfzero.topology import ring_crossings
+    from hfzero.comm.topology import ring_crossings
 
     shard = shard_size or dp
     base = pp_rank * dp
@@ -194,7 +194,7 @@ def node_split(comm: dict[str, float], pp_rank: int, dp: int, per_node: int, *, 
 def group_nodes(group: range, per_node: int) -> tuple[int, int]:
     """(L, N): a group's ranks per node and nodes spanned; a ValueError when nodes hold different numbers of them
     (qgZ's hops need equal parts)."""
-    from hfzero.topology import node_of
+    from hfzero.comm.topology import node_of
 
     by_node: dict[int, int] = {}
     for rank in group:
@@ -212,14 +212,14 @@ def node_bytes(comm: dict[str, float], pp_rank: int, dp: int, per_node: int, *, 
     """(total, inter-node) bytes per step of pp rank ``pp_rank``'s ZeRO traffic ``comm`` (``node_split``'s
     arguments; unquantized elements cost ``element_bytes``, parameters and gradients alike). qwZ packs every
     parameter gather but hpZ's ``node_local`` backward gathers; qgZ replaces each reduction of n elements over the
-    shard group (L of its ranks per node, N nodes; See [Note: quantized collectives] in hfzero/quantized_comm.py) by
+    shard group (L of its ranks per node, N nodes; See [Note: quantized collectives] in hfzero/comm/quantized.py) by
     an all-to-all of n packed values inside the node (when L > 1) and one of n / L across nodes (when N > 1), so the
     M reductions of "sharded" accumulation cross with n / L packed values each instead of the ring's share of n.
     Packed values cost ``bits / 8 + 4 / block`` bytes (``estimate_quantized.packed_bytes_per_element``: no padding
     of each chunk to whole blocks, exact when the chunks are whole blocks). The tied-embedding sum and HSDP's
     replicate all-reduce stay unquantized. Stage 0 is never quantized."""
-    from hfzero.estimate_quantized import packed_bytes_per_element
-    from hfzero.topology import ring_crossings
+    from hfzero.planning.quantized import packed_bytes_per_element
+    from hfzero.comm.topology import ring_crossings
 
     shard = shard_size or dp
     plain = dict(comm)

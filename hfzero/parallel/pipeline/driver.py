@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.logging import get_logger
 from hfzero.parallel.mesh import PipelineMesh, build_mesh
@@ -87,7 +87,8 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, zero_config: ZeroConfig,
                  config: PipelineConfig, *, mesh: PipelineMesh | None = None):
-        import hfzero
+        from hfzero.parallel.data_parallel import prepare
+        from hfzero.runtime.engine import get_engine
 
         family_of(model)
         self.config = config
@@ -131,11 +132,11 @@ class Pipeline:
 
             shard_group, prepare_kwargs["replicate_group"] = build_pipeline_shard_groups(self.mesh,
                                                                                          zero_config.shard_size)
-        self.module, self.optimizer = hfzero.prepare(self.module, stage_optimizer, zero_config,
+        self.module, self.optimizer = prepare(self.module, stage_optimizer, zero_config,
                                                      process_group=shard_group, **prepare_kwargs)
         if pending is not None:
             release_pending(model)  # other stages' parameters stay on meta, never read here
-        self.engine = hfzero.get_engine(self.module)
+        self.engine = get_engine(self.module)
         self.accumulation = self.engine.accumulation
         self._chunk_buckets: dict[int, frozenset[int]] = {}
         """Per stage index, the buckets holding its parameters, when this rank runs several stages."""
@@ -452,10 +453,10 @@ class Pipeline:
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The whole model's state dict (CPU copies, HF names, the tied embedding once), assembled from every
         stage: a collective over the world. ``rank0_only``: other ranks get ``{}``."""
-        import hfzero
+        from hfzero.runtime.stage3.state_dict import full_state_dict
 
         if self.zero_config.stage == 3:  # a collective of the stage's dp group
-            mine = hfzero.full_state_dict(self.module, rank0_only=False)
+            mine = full_state_dict(self.module, rank0_only=False)
         else:
             mine = {n: t.detach().cpu().clone() for n, t in self.module.state_dict().items()}
         skip = {self.tied_names[1]} if self.tied_names is not None else set()

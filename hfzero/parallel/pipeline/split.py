@@ -161,6 +161,12 @@ class DecoderStage(nn.Module):
         """Qualified names of this stage's blocks (the stage-3 units)."""
         return [f"{self.family.blocks}.{i}" for i in self.block_ids]
 
+    @property
+    def hfzero_block_names(self) -> list[str]:
+        """The same names, under the attribute ``hfzero.compile_regions`` looks for (runtime/compile.py's
+        ``BLOCKS_ATTR``): the blocks it compiles."""
+        return self.block_names
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T) ids on the first stage, else (B, T, H) hidden -> (B, T, H) hidden, or (B, T, V) logits last."""
         if self.is_first:

@@ -6,7 +6,7 @@ it the stage is *busy* while it runs one of its own actions: a micro-batch's for
 (``forward_one_chunk``), the loss (the driver's loss function, last stage), a backward
 (``backward_one_chunk``; zero-bubble schedules also ``backward_weight_one_chunk``) and the end-of-step
 reduction (``perform_reduce_grad``: ZeRO's deferred dp collectives and the tied-embedding sum). Each
-action is timed at its entry and exit by ``hfzero.timing.DeviceTimer`` marks; busy time is the length of the union
+action is timed at its entry and exit by ``hfzero.comm.timing.DeviceTimer`` marks; busy time is the length of the union
 of those spans (a nested span is not counted twice). Everything else in the window is *idle*: waiting
 for a P2P receive (activations from the previous stage, gradients from the next), for a send to
 complete, and the schedule's own bookkeeping. So ``busy + idle = wall`` by construction, and the idle
@@ -14,7 +14,7 @@ time of a stage is its share of the bubble. The bubble fraction comparable to th
 (P - 1)/(vM) (idle time over the ideal, i.e. busy, time, as Megatron defines it) is ``idle / busy``;
 ``idle / wall`` is the share of the step the stage stood still. On CPU/gloo the marks are host wall
 times. On CUDA they are timing events recorded on the current stream (see [Note: device timing] in
-hfzero/timing.py): a span runs from when the stream reaches the action's first kernel to when its last
+hfzero/comm/timing.py): a span runs from when the stream reaches the action's first kernel to when its last
 one is done, so busy and idle are the stream's own, and a P2P receive's wait (a stream wait on NCCL)
 is idle as it should be; host launch times would bill it to whichever later call blocks. Nothing waits
 when a mark is taken: the summary (``last``) is computed when first read, by the profiler at its
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hfzero.timing import DeviceTimer, Mark
+from hfzero.comm.timing import DeviceTimer, Mark
 
 _ROUND = 6
 

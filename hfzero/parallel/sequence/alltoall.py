@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 
 
 def _seq_to_heads(x: torch.Tensor, comm: Communicator) -> torch.Tensor:

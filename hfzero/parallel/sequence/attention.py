@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 from hfzero.config import ConfigError
 from hfzero.parallel.sequence.alltoall import heads_to_seq, seq_to_heads
 

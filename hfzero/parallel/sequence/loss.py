@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 
 
 class _GroupValue(torch.autograd.Function):

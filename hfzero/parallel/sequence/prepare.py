@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.logging import get_logger
 from hfzero.parallel.sequence.attention import apply_sequence_attention
@@ -62,15 +62,16 @@ def prepare_sequence_parallel(model: nn.Module, optimizer: torch.optim.Optimizer
     (stages 0-3, model states sharded over dp x sp, gradients averaged over the dp replicas). Returns
     (model, optimizer, mesh); feed each rank ``split_batch(batch, mesh.sp_rank, mesh.sp_size)`` of the
     same whole batch within an SP group (its dp replica's samples)."""
-    import hfzero
+    from hfzero.parallel.data_parallel import prepare
+    from hfzero.runtime.engine import get_engine
 
     if config.sp_size < 2:
         raise ConfigError("prepare_sequence_parallel: config.sp_size must be > 1")
     mesh = build_sp_mesh(config.sp_size)
     if config.loss_tiles > 1 and getattr(model, "hfzero_loss_tiles", 1) == 1:
         enable_tiled_loss(model, config.loss_tiles)
-    model, zero = hfzero.prepare(model, optimizer, config, average_over=mesh.dp_size)
-    install_sequence_parallel(model, mesh, hfzero.get_engine(model).comm.on_group(mesh.sp_group))
+    model, zero = prepare(model, optimizer, config, average_over=mesh.dp_size)
+    install_sequence_parallel(model, mesh, get_engine(model).comm.on_group(mesh.sp_group))
     logger.info("sequence parallelism: dp=%d x sp=%d, Ulysses attention, ZeRO stage %s over all %d ranks",
                 mesh.dp_size, mesh.sp_size, config.stage, mesh.dp_size * mesh.sp_size)
     return model, zero, mesh

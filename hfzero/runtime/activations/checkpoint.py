@@ -76,7 +76,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 from hfzero.config import ConfigError
 from hfzero.logging import get_logger
 from hfzero.roles import MemoryRole

@@ -36,10 +36,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 from hfzero.config import ZeroConfig, stage3_gathered_numel
 from hfzero.logging import get_logger
-from hfzero.quantized_comm import QuantizedReduceScatter
+from hfzero.comm.quantized import QuantizedReduceScatter
 from hfzero.roles import MemoryRole
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.layout import Bucket, FlatLayout

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 from hfzero.logging import get_logger
 from hfzero.runtime.compile import eager_hook
 from hfzero.runtime.tensors import iter_tensors
@@ -183,7 +183,7 @@ class UnitScheduler:
 
     def gather_now(self, unit: GatherUnit) -> None:
         """Gather ``unit`` synchronously outside any pass (collective: every rank must call it), exactly even with
-        qwZ: state dicts and frozen copies read it (See [Note: quantized collectives] in hfzero/quantized_comm.py)."""
+        qwZ: state dicts and frozen copies read it (See [Note: quantized collectives] in hfzero/comm/quantized.py)."""
         self._issue(unit, exact=True)
         unit.wait()
 

@@ -26,7 +26,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     group is the world: world rank 0 keeps the copy, the other ranks of its EP group (edp rank 0) make the
     experts whole with it (``full_tensor()`` over EP) and return ``{}``.
     """
-    from hfzero.runtime.prepare import get_engine
+    from hfzero.runtime.engine import get_engine
     from hfzero.runtime.stage3.engine import Stage3Engine
     from hfzero.runtime.stage3.unit import UnitState
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 
 
 class StepCheck:

@@ -29,8 +29,8 @@ import enum
 import torch
 from torch import nn
 
-from hfzero.comm import Communicator, Handle
-from hfzero.quantized_comm import QuantizedGather
+from hfzero.comm.collectives import Communicator, Handle
+from hfzero.comm.quantized import QuantizedGather
 from hfzero.runtime.layout import Bucket
 from hfzero.runtime.tensors import local_tensor
 from hfzero.runtime.stage3.buffers import GatherBufferPool

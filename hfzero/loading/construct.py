@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hfzero.comm import Communicator
+from hfzero.comm.collectives import Communicator
 from hfzero.config import ConfigError, ZeroConfig
 from hfzero.logging import get_logger
 from hfzero.runtime.optimizer import ZeroOptimizer
-from hfzero.runtime.prepare import prepare
+from hfzero.parallel.data_parallel import prepare
 from hfzero.runtime.stage3.units import default_unit_names
 from hfzero.runtime.stage3.weights import (CheckpointSource, InitSource, WeightLoadError, WeightSource,
                                            init_added_values, params_on_meta, parameter_aliases)

@@ -2,7 +2,7 @@
 gradient reduce-scatter, both over a data-parallel ``Communicator`` and counted in its statistics.
 
 [Note: quantized collectives]
-qwZ (``ZeroConfig.quantize_weights="int8"``): each rank packs its own shard (``hfzero.quantize``, one fp32 scale
+qwZ (``ZeroConfig.quantize_weights="int8"``): each rank packs its own shard (``hfzero.comm.codec``, one fp32 scale
 per ``quantize_block`` elements), the packed rows are all-gathered as uint8 (one collective, counted as an
 "all_gather" of the packed bytes), and every other rank's row is decoded into the compute-dtype output; the
 rank's own chunk keeps its exact value (the output may alias it). Used for stage 3's unit and persistent gathers
@@ -47,10 +47,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hfzero import topology
-from hfzero.comm import Communicator
+from hfzero.comm import topology
+from hfzero.comm.collectives import Communicator
 from hfzero.config import ConfigError
-from hfzero.quantize import BITS, decode_rows, dequantize_rows, num_blocks, packed_row_bytes, quantize_rows
+from hfzero.comm.codec import BITS, decode_rows, dequantize_rows, num_blocks, packed_row_bytes, quantize_rows
 
 
 class _Arena:

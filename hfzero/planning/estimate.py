@@ -19,9 +19,7 @@ With bf16/fp16 and Adam (p = g = 2, K = 12) these are the paper's 16Ψ, 4Ψ + 12
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -30,6 +28,7 @@ if TYPE_CHECKING:
 
 
 from hfzero.logging import get_logger
+from hfzero.planning.shapes import EstimateError, TransformerShape, load_hf_config
 
 logger = get_logger(__name__)
 
@@ -46,10 +45,6 @@ DEFAULT_HEADROOM: float = 0.2
 """Fraction of device memory ``choose_stage`` keeps free for what the formula does not count:
 gradient buckets, gathered stage-3 units, communication buffers, the allocator's caching and
 fragmentation (the paper reports OOMs with over 30% of memory free before ZeRO-R's MD)."""
-
-
-class EstimateError(ValueError):
-    """An input to the estimator is invalid or unreadable; the message names it and what to do."""
 
 
 class PrecisionBytes(NamedTuple):
@@ -228,10 +223,10 @@ def node_comm_elements_per_step(num_params: float, dp: int, stage: int, *, nodes
     """(total, inter-node) elements per rank per step, clipping aside, for ``dp`` ranks on ``nodes`` nodes of
     consecutive ranks, flat or (``shard_size`` G) HSDP: ZeRO over the shard group of G consecutive ranks
     (``comm_elements_per_step`` with dp = G) plus one all-reduce of the Ψ/G shard over the dp/G replicas. The
-    inter-node part follows [Note: node traffic] in hfzero/comm.py: a collective's share crossing nodes is its
+    inter-node part follows [Note: node traffic] in hfzero/comm/collectives.py: a collective's share crossing nodes is its
     ring's crossing hops over its ranks, for rank 0's groups (every group has the same shape).
     ``secondary_partition`` (hpZ, stage 3): the backward gathers, (Ψ - P) per micro-batch, run inside the node."""
-    from hfzero.topology import ring_crossings
+    from hfzero.comm.topology import ring_crossings
 
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or dp % nodes:
         raise EstimateError(f"nodes must be a positive integer dividing dp={dp}, got {nodes!r}")
@@ -513,34 +508,6 @@ def choose_stage(
 # --------------------------------------------------------------------------------------------------
 
 
-def load_hf_config(source: Any) -> Any:
-    """A ``transformers.PretrainedConfig`` from a config object, a ``config.json`` path or a local
-    model directory holding one. Reads local files only (no hub, no network).
-
-    Raises:
-        EstimateError: the file is missing, is not valid JSON, or names no known ``model_type``.
-    """
-    from transformers import AutoConfig, PretrainedConfig
-
-    if isinstance(source, PretrainedConfig):
-        return source
-    path = os.path.join(source, "config.json") if os.path.isdir(source) else os.fspath(source)
-    if not os.path.isfile(path):
-        raise EstimateError(f"config file {path!r} not found; pass a config.json or a model directory holding one")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            values = json.load(handle)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise EstimateError(f"cannot read {path!r} as JSON ({exc}); pass a valid Hugging Face config.json") from None
-    if not isinstance(values, dict) or "model_type" not in values:
-        raise EstimateError(f"{path!r} has no \"model_type\" key; pass a Hugging Face config.json")
-    model_type = values.pop("model_type")
-    try:
-        return AutoConfig.for_model(model_type, **values)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise EstimateError(f"{path!r}: cannot build a config for model_type {model_type!r} ({exc})") from None
-
-
 def _meta_model(config: Any) -> torch.nn.Module:
     """Instantiate ``config``'s model on the meta device (no memory, no weights): the causal-LM
     class when there is one, else the base ``AutoModel``."""
@@ -640,48 +607,6 @@ def step_fp32_grad_bytes(num_params: float, dp: int, stage: int, *, mp: int = 1)
 
 
 @dataclass(frozen=True, kw_only=True)
-class TransformerShape:
-    """The sizes of a decoder-only transformer that set its activation memory.
-
-    Attributes:
-        hidden_size: h, the model width.
-        num_layers: L, the transformer layers.
-        num_heads: a, the attention heads.
-        vocab_size: V, the output vocabulary.
-        ffn_size: the MLP's inner width (4h in GPT-style models).
-    """
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    vocab_size: int
-    ffn_size: int
-
-    @classmethod
-    def from_hf_config(cls, source: Any) -> "TransformerShape":
-        """Read the shape from a Hugging Face config (object, config.json or model directory), using
-        its standard attribute names (``hidden_size``, ``num_hidden_layers``, ...; GPT-2's ``n_embd``
-        etc. map onto them). The MLP width is ``intermediate_size`` or ``n_inner`` when set, else 4h.
-
-        Raises:
-            EstimateError: the config lacks one of these sizes (not a decoder transformer).
-        """
-        config = load_hf_config(source)
-        sizes: dict[str, int] = {}
-        for field, attr in (("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers"),
-                            ("num_heads", "num_attention_heads"), ("vocab_size", "vocab_size")):
-            value = getattr(config, attr, None)
-            if not isinstance(value, int) or value < 1:
-                raise EstimateError(
-                    f"{type(config).__name__} has no positive integer {attr!r}; the activation estimate needs a "
-                    "decoder transformer config (hidden_size, num_hidden_layers, num_attention_heads, vocab_size)"
-                )
-            sizes[field] = value
-        ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
-        return cls(**sizes, ffn_size=int(ffn) if ffn else 4 * sizes["hidden_size"])
-
-
-@dataclass(frozen=True, kw_only=True)
 class ActivationEstimate:
     """Estimated activation bytes per device for one forward/backward (see ``activation_bytes``).
 
@@ -767,8 +692,8 @@ def activation_bytes(
 
 
 # The HF-decoder activation model (tensor by tensor, checked against the profiler's measurement) lives
-# in its own module; exported here so ``hfzero.estimate`` stays the one estimator namespace.
-from hfzero.estimate_activations import (  # noqa: E402
+# in its own module; exported here so ``hfzero.planning.estimate`` stays the one estimator namespace.
+from hfzero.planning.activations import (  # noqa: E402, F401
     FUSED_ATTENTION,
     DecoderActivationEstimate,
     DecoderShape,

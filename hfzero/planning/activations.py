@@ -1,6 +1,6 @@
 """An activation model for Hugging Face decoders: the bytes autograd saves for backward, tensor by
 tensor, as a function of batch, sequence, the config's sizes, dtype, attention implementation,
-checkpointing, tensor parallelism, P_a and P_a+cpu. Exported by ``hfzero.estimate``.
+checkpointing, tensor parallelism, P_a and P_a+cpu. Exported by ``hfzero.planning.estimate``.
 
 [Note: decoder activation model]
 Derived by reading what each operation of a transformers decoder layer saves for its backward (the
@@ -65,6 +65,8 @@ import dataclasses
 import math
 from typing import Any
 
+from hfzero.planning.shapes import EstimateError, TransformerShape, load_hf_config
+
 _PYTHON_GELU_EXTRA = {"gelu_new": 3}
 """Extra f-sized tensors saved by activations transformers implements in Python (see the note)."""
 
@@ -123,7 +125,6 @@ class DecoderShape:
         Raises:
             EstimateError: the config lacks a decoder's sizes.
         """
-        from hfzero.estimate import EstimateError, TransformerShape, load_hf_config
 
         config = load_hf_config(source)
         base = TransformerShape.from_hf_config(config)
@@ -196,7 +197,6 @@ class DecoderActivationEstimate:
 
 
 def _dtype_bytes(dtype: str | int) -> int:
-    from hfzero.estimate import EstimateError
 
     sizes = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
     if isinstance(dtype, int) and not isinstance(dtype, bool) and dtype in (2, 4):
@@ -252,7 +252,6 @@ def decoder_layer_bytes(shape: DecoderShape, seq_len: int, batch_size: int, *, d
 
 def _sequence_attention_bytes(shape: DecoderShape, local: int, b: int, e: int, fused: bool, sp: int) -> float:
     """Fused attention after the Ulysses all-to-all, per rank (see the note's sequence-parallel paragraph)."""
-    from hfzero.estimate import EstimateError
 
     if not fused:
         raise EstimateError("sequence parallelism with attention dropout (torch's math attention) is not modelled")
@@ -314,7 +313,6 @@ def decoder_activation_bytes(shape: DecoderShape, seq_len: int, batch_size: int,
         EstimateError: non-positive sizes, or P_a / cpu without checkpointing, or P_a without tp > 1, or
             sp > 1 with tp > 1.
     """
-    from hfzero.estimate import EstimateError
 
     for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("tp", tp), ("sp", sp),
                         ("mlp_tiles", mlp_tiles), ("loss_tiles", loss_tiles)):
@@ -431,7 +429,6 @@ class EncoderShape(DecoderShape):
         Raises:
             EstimateError: the config lacks the sizes, or is a decoder-only model.
         """
-        from hfzero.estimate import EstimateError, load_hf_config
 
         config = load_hf_config(source)
         if not is_encoder_config(config):
@@ -508,7 +505,6 @@ def encoder_activation_bytes(shape: EncoderShape, seq_len: int, batch_size: int,
     """ESTIMATE of one micro-batch's activation bytes for an encoder or encoder-decoder (see [Note: encoder
     activation model]); arguments as ``decoder_activation_bytes`` (no P_a). An encoder-decoder's decoder
     runs ``seq_len`` target tokens too."""
-    from hfzero.estimate import EstimateError
 
     if cpu and not checkpointing:
         raise EstimateError("cpu_checkpointing acts on activation checkpoints: enable checkpointing too")

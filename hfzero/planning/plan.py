@@ -43,7 +43,7 @@ import itertools
 import math
 from typing import Any
 
-from hfzero import estimate as est
+from hfzero.planning import estimate as est
 
 LINK_BYTES_PER_S: dict[str, float] = {
     "nvlink": 300e9,     # NVLink 3/4 per direction per GPU, order of magnitude
@@ -216,7 +216,7 @@ def candidates(work: Workload, hw: Hardware, *, max_tp: int | None = None, max_p
 
 def _is_encoder(shape: Any) -> bool:
     """Encoders and encoder-decoders: their activation model has no P_a."""
-    from hfzero.estimate_activations import EncoderShape
+    from hfzero.planning.activations import EncoderShape
 
     return isinstance(shape, EncoderShape)
 
@@ -269,7 +269,7 @@ def _activations(c: Candidate, work: Workload) -> float:
 
 def activation_estimate(shape: Any, seq_len: int, batch: int, **kwargs: Any) -> Any:
     """The activation model for ``shape``: the encoder model for an ``EncoderShape``, else the decoder's."""
-    from hfzero.estimate_activations import EncoderShape, encoder_activation_bytes
+    from hfzero.planning.activations import EncoderShape, encoder_activation_bytes
 
     if isinstance(shape, EncoderShape):
         kwargs.pop("partition", None)

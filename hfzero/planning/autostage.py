@@ -3,7 +3,7 @@
 ``resolve_auto_stage(config, model, optimizer, ...)`` measures the budget (``memory_budget_bytes``, else
 free CUDA memory, or on a CPU the available RAM divided by the ranks on the host, plus the bytes of the
 model's parameters already loaded there, the minimum over the ranks (one all_reduce), less
-``DEFAULT_HEADROOM``), builds the estimator's table for this model (``hfzero.estimate.stage_table``:
+``DEFAULT_HEADROOM``), builds the estimator's table for this model (``hfzero.planning.estimate.stage_table``:
 model states with frozen and persistent parameters, the accumulation policy's buffer, the activation
 bytes reserved for the batch: the decoder activation model's device peak for a transformers model,
 with its checkpointing and the config's tp_size / P_a / P_a+cpu, else the older per-layer estimate,
@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hfzero import estimate as est
+from hfzero.planning import estimate as est
 from hfzero.config import STAGE_AUTO, ZeroConfig
 from hfzero.logging import get_logger
+from hfzero.planning.models import model_activation_estimate, optimizer_kind
 
 logger = get_logger(__name__)
 
@@ -62,7 +63,7 @@ def agreed_budget(budget: float) -> float:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return budget
-    from hfzero.comm import Communicator
+    from hfzero.comm.collectives import Communicator
 
     comm = Communicator()  # See [Note: collective device] in hfzero/devices.py
     value = torch.tensor([budget], dtype=torch.float64, device=comm.device)
@@ -74,12 +75,10 @@ def activation_reserve(model: nn.Module, config: ZeroConfig, batch: tuple[int, i
                        device: torch.device) -> tuple[float, str]:
     """Activation bytes to reserve per rank for one micro-batch ``batch`` = (size, sequence), and which
     estimate gave them. A whole transformers model whose config the decoder activation model reads
-    (``hfzero.estimate.decoder_activation_bytes``) gets that model's device peak (``total``), with the
+    (``hfzero.planning.estimate.decoder_activation_bytes``) gets that model's device peak (``total``), with the
     model's checkpointing flag and the config's tp_size / P_a / P_a+cpu; any other module with a
-    transformer config gets the older per-layer estimate (``hfzero.estimate.activation_bytes``,
+    transformer config gets the older per-layer estimate (``hfzero.planning.estimate.activation_bytes``,
     Korthikanti et al.); neither (or no batch): 0."""
-    from hfzero.profiler.header import model_activation_estimate
-
     model_config = getattr(model, "config", None)
     if model_config is None or batch is None:
         return 0.0, "none"
@@ -116,8 +115,6 @@ def resolve_auto_stage(config: ZeroConfig, model: nn.Module, optimizer: torch.op
     """
     if config.stage != STAGE_AUTO:
         return config
-    from hfzero.profiler.header import optimizer_kind
-
     params = list(dict.fromkeys(model.parameters()))
     in_optimizer = {p for group in optimizer.param_groups for p in group["params"]}
     trainable = sum(p.numel() for p in params if p.requires_grad and p in in_optimizer)

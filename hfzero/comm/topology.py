@@ -45,7 +45,7 @@ def node_of(global_rank: int, per_node: int) -> int:
 def ring_crossings(global_ranks: Sequence[int], per_node: int) -> int:
     """Hops of the ring through ``global_ranks`` (in group-rank order, the last back to the first) that join two
     ranks on different nodes: 0 for a group inside one node, ``len(global_ranks)`` for one rank per node.
-    See [Note: node traffic] in hfzero/comm.py."""
+    See [Note: node traffic] in hfzero/comm/collectives.py."""
     p = len(global_ranks)
     if p < 2:
         return 0

@@ -13,8 +13,8 @@ import json
 import math
 from typing import Any
 
-from hfzero.estimate import EstimateError
-from hfzero.plan import Candidate, Hardware, Workload
+from hfzero.planning.estimate import EstimateError
+from hfzero.planning.plan import Candidate, Hardware, Workload
 
 PARAMS_TOLERANCE = 0.01
 """Relative difference in parameter count under which a measured model is the planned one (the plan's

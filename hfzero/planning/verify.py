@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Any
 
-from hfzero.plan import PlanRow, Workload
+from hfzero.planning.plan import PlanRow, Workload
 
 
 def verify(config_path: str, row: PlanRow, work: Workload, *, steps: int = 3, timeout: float = 600.0) -> dict[str, Any]:
@@ -47,10 +47,10 @@ def _worker(rank: int, world: int, config_path: str, candidate: dict[str, Any], 
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from hfzero import estimate as est
+    from hfzero.planning import estimate as est
     from hfzero.config import ZeroConfig
     from hfzero.profiler import ZeroProfiler
-    from hfzero.runtime.prepare import prepare
+    from hfzero.parallel.data_parallel import prepare
 
     import psutil
 

@@ -12,7 +12,7 @@ Every counted byte is also split into ``intra_node_bytes`` and ``inter_node_byte
 ``bytes``), by one model: a collective over p ranks runs as a ring through the group's ranks in
 group-rank order (the last back to the first), every hop carrying the same share of the traffic, so the
 fraction of a collective's bytes that crosses nodes is c / p, c the ring hops joining ranks on different
-nodes (``hfzero.topology.ring_crossings``; nodes hold consecutive global ranks, ``ranks_per_node`` each).
+nodes (``hfzero.comm.topology.ring_crossings``; nodes hold consecutive global ranks, ``ranks_per_node`` each).
 Each rank is charged that same fraction of its logical bytes (an average over the ring: on a real ring
 the rank whose outgoing hop crosses sends it all), rounded down per collective. So a group inside one
 node moves 0 inter-node bytes, a group with one rank per node (an HSDP replicate group) moves all its
@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from hfzero import gloo_exit, topology
+from hfzero.comm import gloo_exit, topology
 from hfzero.devices import collective_device
 from hfzero.logging import get_logger
-from hfzero.timing import DeviceTimer, Mark
+from hfzero.comm.timing import DeviceTimer, Mark
 
 logger = get_logger(__name__)
 
@@ -72,7 +72,7 @@ class CommStats:
     """Time from launch until the caller's wait returned (overlapped time included): host wall time on
     backends whose wait blocks the host (gloo); on CUDA (NCCL) device time between CUDA events recorded
     on the current stream at the launch and after the wait, added when they are read (see
-    ``Communicator.timing`` and [Note: device timing] in hfzero/timing.py)."""
+    ``Communicator.timing`` and [Note: device timing] in hfzero/comm/timing.py)."""
     impl_calls: dict[str, int] = dataclasses.field(default_factory=dict)
     intra_node_bytes: int = 0
     """The part of ``bytes`` that stays inside a node; see [Note: node traffic]."""

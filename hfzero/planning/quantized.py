@@ -1,8 +1,8 @@
 """Bytes per rank per step, total and inter-node, with ZeRO++'s quantized collectives (qwZ, qgZ) and hpZ.
 
 ``estimate.node_comm_elements_per_step`` counts elements; quantization changes what one element costs, so this
-module counts bytes, term by term, with the node split of [Note: node traffic] in hfzero/comm.py and the packed
-sizes of [Note: block quantization] in hfzero/quantize.py:
+module counts bytes, term by term, with the node split of [Note: node traffic] in hfzero/comm/collectives.py and the packed
+sizes of [Note: block quantization] in hfzero/comm/codec.py:
 
 - reductions (R = 1 under "local" accumulation, A per step under "sharded"): unquantized, a reduce-scatter of Ψ
   elements over the shard group (its ring's crossing share inter-node); qgZ, per [Note: quantized collectives],
@@ -20,9 +20,9 @@ chunks of thousands of elements). ``layout_*`` give the exact per-bucket counts.
 
 from __future__ import annotations
 
-from hfzero.estimate import EstimateError, comm_elements_per_step, resolve_accumulation
-from hfzero.quantize import BITS, packed_row_bytes
-from hfzero.topology import ring_crossings
+from hfzero.planning.estimate import EstimateError, comm_elements_per_step, resolve_accumulation
+from hfzero.comm.codec import BITS, packed_row_bytes
+from hfzero.comm.topology import ring_crossings
 
 
 def packed_bytes_per_element(name: str | None, block: int, plain_bytes: float) -> float:
