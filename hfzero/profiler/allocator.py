@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from hfzero.devices import with_index
 from hfzero.logging import get_logger
 
 logger = get_logger(__name__)
@@ -153,7 +154,7 @@ class AllocatorProbe:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
+        self.device = with_index(device)  # See [Note: device index] in hfzero/devices.py
         self._is_cuda = device.type == "cuda"
         self._page_size = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
         self._mallinfo2 = _load_mallinfo2() if not self._is_cuda else None
@@ -187,12 +188,11 @@ class AllocatorProbe:
         """Fragmentation from a full CUDA allocator snapshot (expensive); None on other devices."""
         if not self._is_cuda:
             return None
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         try:  # include_traces (torch >= 2.9) skips the stack traces we do not record
             segments = torch.cuda.memory_snapshot(include_traces=False)
         except TypeError:
             segments = torch.cuda.memory_snapshot()
-        return cuda_snapshot_summary(segments, index)
+        return cuda_snapshot_summary(segments, self.device.index)
 
     def _rss(self) -> int | None:
         if self._statm is not None:
