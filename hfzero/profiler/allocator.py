@@ -12,9 +12,11 @@ STYLE.md, "side effects in observers"). Two costs:
   runs only when the profiler was asked for it, at most once per step. CPU has no equivalent: it
   returns None there.
 
-Fragmentation is computed by pure functions so it can be tested on recorded data:
-``cuda_snapshot_summary`` (1 - largest free block / total free, over the caching allocator's
-segments) and ``heap_fragmentation`` (free-but-held fraction of the malloc heap, fordblks / arena).
+Fragmentation is computed by pure functions so it can be tested on recorded data: at every sample,
+``split_fragmentation`` on CUDA (free blocks inside segments in use / reserved, from the counters) and
+``heap_fragmentation`` on CPU (free-but-held fraction of the malloc heap, fordblks / arena), both in
+profiler/fragmentation.py; with a snapshot, ``cuda_snapshot_summary`` (1 - largest free block / total free,
+over the caching allocator's segments).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 
 from hfzero.devices import with_index
 from hfzero.logging import get_logger
+from hfzero.profiler.fragmentation import heap_fragmentation, split_fragmentation
 
 logger = get_logger(__name__)
 
@@ -59,11 +62,6 @@ class _MallInfo2(ctypes.Structure):
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def heap_fragmentation(arena: int, fordblks: int) -> float | None:
-    """Free-but-held fraction of the malloc heap: ``fordblks / arena``; None for an empty heap."""
-    return fordblks / arena if arena > 0 else None
-
-
 def cpu_fields(rss: int | None, info: MallInfo | None, rss_peak: int | None = None) -> AllocatorSample:
     """The allocator record of a CPU rank from its RSS and mallinfo2 figures (None where unavailable).
 
@@ -88,7 +86,8 @@ def cpu_fields(rss: int | None, info: MallInfo | None, rss_peak: int | None = No
 
 
 def cuda_fields(stats: Mapping[str, Any], rss: int | None) -> AllocatorSample:
-    """The allocator record of a CUDA rank from ``torch.cuda.memory_stats_as_nested_dict()``.
+    """The allocator record of a CUDA rank from ``torch.cuda.memory_stats_as_nested_dict()``; ``fragmentation``
+    is ``split_fragmentation`` (inactive split bytes / reserved bytes).
 
     (The nested form is what ``torch.cuda.memory_stats()`` flattens into "allocated_bytes.all.current"
     keys; reading it directly skips that flattening of ~150 entries at every phase boundary.)
@@ -108,7 +107,7 @@ def cuda_fields(stats: Mapping[str, Any], rss: int | None) -> AllocatorSample:
         "num_ooms": int(stats.get("num_ooms", 0)),
         "peak_allocated": all_pools("allocated_bytes", "peak"),
         "peak_reserved": all_pools("reserved_bytes", "peak"),
-        "fragmentation": None,
+        "fragmentation": split_fragmentation(all_pools("inactive_split_bytes"), reserved),
     }
 
 
