@@ -5,6 +5,7 @@ CUDA host faked by patching what torch reports (no GPU needed)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,8 @@ def test_hfzero_run_refuses_more_ranks_than_gpus(one_gpu, monkeypatch: pytest.Mo
     for cpu_run in (["--use_cpu"], ["--use_cpu", "true"], ["--use_cpu=true"]):
         with pytest.raises(AssertionError, match="torchrun started"):  # a CPU run needs no GPU
             launch(["--nproc_per_node", "2", SCRIPT, "--output_dir", "o", *cpu_run])
+        # and its workers are told so: the accelerator the Trainer builds reads ACCELERATE_USE_CPU, not --use_cpu
+        assert os.environ.pop("ACCELERATE_USE_CPU") == "true"
     with pytest.raises(ConfigError, match="only 1"):
         launch(["--nproc_per_node", "2", SCRIPT, "--output_dir", "o", "--use_cpu", "false"])
     with pytest.raises(AssertionError, match="torchrun started"):  # one rank per GPU
@@ -165,6 +168,33 @@ def test_hfzero_run_refuses_more_ranks_than_gpus(one_gpu, monkeypatch: pytest.Mo
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
     with pytest.raises(AssertionError, match="torchrun started"):
         launch(["--nproc_per_node", "2", SCRIPT, "--output_dir", "o"])
+
+
+def test_the_main_job_runs_on_every_gpu_or_on_two_cpu_ranks(one_gpu, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 33 item 9: examples/main_job.sh asks ``python -m hfzero.integrations.gpus`` where to run: one rank per
+    GPU with two or more, else 2 CPU ranks (``--use_cpu true``), which `hfzero run` then starts on a 1-GPU host
+    (it refused ``--nproc_per_node 2`` there) with its workers told it is a CPU run."""
+    from hfzero.integrations import gpus
+    from hfzero.integrations.launch import launch
+
+    assert gpus.job_placement(0) == gpus.JobPlacement(2, True, "2 CPU ranks, gloo (no GPU is visible)")
+    assert gpus.job_placement(1) == gpus.JobPlacement(
+        2, True, "2 CPU ranks, gloo (1 GPU is visible and two ranks cannot share it)")
+    assert gpus.job_placement(4) == gpus.JobPlacement(4, False, "4 ranks, one per visible GPU (cuda:0-cuda:3), NCCL")
+    assert gpus.job_placement(4, cpu=True).cpu and gpus.job_placement(1, cpu_ranks=3).nproc == 3
+    gpus.main([])  # this host: one GPU (the fixture)
+    assert capsys.readouterr().out == "2 cpu 2 CPU ranks, gloo (1 GPU is visible and two ranks cannot share it)\n"
+    with pytest.raises(AssertionError, match="torchrun started"):  # what main_job.sh then runs
+        launch(["--nproc_per_node", "2", "examples/finetune_classifier.py", "--output_dir", "o", "--use_cpu", "true"])
+    assert os.environ.pop("ACCELERATE_USE_CPU") == "true"
+    monkeypatch.setattr(gpus, "accelerator_count", lambda: 2)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
+    gpus.main([])
+    assert capsys.readouterr().out == "2 gpu 2 ranks, one per visible GPU (cuda:0-cuda:1), NCCL\n"
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    gpus.main(["--cpu-ranks", "3"])
+    assert capsys.readouterr().out == "3 cpu 3 CPU ranks, gloo (ACCELERATE_USE_CPU asks for a CPU run)\n"
 
 
 def test_trainer_and_accelerator_refuse_more_ranks_than_gpus(one_gpu, monkeypatch: pytest.MonkeyPatch) -> None:
