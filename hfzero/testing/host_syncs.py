@@ -113,9 +113,9 @@ def measure(rank: int, world_size: int, stage: int, accumulation_steps: int, *, 
             micro = micro_batches(batch, rank, world_size, accumulation_steps)
             for index, ids in enumerate(micro):
                 last = index == len(micro) - 1
-                with counted("last" if last else "early", on):
-                    with optimizer.no_sync() if no_sync and not last else contextlib.nullcontext():
-                        optimizer.backward(model(input_ids=ids, labels=ids).loss / accumulation_steps)
+                deferred = optimizer.no_sync() if no_sync and not last else contextlib.nullcontext()
+                with counted("last" if last else "early", on), deferred:
+                    optimizer.backward(model(input_ids=ids, labels=ids).loss / accumulation_steps)
             with counted("step", on):
                 if clip is not None:
                     optimizer.clip_grad_norm_(clip)

@@ -298,7 +298,7 @@ class SyncCensus:
 
     # -- the modes ----------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator["SyncCensus"]:
+    def phase(self, name: str) -> Iterator[SyncCensus]:
         """Count inside the block under ``name``: the torch-function and dispatch modes and the patched
         ``synchronize`` functions are active (undone on exit, also on error)."""
         census = self
@@ -379,7 +379,7 @@ class CudaSyncWarnings:
         self.cpp_thread_lines = 0
 
     @contextlib.contextmanager
-    def watching(self) -> Iterator["CudaSyncWarnings"]:
+    def watching(self) -> Iterator[CudaSyncWarnings]:
         """Capture file descriptor 2 (C++ threads' warnings) for the block; count its sync lines."""
         sys.stderr.flush()
         saved = os.dup(2)
@@ -398,7 +398,7 @@ class CudaSyncWarnings:
                 sys.stderr.write("".join(line for line in lines if SYNC_WARNING not in line))
 
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator["CudaSyncWarnings"]:
+    def phase(self, name: str) -> Iterator[CudaSyncWarnings]:
         """Warn on every synchronization inside the block and count each under ``name`` at its frame."""
         counts = self.counts
         counts.phase = name
