@@ -35,7 +35,7 @@ def _events(out: Path) -> list[dict]:
 def test_quick_cpu_run_passes_every_cpu_section(tmp_path: Path) -> None:
     out = tmp_path / "check"
     proc = subprocess.run([sys.executable, "-m", "hfzero.testing.gpu_check", "--device", "cpu", "--quick",
-                           "--out", str(out)], capture_output=True, text=True, timeout=2400)
+                           "--out", str(out)], capture_output=True, text=True, timeout=3600)
     report = json.loads((out / "gpu_check.json").read_text())
     status = {s["name"]: s for s in report["sections"]}
     failed = {n: (s["error"], [c for c in s["checks"] if not c["ok"]]) for n, s in status.items() if s["status"] == "fail"}
@@ -50,8 +50,8 @@ def test_quick_cpu_run_passes_every_cpu_section(tmp_path: Path) -> None:
     assert any("gather pool served every gather" in n for n in names["fake_memory"])
     assert status["fake_memory"]["figures"]["summary"]["stage 3"]["pool_served_per_step"] > 0
     syncs = status["shared_device"]["figures"]["host_syncs"]
-    assert set(syncs) == {"stage3-acc1", "stage3-acc4"}
-    assert syncs["stage3-acc4"]["by_owner_per_step"].get("transformers", 0) >= 4  # the model's, charged to it
+    assert set(syncs) == {"stage3-acc1", "stage3-acc2"}
+    assert syncs["stage3-acc2"]["by_owner_per_step"].get("transformers", 0) >= 2  # the model's, charged to it
     assert sum(n.startswith("host syncs") for n in names["shared_device"]) == 3
     medians = status["step_time"]["figures"]["summary"]["median"]
     assert set(medians) == {"plain", "trainer_recipe", "fsdp2", "zero0", "zero1", "zero2", "zero3"}

@@ -124,7 +124,7 @@ def run(options: Options, checks: Checks) -> dict[str, Any]:
     for system in SYSTEMS:
         try:
             row = run_distributed(time_system, 1, system, size, options.device, dtype, batch, seq, warmup, timed,
-                                  backend=backend, timeout=60 if not options.quick else 240)[0]
+                                  backend=backend, timeout=400 if options.quick else 60)[0]
         except WorkerFailure as error:  # its own row only
             row = {"error": str(error)[-3000:]}
         rows[system] = checks.figure(system, row)
