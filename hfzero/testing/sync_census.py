@@ -35,6 +35,9 @@ Two counters share it:
   except those registered with ``host()`` (e.g. an optimizer's ``step`` counters, which torch keeps on
   the host): the proxy cannot tell the two placements apart otherwise, so ``.to(device)`` between
   placements it cannot see is not counted there (CUDA counts the real copies at the dispatch level).
+
+Test tooling only (nothing of the library imports it): ``TorchDispatchMode`` is torch's documented extension
+point for dispatch-level modes, though it lives in ``torch.utils._python_dispatch``.
 """
 
 from __future__ import annotations
@@ -281,7 +284,7 @@ class SyncCensus:
             indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
             masks = [i for i in indices or () if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
             return f"aten.{packet.__name__} (boolean mask)" if any(self._on_device(m) for m in masks) else None
-        if packet is self._repeat and func._overloadname != "self_int" and kwargs.get("output_size") is None:
+        if packet is self._repeat and not func.__name__.endswith(".self_int") and kwargs.get("output_size") is None:
             return "aten.repeat_interleave (no output_size)" if any(self._on_device(a) for a in args[:2]) else None
         if packet in self._copies and self.device_type != "cpu" and not kwargs.get("non_blocking", False):
             if packet.__name__ == "_to_copy":
