@@ -71,6 +71,29 @@ lanes for the sections that may share the GPU, then step_time alone) and is stop
 by default (runner.py)."""
 
 
+@dataclasses.dataclass
+class SectionResult:
+    """The outcome of one section.
+
+    Attributes:
+        name: the section's module name.
+        status: "pass", "fail" or "skip".
+        seconds: wall time of its process.
+        limit_s: the time limit it ran under.
+        figures: what it measured (JSON-serializable).
+        checks: its named checks, each ``{name, ok, detail}``.
+        error: exception text, skip reason or time-out message (None when it passed).
+    """
+
+    name: str
+    status: str
+    seconds: float
+    limit_s: int
+    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
+    checks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    error: str | None = None
+
+
 class SectionSkip(Exception):
     """Raised by a section that cannot run here (e.g. needs CUDA); the message says why."""
 

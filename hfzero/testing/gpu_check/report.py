@@ -9,8 +9,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from hfzero.testing.gpu_check.common import SECTIONS, Options
-from hfzero.testing.gpu_check.runner import SectionResult
+from hfzero.testing.gpu_check.common import SECTIONS, Options, SectionResult
 
 
 def environment() -> dict[str, Any]:

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from hfzero.logging import get_logger
-from hfzero.testing.gpu_check.common import SECTIONS, Options, SectionSpec, append_event
+from hfzero.testing.gpu_check.common import SECTIONS, Options, SectionResult, SectionSpec, append_event
+from hfzero.testing.gpu_check.report import write_json, write_markdown
 
 logger = get_logger(__name__)
 
@@ -44,29 +45,6 @@ session's fifteen minutes of device time."""
 
 MIN_START_S = 10
 """A section is not started with less than this left before the deadline."""
-
-
-@dataclasses.dataclass
-class SectionResult:
-    """The outcome of one section.
-
-    Attributes:
-        name: the section's module name.
-        status: "pass", "fail" or "skip".
-        seconds: wall time of its process.
-        limit_s: the time limit it ran under.
-        figures: what it measured (JSON-serializable).
-        checks: its named checks, each ``{name, ok, detail}``.
-        error: exception text, skip reason or time-out message (None when it passed).
-    """
-
-    name: str
-    status: str
-    seconds: float
-    limit_s: int
-    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
-    checks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    error: str | None = None
 
 
 def _log_tail(path: Path, chars: int = 3000) -> str:
@@ -140,8 +118,6 @@ class _Run:
 
     def finish(self, result: SectionResult) -> None:
         """Record a finished section: results.jsonl, its output into logs.txt, the reports rewritten."""
-        from hfzero.testing.gpu_check.report import write_json, write_markdown
-
         with self._lock:
             self.results[result.name] = result
             append_event(str(self.out), {"event": "section", **dataclasses.asdict(result)})
