@@ -90,10 +90,6 @@ class SyncSite:
     via: str
     api: str
 
-    def label(self) -> str:
-        via = f" via {self.via}" if self.via else ""
-        return f"[{self.owner}] {self.where}{via}: {self.api} ({self.code})"
-
 
 _TORCH_MACHINERY = ("torch._dynamo", "torch._compile", "torch.utils._python_dispatch", "torch._ops", "torch.overrides")
 """torch modules between a caller and the census's modes (dynamo's disable wrappers, the mode dispatch):

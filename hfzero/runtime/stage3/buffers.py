@@ -50,7 +50,7 @@ class GatherBufferPool:
         self.served = 0
         """Gathers given memory by the pool since construction, from an idle buffer or a new one. With
         ``allocations``, the counters the GPU check reads (``hfzero.testing.fake_world.pool_counters``):
-        after the first step every gather is served and none allocates."""
+        from the second step every gather is served, and after it (the first that prefetches) none allocates."""
 
     def borrow(self, nbytes: int) -> torch.UntypedStorage:
         """A storage of exactly ``nbytes`` bytes, idle or newly allocated (its content is undefined)."""

@@ -29,6 +29,7 @@ def main(argv: list[str]) -> int:
         outcome.update(status="skip", error=str(skip))
     except BaseException:  # noqa: BLE001 - the runner reports it; other sections go on
         outcome.update(status="fail", error=traceback.format_exc()[-4000:])
+        print(outcome["error"], file=sys.stderr, flush=True)  # into logs.txt too
     outcome["checks"] = checks.items
     with open(result_path, "w", encoding="utf-8") as f:
         json.dump(outcome, f, default=str)
