@@ -29,8 +29,8 @@ blocking, vector widths and reduction trees a CPU's kernels pick for that shape,
 the micro-batch's tokens), then sums the micro-batch gradients in an order its buckets, accumulation and
 collectives pick. A whole batch's or one row's computation does not sample that rounding: on an Intel Xeon the
 world-1 matrix's accumulation-2 cases (2 rows of 16 tokens per micro-batch) used 1.00 of a bound sampled at 4
-rows and at 1 row, and here the 2-row gradient error of one in six elements is above both, up to 6.6x (of
-K = 8). So the reference samples, at its parameters, every split ``m`` in ``run_splits`` (ranks x accumulation
+rows and at 1 row, and on an AMD EPYC the 2-row gradient error of one element in six is above both at step 0, up
+to 6.6x (of K = 8; tests/test_parity_bounds.py makes such a shape's rounding large). So the reference samples, at its parameters, every split ``m`` in ``run_splits`` (ranks x accumulation
 of each run it judges) and the finest split ``n`` (the chunks every run's micro-batches are unions of; one row
 per chunk samples the most computations): (a) per element, the sum over the ``m`` micro-batches of |fp32 -
 float64| micro-batch gradient, / m, in absolute value so no chance cancellation makes it small; the sampled
