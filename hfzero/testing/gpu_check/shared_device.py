@@ -119,7 +119,8 @@ def run(options: Options, checks: Checks) -> dict[str, Any]:
     worlds = (2,) if options.quick else (2, 4)
     todo = [c for c in PARITY if c.accumulation == 2] if options.quick else PARITY
     figures: dict[str, Any] = {"not_run": [] if cuda else ["host syncs (needs CUDA)", "CUDA sanitizer (needs CUDA)"]}
-    ref64 = reference64(SIZE, _device(options.device), STEPS, BATCH, SEQ)  # here: spawned ranks return plain data
+    run_splits = tuple(sorted({world * case.accumulation for world in worlds for case in todo}))  # ranks x micro
+    ref64 = reference64(SIZE, _device(options.device), STEPS, BATCH, SEQ, run_splits)  # here: ranks return plain data
     for world in worlds:
         outs = checks.run(f"world {world}: ranks ran", run_distributed, parity_rank, world, options.device,
                           world == 2, todo, timeout=600)
