@@ -182,16 +182,23 @@ class ParityReference:
                 return self.params[start:end], self.bound.bound[start:end]
         raise KeyError(name)
 
-    def worst_ratio(self, losses: list[float], params: dict[str, torch.Tensor] | None = None, first: int = 0) -> float:
-        """The largest |got - float64| / bound over the losses (from step ``first``) and parameter elements: how
-        much of the bound a run used (the margin evidence a tolerance change records)."""
-        worst = max((abs(got - want) / tol for got, want, tol in
-                     zip(losses, self.losses[first:], self.loss_bounds[first:])), default=0.0)
+    def worst(self, losses: list[float], params: dict[str, torch.Tensor] | None = None,
+              first: int = 0) -> tuple[float, str]:
+        """The largest |got - float64| / bound over the losses (from step ``first``) and parameter elements, and
+        where it is ("loss step 0", "name[index]"): how much of the bound a run used and by what (the margin
+        evidence a tolerance change records)."""
+        worst, where = 0.0, "nothing"
+        for step, (got, want, tol) in enumerate(zip(losses, self.losses[first:], self.loss_bounds[first:]),
+                                                start=first):
+            if abs(got - want) / tol > worst:
+                worst, where = abs(got - want) / tol, f"loss step {step}"
         for name, start, end in self.names if params is not None else ():
             diff = (params[name].reshape(-1).double() - self.params[start:end]).abs()
             ratio = torch.where(diff == 0, 0.0, diff / self.bound.bound[start:end])  # 0 / 0: exact, 0
-            worst = max(worst, float(ratio.max()))
-        return worst
+            index = int(ratio.argmax())
+            if float(ratio[index]) > worst:
+                worst, where = float(ratio[index]), f"{name}[{index}]"
+        return worst, where
 
     def check_losses(self, losses: list[float], what: str = "loss", first: int = 0) -> None:
         """Each loss within its bound of the float64 one; ``first``: the step ``losses`` start at (a resumed run)."""
