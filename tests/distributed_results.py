@@ -49,14 +49,15 @@ def results(world: int) -> dict[TrainSpec, list[dict]]:
     return {spec: [rank_results[i] for rank_results in per_rank] for i, spec in enumerate(specs)}
 
 
-FINEST_SPLIT = 16
-"""World 4 x accumulation 4: every fp32 case's micro-batches are unions of 16 one-row chunks of a batch."""
+WORLDS = (1, 2, 4)
+RUN_SPLITS = tuple(sorted({world * accumulation for world in WORLDS for accumulation, _ in ACCUMULATION}))
+"""Worlds 1, 2, 4 x accumulation 1 and 4: the micro-batch splits of the fp32 cases (the finest, 16, one row each)."""
 
 
 @functools.lru_cache(maxsize=None)
 def reference64(model: str):
-    """The float64 run of the fp32 cases with the rounding bounds of any of them (hfzero.testing.parity)."""
-    return train_reference64(TrainSpec(model=model), splits=FINEST_SPLIT)
+    """The float64 run of the fp32 cases with the rounding bounds of every one of them (hfzero.testing.parity)."""
+    return train_reference64(TrainSpec(model=model), RUN_SPLITS)
 
 
 @functools.lru_cache(maxsize=None)

@@ -50,9 +50,9 @@ def _expected_comm(stage: int, policy: str, padded: int) -> dict[str, int]:
 @functools.lru_cache(maxsize=None)
 def _reference64() -> ParityReference:
     """Single-process AdamW (lr 1e-3, clipping at 1, constant LR) on the same global batches in float64, with the
-    bounds of any fp32 run of it whose micro-batches are unions of rows: world 4 x accumulation 4 = 16 rows."""
+    bounds of the accelerate runs: worlds 2 and 4 x accumulation 4 (the finest split, 16, one row each)."""
     return float64_reference(tiny_causal_lm("gpt2"), lambda model: torch.optim.AdamW(param_groups(model), lr=1e-3),
-                             token_batches(STEPS, GLOBAL_BATCH, SEQ), 1.0, splits=GLOBAL_BATCH)
+                             token_batches(STEPS, GLOBAL_BATCH, SEQ), 1.0, run_splits=(2 * ACCUM, 4 * ACCUM))
 
 
 def _accelerate_run(rank: int, world: int, stage: int, policy: str) -> dict:

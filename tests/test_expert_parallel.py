@@ -44,10 +44,10 @@ def _batches() -> list[torch.Tensor]:
 
 
 def _reference() -> ParityReference:
-    """The float64 run, bounding every fp32 run that splits each batch into up to 2 x WORLD micro-batches
-    (the finest split of the cases: ranks x accumulated micro-batches)."""
+    """The float64 run, bounding the cases' fp32 runs: WORLD ranks x 1 or 2 accumulated micro-batches."""
+    run_splits = sorted({WORLD * accumulation for _, _, accumulation, _ in CASES.values()})
     return float64_reference(tiny_moe_lm(), lambda model: torch.optim.AdamW(model.parameters(), lr=LR), _batches(),
-                             CLIP, splits=2 * WORLD)
+                             CLIP, run_splits=run_splits)
 
 
 def _train(rank: int, world: int, stage: int, ep: int, accumulation: int, policy: str) -> dict:

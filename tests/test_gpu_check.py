@@ -150,8 +150,10 @@ def test_matrix_comparison_fails_on_drift_skips_and_placement() -> None:
     case = Case(2, "fp32", True, 1)
     ok, detail = compare(case, good, ref, ref64)
     assert ok and "0.50" in detail  # the share of the bound used is reported
-    assert not compare(case, {**good, "params": {"w": torch.tensor([0.0, 2e-5, 0.0])}}, ref, ref64)[0]
-    assert not compare(case, {**good, "losses": [2.0, 1.9001]}, ref, ref64)[0]
+    off, detail = compare(case, {**good, "params": {"w": torch.tensor([0.0, 2e-5, 0.0])}}, ref, ref64)
+    assert not off and "2.00 (of losses and parameters: w[1])" in detail  # which quantity used the most
+    off, detail = compare(case, {**good, "losses": [2.0, 1.9001]}, ref, ref64)
+    assert not off and "loss step 1" in detail
     assert not compare(case, {**good, "skipped": 1}, ref, ref64)[0]
     assert not compare(case, {**good, "offloaded": False}, ref, ref64)[0]
     assert compare(Case(2, "bf16", True, 1), {**good, "params": {"w": torch.full((3,), 1e-2)}}, ref, ref64)[0]

@@ -180,7 +180,7 @@ def results() -> tuple[list[dict], str]:
 
 @functools.lru_cache(maxsize=None)
 def _reference64() -> ParityReference:
-    return train_reference64(TrainSpec(steps=STEPS), splits=WORLD * ACCUM)
+    return train_reference64(TrainSpec(steps=STEPS), (WORLD * ACCUM,))
 
 
 def _id(spec: TrainSpec) -> str:

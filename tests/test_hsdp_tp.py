@@ -195,7 +195,7 @@ def results() -> tuple[list[dict], str]:
 @functools.lru_cache(maxsize=None)
 def _reference() -> ParityReference:
     return float64_reference(_llama(), lambda model: torch.optim.AdamW(model.parameters(), lr=LR), _batches(), CLIP,
-                             splits=DP * ACCUM)
+                             run_splits=(DP * ACCUM,))
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed_results import BF16_CASES, FP16_CASES, FP32_CASES, case_id, reference, reference64, results
+from distributed_results import BF16_CASES, FP16_CASES, FP32_CASES, WORLDS, case_id, reference, reference64, results
 
 _id = case_id
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("spec", FP32_CASES, ids=_id)
 def test_fp32_matches_reference(world, spec):
     """Against the float64 run, each loss and parameter element within the bound derived from the fp32

@@ -49,7 +49,7 @@ def _worker(rank: int, world: int) -> dict:
 
 def test_one_communicator_and_stress_parity():
     results = run_distributed(_worker, 2, timeout=300)
-    ref = train_reference64(STRESS, splits=2 * STRESS.accumulation)  # world 2 x 4 micro-batches
+    ref = train_reference64(STRESS, (2 * STRESS.accumulation,))  # world 2 x 4 micro-batches
     for rank, out in enumerate(results):
         assert out["created"] == [], out["created"]  # no group of its own: nothing any rank could skip
         assert out["same_group"]

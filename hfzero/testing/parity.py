@@ -23,25 +23,39 @@ the order) and the second-order effect of the parameters' own deviations on late
 whose gradients are well above rounding level get bounds of ~1e-7; the few at rounding level get up to
 ``2 * lr * steps``, so a real bug (a wrong lr, a missing gradient reduction) still fails everywhere else.
 
-Micro-batches (``float64_reference(splits=n)``): a run that splits each batch over ranks and accumulated
-micro-batches computes every micro-batch gradient with its own rounding, then sums them in an order its
-buckets, accumulation and collectives pick. The reference splits the batch into the finest ``n`` chunks
-every run's micro-batches are unions of and adds, per element, (a) the sum over chunks of |fp32 - float64|
-chunk gradient (a sample of the rounding inside the micro-batches, in absolute value so no chance
-cancellation makes it small; the sampled error is the larger of this and the full batch's) and (b) the
-worst-case rounding of summing the chunks in any order and grouping, ``(n - 1) u32 sum_k |g_k| / n`` (a
-grouping into fewer parts sums parts whose absolute values total at most ``sum_k |g_k|``), not scaled by
-``K`` since it is already a worst case. With clipping active every element is also scaled by the run's clip
-coefficient, off by its gradient norm's relative bound. Without (a) and (b) the world-2 llama stage-3
-accumulation-4 case ended 1.5x over the bound; with them, measured on the engine parity workload (10
-steps, n = 16) without the feedback term: fp32 single-process runs at 1 and 2 threads within 0.38 of the
-bound, distributed runs (world 2 and 4, stages 0-3, accumulation 1 and 4, no_sync) within 0.59; lr x1.01
-puts 99% of the elements over it. The cost: 2n more forward/backward passes per reference step.
+Micro-batches (``float64_reference(splits=n, run_splits=...)``): a run that splits each batch over ranks and
+accumulated micro-batches computes every micro-batch as one fp32 computation with its own rounding (the matmul
+blocking, vector widths and reduction trees a CPU's kernels pick for that shape, the log-softmax and loss mean
+over the micro-batch's tokens), then sums the micro-batch gradients in an order its buckets, accumulation and
+collectives pick. A whole batch's or one row's computation does not sample that rounding: on an Intel Xeon the
+world-1 matrix's accumulation-2 cases (2 rows of 16 tokens per micro-batch) used 1.00 of a bound sampled at 4 rows
+and at 1 row, and on an AMD EPYC the 2-row gradient error of one element in six is above both at step 0, up to
+6.6x (of K = 8; tests/test_parity_bounds.py makes such a shape's rounding large). So the reference samples, at its
+parameters, every split ``m`` in ``run_splits`` (ranks x accumulation of each run it judges) and the finest split
+``n`` (the chunks every run's micro-batches are unions of; one row per chunk samples the most computations): (a)
+per element, the sum over the ``m`` micro-batches of |fp32 - float64| micro-batch gradient, / m, in absolute value
+so no chance cancellation makes it small; the sampled gradient error is the element-wise largest of these and the
+whole batch's; (b) the loss as a run reports it, the mean of its fp32 micro-batch losses (bounded by the sum of
+|fp32 - float64| micro-batch losses, / m), and the gradient norm as a run clips with it, the fp32 norm of the
+summed fp32 micro-batch gradients, parameter by parameter as ``clip_grad_norm_`` (it was sampled at the whole
+batch only); each scalar's sampled error is the largest over the splits. Added, not scaled by ``K`` since it is
+already a worst case: (c) the rounding of summing the finest chunks in any order and grouping, ``(n - 1) u32 sum_k
+|g_k| / n`` per element (a grouping into fewer parts sums parts whose absolute values total at most ``sum_k
+|g_k|``), the same for the loss, and for the norm its largest change when every element moves by that much. With
+clipping active every element is also scaled by the run's clip coefficient, off by its gradient norm's relative
+bound. Without (a) and (c) the world-2 llama stage-3 accumulation-4 case ended 1.5x over the bound; with them
+(sampled then at the whole batch and the finest split only), measured on the engine parity workload (10 steps, n =
+16) without the feedback term: fp32 single-process runs at 1 and 2 threads within 0.38 of the bound, distributed
+runs (world 2 and 4, stages 0-3, accumulation 1 and 4, no_sync) within 0.59; lr x1.01 puts 99% of the elements
+over it. The cost: 2 (n + the sum of the other run splits) more forward/backward passes per reference step, on 2
+(1 + the number of other run splits) batches' rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -168,16 +182,23 @@ class ParityReference:
                 return self.params[start:end], self.bound.bound[start:end]
         raise KeyError(name)
 
-    def worst_ratio(self, losses: list[float], params: dict[str, torch.Tensor] | None = None, first: int = 0) -> float:
-        """The largest |got - float64| / bound over the losses (from step ``first``) and parameter elements: how
-        much of the bound a run used (the margin evidence a tolerance change records)."""
-        worst = max((abs(got - want) / tol for got, want, tol in
-                     zip(losses, self.losses[first:], self.loss_bounds[first:])), default=0.0)
+    def worst(self, losses: list[float], params: dict[str, torch.Tensor] | None = None,
+              first: int = 0) -> tuple[float, str]:
+        """The largest |got - float64| / bound over the losses (from step ``first``) and parameter elements, and
+        where it is ("loss step 0", "name[index]"): how much of the bound a run used and by what (the margin
+        evidence a tolerance change records)."""
+        worst, where = 0.0, "nothing"
+        for step, (got, want, tol) in enumerate(zip(losses, self.losses[first:], self.loss_bounds[first:]),
+                                                start=first):
+            if abs(got - want) / tol > worst:
+                worst, where = abs(got - want) / tol, f"loss step {step}"
         for name, start, end in self.names if params is not None else ():
             diff = (params[name].reshape(-1).double() - self.params[start:end]).abs()
             ratio = torch.where(diff == 0, 0.0, diff / self.bound.bound[start:end])  # 0 / 0: exact, 0
-            worst = max(worst, float(ratio.max()))
-        return worst
+            index = int(ratio.argmax())
+            if float(ratio[index]) > worst:
+                worst, where = float(ratio[index]), f"{name}[{index}]"
+        return worst, where
 
     def check_losses(self, losses: list[float], what: str = "loss", first: int = 0) -> None:
         """Each loss within its bound of the float64 one; ``first``: the step ``losses`` start at (a resumed run)."""
@@ -202,17 +223,25 @@ class ParityReference:
 
 
 def float64_reference(model: nn.Module, optimizer_factory, batches: list[torch.Tensor], clip: float | None,
-                      scheduler_factory=None, seed: int = 0, splits: int = 1) -> ParityReference:
+                      scheduler_factory=None, seed: int = 0, splits: int | None = None,
+                      run_splits: Sequence[int] = (1,)) -> ParityReference:
     """Train ``model`` (fp32 weights, cast to float64 here) on the whole ``batches`` with the optimizer
     ``optimizer_factory(model)`` (AdamW with default betas and eps; ``scheduler_factory(optimizer)`` an LR
-    schedule), and bound any fp32 run of the same training that computes each step's gradient as the mean of
-    up to ``splits`` micro-batch gradients (contiguous rows, equal sizes: data parallel ranks x accumulated
-    micro-batches), summed in any order; see [Note: Adam rounding bound]. Runs on the model's device (the
+    schedule), and bound the fp32 runs of the same training that compute each step's gradient as the mean of
+    ``m`` micro-batch gradients (contiguous rows, equal sizes: data parallel ranks x accumulated micro-batches)
+    for each ``m`` in ``run_splits``, summed in any order and grouping; ``splits``: the finest split, whose
+    chunks every run's micro-batches are unions of (default: the least common multiple of ``run_splits``; one
+    row per chunk is the most conservative). See [Note: Adam rounding bound]. Runs on the model's device (the
     batches' too); the reference's parameters and bounds come back on the host."""
     import copy
 
+    splits = splits if splits is not None else math.lcm(*run_splits)
     if any(ids.shape[0] % splits for ids in batches):
         raise ValueError(f"splits={splits} must divide every batch's rows (the finest micro-batch split of the runs)")
+    if any(splits % m for m in run_splits):
+        raise ValueError(f"run_splits={tuple(run_splits)}: every run's micro-batches must be unions of the "
+                         f"splits={splits} finest chunks (each run split divides it)")
+    sampled = sorted((set(run_splits) | {splits}) - {1})  # the whole batch (1): the probe's own sample
     model = model.double()
     probe, shifted = copy.deepcopy(model).float(), copy.deepcopy(model)
     optimizer = optimizer_factory(model)
@@ -231,19 +260,24 @@ def float64_reference(model: nn.Module, optimizer_factory, batches: list[torch.T
         loss, norm, grad = step_gradients(model, ids, clip)
         loss32, norm32, grad32 = step_gradients(probe, ids, clip, params)
         loss_shifted, norm_shifted, grad_shifted = step_gradients(shifted, ids, clip, params + bound.shift(signs))
-        norm_bound = scalar_bound(norm, norm32, norm_shifted)
-        loss_bound = scalar_bound(loss, loss32, loss_shifted)
-        error = (grad32.double() - grad).abs()
-        extra = torch.zeros_like(grad)
+        coef = min(1.0, clip / (norm + 1e-6)) if clip is not None else 1.0  # the clip coefficient, as torch's
+        error, loss_error, norm_error = (grad32.double() - grad).abs(), abs(loss32 - loss), abs(norm32 - norm)
+        grad_sum = torch.zeros_like(grad)
+        loss_sum = norm_sum = 0.0
+        for m in sampled:
+            sample = _split_sample(shifted, probe, ids, m, params)
+            error = torch.maximum(error, coef * sample.grad_error)
+            loss_error, norm_error = max(loss_error, sample.loss_error), max(norm_error, sample.norm_error)
+            if m == splits:
+                grad_sum, loss_sum = (splits - 1) * U32 * sample.grad_abs, (splits - 1) * U32 * sample.loss_abs
+                unclipped = grad.abs() / coef
+                norm_sum = float(torch.linalg.vector_norm(unclipped + grad_sum) - torch.linalg.vector_norm(unclipped))
+        norm_bound = scalar_bound(norm, norm + norm_error, norm_shifted) + norm_sum
+        loss_bound = scalar_bound(loss, loss + loss_error, loss_shifted) + loss_sum
+        extra = coef * grad_sum
         if clip is not None and norm > clip:
             # the run's clip coefficient clip / norm is off by the relative error of its norm
             extra += norm_bound / norm * grad.abs()
-        if splits > 1:
-            micro = _split_errors(shifted, probe, ids, splits, params)
-            coef = min(1.0, clip / (norm + 1e-6)) if clip is not None else 1.0
-            error = torch.maximum(error, coef * micro.grad_error)
-            extra += coef * micro.grad_sum_bound
-            loss_bound = max(loss_bound, scalar_bound(loss, loss + micro.loss_error)) + micro.loss_sum_bound
         bound.observe(grad, grad + error, params, grad_shifted, lr=optimizer.param_groups[0]["lr"], extra=extra)
         optimizer.step()
         if scheduler is not None:
@@ -258,32 +292,46 @@ def float64_reference(model: nn.Module, optimizer_factory, batches: list[torch.T
 
 
 @dataclasses.dataclass
-class _SplitErrors:
-    """What splitting a batch into micro-batches adds to the rounding of its mean gradient and loss."""
+class _SplitSample:
+    """The fp32 rounding of one micro-batch split of a batch, at the reference's parameters: what a run that
+    computes each micro-batch as one fp32 computation carries, in the absolute values that a chance
+    cancellation cannot make small."""
 
     grad_error: torch.Tensor
-    """Sum over micro-batches of |fp32 - float64| micro-batch gradient, / splits: a sample of the rounding
-    inside the micro-batches' gradients, summed in absolute value so no cancellation makes it small."""
-    grad_sum_bound: torch.Tensor
-    """(splits - 1) u32 sum |float64 micro-batch gradient| / splits: the worst-case rounding of summing the
-    micro-batch gradients in any order and grouping (accumulation, then the ranks' reduction)."""
+    """Sum over micro-batches of |fp32 - float64| micro-batch gradient (unclipped), / splits."""
+    grad_abs: torch.Tensor
+    """Sum over micro-batches of |float64 micro-batch gradient|, / splits."""
     loss_error: float
-    loss_sum_bound: float
+    """Sum over micro-batches of |fp32 - float64| micro-batch loss, / splits: at least the error of the mean of
+    the fp32 micro-batch losses a run reports."""
+    loss_abs: float
+    """Sum over micro-batches of |float64 micro-batch loss|, / splits."""
+    norm_error: float
+    """|fp32 - float64| norm of the mean micro-batch gradient, the fp32 one as a run clips with it: of its summed
+    fp32 micro-batch gradients, parameter by parameter (``clip_grad_norm_``)."""
 
 
-def _split_errors(model64: nn.Module, probe32: nn.Module, ids: torch.Tensor, splits: int,
-                  params: torch.Tensor) -> _SplitErrors:
-    """Unclipped micro-batch gradients of ``ids`` split in ``splits`` at ``params``, float64 and fp32; uses
+def _split_sample(model64: nn.Module, probe32: nn.Module, ids: torch.Tensor, splits: int,
+                  params: torch.Tensor) -> _SplitSample:
+    """The micro-batch gradients and losses of ``ids`` split in ``splits`` at ``params``, float64 and fp32; uses
     ``model64`` and ``probe32`` as scratch (their parameters are overwritten)."""
     grad_error = torch.zeros_like(params)
     grad_abs = torch.zeros_like(params)
+    sum64 = torch.zeros_like(params)
+    sum32 = torch.zeros_like(params, dtype=torch.float32)
     loss_error = loss_abs = 0.0
     for index, rows in enumerate(ids.chunk(splits)):
         loss64, _, g64 = step_gradients(model64, rows, None, params if index == 0 else None)
         loss32, _, g32 = step_gradients(probe32, rows, None, params if index == 0 else None)
         grad_error += (g32.double() - g64).abs()
         grad_abs += g64.abs()
+        sum64 += g64
+        sum32 += g32
         loss_error += abs(loss32 - loss64)
         loss_abs += abs(loss64)
-    return _SplitErrors(grad_error / splits, (splits - 1) * U32 * grad_abs / splits, loss_error / splits,
-                        (splits - 1) * U32 * loss_abs / splits)
+    # the norm as clip_grad_norm_ computes it, parameter by parameter (one fp32 norm of all ~3e4 elements at once
+    # rounds ~10x worse, and no run computes it so)
+    sizes = [p.numel() for p in probe32.parameters()]
+    norm32 = torch.nn.utils.get_total_norm(list((sum32 / splits).split(sizes)))
+    norm_error = abs(float(norm32) - float(torch.linalg.vector_norm(sum64 / splits)))
+    return _SplitSample(grad_error / splits, grad_abs / splits, loss_error / splits, loss_abs / splits, norm_error)

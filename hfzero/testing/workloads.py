@@ -9,6 +9,7 @@ agree up to floating-point reordering.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,14 +58,14 @@ def train_reference(spec: TrainSpec) -> tuple[list[float], dict[str, torch.Tenso
     return reference_run(tiny_causal_lm(spec.model), spec)
 
 
-def train_reference64(spec: TrainSpec, splits: int = 1) -> ParityReference:
-    """``train_reference`` in float64, with the rounding bounds any fp32 run of it stays within when it splits
-    each global batch in up to ``splits`` micro-batches (ranks x accumulation); see [Note: Adam rounding
-    bound] in hfzero/testing/parity.py."""
+def train_reference64(spec: TrainSpec, run_splits: Sequence[int]) -> ParityReference:
+    """``train_reference`` in float64, with the rounding bounds the fp32 runs of it stay within that split each
+    global batch into ``m`` micro-batches (ranks x accumulation) for each ``m`` in ``run_splits``: the splits
+    those runs use, each sampled; see [Note: Adam rounding bound] in hfzero/testing/parity.py."""
     return float64_reference(tiny_causal_lm(spec.model),
                              lambda model: torch.optim.AdamW(param_groups(model), lr=spec.lr),
                              list(token_batches(spec.steps, spec.global_batch, spec.seq_len)), spec.max_grad_norm,
-                             _schedule, splits=splits)
+                             _schedule, run_splits=run_splits)
 
 
 def reference_run(model: nn.Module, spec: Any) -> tuple[list[float], dict[str, torch.Tensor]]:

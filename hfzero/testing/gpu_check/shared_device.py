@@ -127,9 +127,11 @@ def run(options: Options, checks: Checks) -> dict[str, Any]:
     todo = [c for c in PARITY if c.accumulation == 2] if options.quick else PARITY
     syncs = sync_cases(options.quick)
     figures: dict[str, Any] = {"not_run": [] if cuda else ["CUDA sanitizer (needs CUDA)"]}
-    ref64 = reference64(SIZE, _device(options.device), STEPS, BATCH, SEQ)  # here: spawned ranks return plain data
+    per_world = {world: todo if world == 2 else [c for c in todo if c.accumulation == 2] for world in worlds}
+    run_splits = tuple(sorted({world * c.accumulation for world, cases in per_world.items() for c in cases}))
+    ref64 = reference64(SIZE, _device(options.device), STEPS, BATCH, SEQ, run_splits)  # here: ranks return plain data
     for world in worlds:
-        cases = todo if world == 2 else [c for c in todo if c.accumulation == 2]
+        cases = per_world[world]
         outs = checks.run(f"world {world}: ranks ran", run_distributed, parity_rank, world, options.device,
                           world == 2, cases, syncs, timeout=900 if options.quick else 600)
         if outs is None:
