@@ -67,6 +67,7 @@ from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
 from hfzero.runtime.agreement import StepAgreement
 from hfzero.runtime.compile import eager_hook
 from hfzero.runtime.layout import FlatLayout, Partition
+from hfzero.runtime.lifetime import WeakHook
 from hfzero.runtime.offload import HostOffload, offload_active
 from hfzero.runtime.precision import LossScaler, PrecisionPolicy
 from hfzero.runtime.reducer import GradientReducer, GradState
@@ -168,8 +169,9 @@ class ZeroEngine:
         self.reducer.replicate = self.replicate
         if grad_reduce is not None:  # qgZ: See [Note: quantized collectives]
             self.reducer.scatter = grad_reduce
-        # an eager hook: a graph boundary under torch.compile (See [Note: compiled regions] in runtime/compile.py)
-        self._forward_hook = model.register_forward_hook(eager_hook(lambda m, a, out: self.reducer.record_graph_roots(out)))
+        # an eager hook: a graph boundary under torch.compile (See [Note: compiled regions] in runtime/compile.py);
+        # weak: it never keeps the engine alive (See [Note: engine lifetime] in lifetime.py)
+        self._forward_hook = model.register_forward_hook(eager_hook(WeakHook(self._record_graph_roots)))
         self.agreement: StepAgreement | None = None
         if self.stage < 3 and self.check_comm.world_size > 1:  # See [Note: step agreement] in agreement.py
             self.agreement = StepAgreement(model, self.check_comm.on_group(self.check_comm.group, share_stats=False),
@@ -183,6 +185,10 @@ class ZeroEngine:
                         "host memory; %d bytes pinned (%s); host step on %d thread(s)", self.offload.pinned_bytes(),
                         ", ".join(k for k, v in self.offload.pin_plan.items() if v and self.offload.pinned) or "none",
                         self.offload.step_threads)
+
+    def _record_graph_roots(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The model's forward hook: remember the output's autograd roots (the reducer's unused-parameter lookup)."""
+        self.reducer.record_graph_roots(output)
 
     def _check_replicas(self) -> Communicator | None:
         """HSDP: the replicate group with a ledger of its own, for the step's checks (bookkeeping, not volume)."""

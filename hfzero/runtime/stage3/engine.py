@@ -43,6 +43,7 @@ from hfzero.comm.quantized import QuantizedReduceScatter
 from hfzero.roles import MemoryRole
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.layout import Bucket, FlatLayout
+from hfzero.runtime.lifetime import WeakHook
 from hfzero.runtime.stage3.buffers import GatherBufferPool
 from hfzero.runtime.stage3.scheduler import Phase, UnitScheduler
 from hfzero.runtime.stage3.step_check import StepCheck
@@ -135,10 +136,10 @@ class Stage3Engine(ZeroEngine):
         self._partitioned = {p for p, unit in self._unit_of.items() if unit != _PERSISTENT}
         self.allow_partitioned_state_dict = False
         # On every module that owns a partitioned parameter, so a submodule's state_dict() is refused
-        # too; a plain function (torch tags the hook object, which a bound method does not allow).
-        for module in model.modules():
-            if any(p in self._partitioned for p in module.parameters(recurse=False)):
-                module.register_state_dict_post_hook(lambda *args: self._refuse_empty_state_dict(*args))
+        # too; a WeakHook, not a bound method (torch tags the hook object; See [Note: engine lifetime]).
+        self._state_dict_hooks = [module.register_state_dict_post_hook(WeakHook(self._refuse_empty_state_dict))
+                                  for module in model.modules()
+                                  if any(p in self._partitioned for p in module.parameters(recurse=False))]
         logger.info("stage 3: %d unit(s), %d persistent parameter(s) (< %d elements each kept whole)",
                     len(self.units), self.num_persistent_params, config.param_persistence_threshold)
 
