@@ -17,6 +17,7 @@ per mesh of the TP, EP and SP cases); anything of an engine is far larger (the s
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import tempfile
 import warnings
@@ -252,7 +253,8 @@ CASES: dict[str, Callable[..., None]] = {
 
 
 def _warm_up(rank: int, world: int) -> None:
-    """Import what the cases import and run each tiny model once, so module-level constants are in the baseline."""
+    """Import what the cases import and run each tiny model once (on a GPU too, where the first matmul allocates
+    cuBLAS's workspace), so module-level constants and per-device workspaces are in the baseline."""
     import peft  # noqa: F401 - the Trainer imports it on first use
     import torch.distributed.pipelining  # noqa: F401
 
@@ -262,10 +264,11 @@ def _warm_up(rank: int, world: int) -> None:
     import hfzero.parallel.sequence  # noqa: F401
     from hfzero.testing.models import tiny_causal_lm, tiny_moe_lm
 
-    ids = torch.zeros(1, SEQ, dtype=torch.long)
-    for model in (tiny_causal_lm("gpt2"), tiny_causal_lm("llama"), tiny_moe_lm()):
-        model(input_ids=ids, labels=ids).loss.backward()
-    del model
+    for device in dict.fromkeys([torch.device("cpu"), _device]):
+        ids = torch.zeros(1, SEQ, dtype=torch.long, device=device)
+        for model in (tiny_causal_lm("gpt2"), tiny_causal_lm("llama"), tiny_moe_lm()):
+            model.to(device)(input_ids=ids, labels=ids).loss.backward()
+    del model, ids
 
 
 def _run_cases(rank: int, world: int, names: list[str], device: str) -> dict[str, dict]:
@@ -466,6 +469,20 @@ def test_unprepare_under_tensor_sequence_and_pipeline_parallelism() -> None:
         assert got["sp_left_as_found"], f"rank {rank}: sequence parallelism left something on the model"
         assert 0 < got["sp_loss"] < 10, f"rank {rank}: {got['sp_loss']}"
         assert got["pp_stage_whole"] and got["pp_plain"], f"rank {rank}"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts this process's open descriptors in /proc")
+def test_a_profiler_never_stopped_leaves_no_descriptor_open() -> None:
+    """The profiler's allocator probe keeps /proc files open between samples; dropped without ``stop()`` (a
+    profiled model deleted mid-run), it closes them when collected."""
+    from hfzero.profiler.allocator import AllocatorProbe
+
+    before = len(os.listdir("/proc/self/fd"))
+    probe = AllocatorProbe(torch.device("cpu"))
+    assert probe.sample()["rss"] > 0 and len(os.listdir("/proc/self/fd")) == before + 2
+    del probe
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 # ---- CUDA: the same census on memory_allocated ------------------------------------------------------------------

@@ -13,11 +13,12 @@ user back a plain module. Two kinds of link from the user's objects to the engin
   parameter a cycle the collector cannot see whole, so it is never freed: every prepared engine lived, with
   all its memory, until the process exited (the first GPU run found it). Such hooks are ``WeakHook``s: they
   reach their owner through a weak reference and do nothing once it is gone.
-Module hooks are ``WeakHook``s too, so nothing the engine leaves on the model (kept by a user reference to a
-submodule, a deep copy) holds it. No thread, ``atexit`` hook or module-level registry of hfzero holds an engine
-past the work it runs for: the offload's fold thread holds only its queue (runtime/offload.py), an
-asynchronous checkpoint save's thread holds it until that save ends (hfzero/checkpoint/background.py), the
-pipeline registry keys the Pipeline by its optimizer without holding either (parallel/pipeline/driver.py).
+The engine's module hooks are ``WeakHook``s too, so nothing the engine leaves on the model (kept by a user
+reference to a submodule) holds it. No thread, ``atexit`` hook or module-level registry of hfzero holds an
+engine past the work it runs for: the offload's fold thread holds only its queue and device (runtime/offload.py),
+an asynchronous checkpoint save's thread holds it until that save ends (hfzero/checkpoint/background.py), a
+Pipeline is named by its optimizer's attribute, not a registry (parallel/pipeline/driver.py), and the all-to-all
+class expert parallelism registers in transformers reaches its ledger weakly (parallel/expert.py).
 
 Everything ``prepare`` (and the wrappers around it) installs on the user's model is recorded in the engine's
 ``Installed``: each hook's handle and each patched attribute with the value it replaced. ``unprepare``
