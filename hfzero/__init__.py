@@ -21,6 +21,7 @@ _EXPORTS = {
     "MemoryRole": "hfzero.roles",
     "MODEL_STATE_ROLES": "hfzero.roles",
     "prepare": "hfzero.parallel.data_parallel",
+    "unprepare": "hfzero.runtime.unprepare",
     "get_engine": "hfzero.runtime.engine",
     "ZeroEngine": "hfzero.runtime.engine",
     "ZeroOptimizer": "hfzero.runtime.optimizer",
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     from hfzero.runtime.engine import ZeroEngine
     from hfzero.runtime.optimizer import ZeroOptimizer
     from hfzero.parallel.data_parallel import prepare
+    from hfzero.runtime.unprepare import unprepare
     from hfzero.runtime.engine import get_engine
     from hfzero.loading import sharded_init
     from hfzero.loading.construct import from_pretrained_sharded, init_sharded

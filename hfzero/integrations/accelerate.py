@@ -64,6 +64,7 @@ from hfzero.parallel.expert import prepare_expert_parallel
 from hfzero.parallel.sequence import (SequenceCollator, check_sp_size, enable_tiled_loss,
                                      prepare_sequence_parallel)
 from hfzero.parallel.tensor import check_tp_size, prepare_tensor_parallel
+from hfzero.runtime.lifetime import Installed
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.engine import get_engine
 from hfzero.parallel.data_parallel import prepare as zero_prepare
@@ -244,10 +245,11 @@ class ZeroAccelerator(Accelerator):
         if getattr(optimizer, "_is_accelerate_prepared", False) or unwrap_optimizer(optimizer) is not None:
             return super().prepare_optimizer(optimizer, device_placement=False)
         model = self._owner_of(optimizer)
+        tiling = Installed()  # undone by hfzero.unprepare with the engine's own changes
         if self.zero_config.loss_tiles > 1 and getattr(model, "hfzero_loss_tiles", 1) == 1:
             if self.pipeline_config is not None:
                 raise ConfigError("ZeroAccelerator: loss_tiles > 1 with pipeline parallelism is not supported")
-            enable_tiled_loss(model, self.zero_config.loss_tiles)
+            enable_tiled_loss(model, self.zero_config.loss_tiles, tiling)
         world = self.num_processes // self.zero_config.tp_size  # data-parallel replicas
         self.zero_config = resolve_auto_stage(self.zero_config, model, optimizer, world_size=world,
                                               accumulation_steps=self.gradient_accumulation_steps,
@@ -267,6 +269,7 @@ class ZeroAccelerator(Accelerator):
             model, zero, _ = prepare_sequence_parallel(model, optimizer, self.zero_config)
         else:
             model, zero = zero_prepare(model, optimizer, self.zero_config)
+        zero.engine.installed.on_undo(tiling.undo)
         self._zero_pairs.append((model, zero))
         self._zero_by_source[id(optimizer)] = zero
         wrapped = ZeroAcceleratedOptimizer(zero, device_placement=False, scaler=None)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -201,14 +202,20 @@ class AllToAllLedger:
 
 
 def _counted_all_to_all(ledger: AllToAllLedger) -> type:
-    """transformers' ``AllToAllEP`` (its dispatch and combine unchanged) with each exchange counted in ``ledger``."""
+    """transformers' ``AllToAllEP`` (its dispatch and combine unchanged) with each exchange counted in ``ledger``.
+
+    transformers keeps the class in a registry for the process's life: it reaches ``ledger`` (and its
+    communicator) weakly, and the model holds the ledger (See [Note: engine lifetime] in runtime/lifetime.py)."""
     from transformers.distributed.expert_parallel import AllToAllEP
+
+    ledger_ref = weakref.ref(ledger)
 
     class CountedAllToAll(AllToAllEP):
         def _dispatch_tokens(self, hidden_states, top_k_index, top_k_weights):
             out = super()._dispatch_tokens(hidden_states, top_k_index, top_k_weights)
-            state = out[3]
-            ledger.count(state.send_sizes, state.recv_sizes, hidden_states)
+            state, counted = out[3], ledger_ref()
+            if counted is not None:
+                counted.count(state.send_sizes, state.recv_sizes, hidden_states)
             return out
 
     return CountedAllToAll
@@ -225,6 +232,7 @@ def apply_expert_parallel(model: nn.Module, mesh: ExpertMesh, plan: dict[str, st
 
     _sync_from_rank0(model)
     ledger = AllToAllLedger()
+    model.hfzero_all_to_all = ledger  # what keeps it (the registered class reaches it weakly)
     EPImplementationInterface.register(_IMPLEMENTATION, _counted_all_to_all(ledger))  # instantiated right below
     apply_expert_parallelism(model, mesh.mesh["ep"], mesh.mesh["tp"], plan, ep_implementation=_IMPLEMENTATION)
     return ledger

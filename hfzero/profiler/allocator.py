@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -145,6 +146,12 @@ def cuda_snapshot_summary(snapshot: Sequence[Mapping[str, Any]] | Mapping[str, A
     }
 
 
+def _close_descriptors(descriptors: list[int | None]) -> None:
+    for descriptor in descriptors:
+        if descriptor is not None:
+            os.close(descriptor)
+
+
 class AllocatorProbe:
     """Reads allocator statistics of one device; the device type is decided here and nowhere else.
 
@@ -165,6 +172,8 @@ class AllocatorProbe:
             self._status: int | None = None if self._is_cuda else os.open("/proc/self/status", os.O_RDONLY)
         except OSError:
             self._status = None
+        # a probe dropped without close() (a profiler never stopped) closes them when collected
+        self._closer = weakref.finalize(self, _close_descriptors, [self._statm, self._status])
 
     def sample(self) -> AllocatorSample:
         """Cheap counters of the allocator now (see the module docstring for what each costs)."""
@@ -175,13 +184,9 @@ class AllocatorProbe:
         return {"device": str(self.device), **fields}
 
     def close(self) -> None:
-        """Release the /proc file descriptor (sampling afterwards falls back to psutil)."""
-        if self._statm is not None:
-            os.close(self._statm)
-            self._statm = None
-        if self._status is not None:
-            os.close(self._status)
-            self._status = None
+        """Release the /proc file descriptors (sampling afterwards falls back to psutil)."""
+        self._closer()
+        self._statm = self._status = None
 
     def snapshot(self) -> dict[str, Any] | None:
         """Fragmentation from a full CUDA allocator snapshot (expensive); None on other devices."""

@@ -74,6 +74,7 @@ from hfzero.profiler.writer import RankWriter, remove_stale_rank_files, write_he
 from hfzero.roles import MODEL_STATE_ROLES
 from hfzero.runtime.activations.accounting import ActivationAccounting
 from hfzero.runtime.compile import eager_hook
+from hfzero.runtime.lifetime import WeakHook
 from hfzero.comm.timing import DeviceTimer
 
 logger = get_logger(__name__)
@@ -217,6 +218,7 @@ class ZeroProfiler:
                                 unix_time=time.time(), every_n_steps=self.every_n_steps,
                                 **({"stages": sorted(k for k in self._modules)} if self.pipeline else {})))
         self._attach()
+        self.engine.installed.on_undo(WeakHook(self.stop))  # hfzero.unprepare ends the profile and its hooks
         logger.info("profiling into %s (rank file %s)", self.run_dir, self._writer.path.name)
         return self
 
@@ -312,7 +314,8 @@ class ZeroProfiler:
         self._phase_edge("forward", "end", key=stage, micro=self._micro.get(stage, 0), **self._where(stage))
         for tensor in _top_level_tensors(output) if self.pipeline is None else ():
             if tensor.requires_grad:
-                tensor.register_hook(functools.partial(self._on_output_grad, stage))
+                # torch holds it in the output's graph: weak (See [Note: engine lifetime] in runtime/lifetime.py)
+                tensor.register_hook(WeakHook(self._on_output_grad, stage))
 
     @_costed
     def _on_output_grad(self, stage: int | None, grad: torch.Tensor) -> None:

@@ -25,6 +25,7 @@ from torch import nn
 
 from hfzero.comm.collectives import Communicator, Handle
 from hfzero.runtime.compile import eager_hook
+from hfzero.runtime.lifetime import WeakHook
 
 
 class StepMismatchError(RuntimeError):
@@ -46,7 +47,8 @@ class StepAgreement:
         """[count, -count, overflow flag], read once at the step; allocated once (scratch, 24 bytes)."""
         self._counts = self._values[:2]
         """[count, -count], all-reduced (MAX) in place."""
-        self._hook = model.register_forward_pre_hook(eager_hook(self._count))  # See [Note: compiled regions]
+        # the counting hook's handle; see [Note: compiled regions] in compile.py and [Note: engine lifetime] in lifetime.py
+        self.hook = model.register_forward_pre_hook(eager_hook(WeakHook(self._count)))
 
     def _count(self, module: nn.Module, args: object) -> None:
         if torch.is_grad_enabled():

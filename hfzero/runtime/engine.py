@@ -67,12 +67,18 @@ from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
 from hfzero.runtime.agreement import StepAgreement
 from hfzero.runtime.compile import eager_hook
 from hfzero.runtime.layout import FlatLayout, Partition
+from hfzero.runtime.lifetime import Installed, WeakHook
 from hfzero.runtime.offload import HostOffload, offload_active
 from hfzero.runtime.precision import LossScaler, PrecisionPolicy
 from hfzero.runtime.reducer import GradientReducer, GradState
 from hfzero.runtime.tensors import is_replicated_over_tp, local_tensor, scale_
 
 logger = get_logger(__name__)
+
+
+UNPREPARED = ("hfzero: this model was unprepared (hfzero.unprepare): its engine and sharded optimizer are gone. Build "
+              "a new optimizer over model.parameters() (and call hfzero.prepare again to train with ZeRO)")
+"""The error of any use of an engine, or of its ZeroOptimizer, after ``unprepare``."""
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -87,6 +93,9 @@ class ZeroEngine:
                  average_over: int | None = None, expert_comm: Communicator | None = None,
                  replicate: Communicator | None = None, grad_reduce: QuantizedReduceScatter | None = None):
         self.model = model
+        self.installed = Installed()
+        """Every hook and attribute the engine and ``prepare`` put on the user's objects, undone by ``unprepare``
+        (See [Note: engine lifetime] in lifetime.py)."""
         self.replicate = replicate if replicate is not None and replicate.world_size > 1 else None
         """HSDP: the ranks holding the same shard as this one (None: flat). See [Note: hierarchical sharding]."""
         replicas = self.replicate.world_size if self.replicate is not None else 1
@@ -118,6 +127,8 @@ class ZeroEngine:
         self.policy = PrecisionPolicy.from_config(config, device, offload=offload)
         self.scaler = LossScaler(config)
         self.optimizer: torch.optim.Optimizer | None = None  # the inner optimizer, set by ZeroOptimizer
+        self.zero_optimizer: Callable[[], Any] | None = None
+        """A weak reference to the ZeroOptimizer over this engine (set by it), for ``unprepare``."""
         self._scaled_backward = False
         self._materialized = False
         self.overflow = False
@@ -168,12 +179,15 @@ class ZeroEngine:
         self.reducer.replicate = self.replicate
         if grad_reduce is not None:  # qgZ: See [Note: quantized collectives]
             self.reducer.scatter = grad_reduce
-        # an eager hook: a graph boundary under torch.compile (See [Note: compiled regions] in runtime/compile.py)
-        self._forward_hook = model.register_forward_hook(eager_hook(lambda m, a, out: self.reducer.record_graph_roots(out)))
+        self.installed.on_undo(self.reducer.remove_hooks)
+        # an eager hook: a graph boundary under torch.compile (See [Note: compiled regions] in runtime/compile.py);
+        # weak: it never keeps the engine alive (See [Note: engine lifetime] in lifetime.py)
+        self.installed.handle(model.register_forward_hook(eager_hook(WeakHook(self._record_graph_roots))))
         self.agreement: StepAgreement | None = None
         if self.stage < 3 and self.check_comm.world_size > 1:  # See [Note: step agreement] in agreement.py
             self.agreement = StepAgreement(model, self.check_comm.on_group(self.check_comm.group, share_stats=False),
                                            replicate=self._check_replicas())
+            self.installed.handle(self.agreement.hook)
             self.reducer.on_step_begin = self.agreement.launch
         logger.info("stage %d over %d rank(s): %d trainable parameters in %d bucket(s) of <= %d elements, %d padded, "
                     "dtype %s, accumulation %s", self.stage, self.world_size, self.num_params, len(self.layout.buckets),
@@ -183,6 +197,10 @@ class ZeroEngine:
                         "host memory; %d bytes pinned (%s); host step on %d thread(s)", self.offload.pinned_bytes(),
                         ", ".join(k for k, v in self.offload.pin_plan.items() if v and self.offload.pinned) or "none",
                         self.offload.step_threads)
+
+    def _record_graph_roots(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The model's forward hook: remember the output's autograd roots (the reducer's unused-parameter lookup)."""
+        self.reducer.record_graph_roots(output)
 
     def _check_replicas(self) -> Communicator | None:
         """HSDP: the replicate group with a ledger of its own, for the step's checks (bookkeeping, not volume)."""
@@ -607,6 +625,25 @@ class ZeroEngine:
         if self.agreement is not None:
             self.agreement.forget()
         self.reducer.zero()
+
+    # ---- unprepare ------------------------------------------------------------------------------
+    def whole_params(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(the tensor a parameter's values live in, a fresh copy of its whole values) for every parameter whose
+        memory the engine holds: here the trainable ones, views of ``param_flat`` (the fp32 master values cast to
+        the parameter dtype since the last step). The copies are one more copy of the parameters (transient,
+        until ``unprepare`` lets the engine go); stage 3 gathers (a collective, See Stage3Engine)."""
+        return [(local, local.detach().clone()) for local in map(local_tensor, self.layout.slots)]
+
+    def release(self) -> None:
+        """Forget everything the engine holds (``unprepare``): its buffers are freed with it, and any later use
+        raises ``UNPREPARED``. The hooks and attributes on the model must have been undone first."""
+        self.__dict__.clear()
+        self.__dict__["_released"] = True
+
+    def __getattr__(self, name: str) -> Any:
+        if self.__dict__.get("_released"):
+            raise RuntimeError(UNPREPARED)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ---- introspection --------------------------------------------------------------------------
     def memory_by_role(self) -> dict[MemoryRole, int]:

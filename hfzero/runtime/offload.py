@@ -108,6 +108,12 @@ def host_step_threads(cores: int, local_world_size: int, current: int) -> int:
     return max(current, cores // max(1, local_world_size), 1)
 
 
+def _fold_thread_device(device: torch.device) -> None:
+    """The fold thread's start: on CUDA, this rank's device (the events it waits for are that device's)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class HostOffload:
     """The host side of an offloaded shard; see the module docstring and [Note: offload copies].
 
@@ -174,16 +180,11 @@ class HostOffload:
         done = self.copies.record()
         self.copies.keep_alive(reduced)  # a buffer the reducer drops is not reallocated under the copy
         if self._folder is None:
+            # the thread holds its queue and the device, never this object: See [Note: engine lifetime]
             self._folder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hfzero-offload-fold",
-                                              initializer=self._fold_thread_device)
+                                              initializer=_fold_thread_device, initargs=(self.device,))
         self._folds[bucket.index] = self._folder.submit(self._fold, bucket, done)
         return done
-
-    def _fold_thread_device(self) -> None:
-        """The fold thread's initializer: make the rank's device current there (a new thread's is device 0), so
-        that waiting for its events touches no other device. ``self.device`` has an index: set_device needs one."""
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
 
     def _fold(self, bucket: Bucket, done: Event | None) -> None:
         """On the fold thread: wait for the slice's copy, then ADD or REPLACE it into ``grad``."""
@@ -199,6 +200,14 @@ class HostOffload:
     def order_after(self, done: Event | None) -> None:
         """Make later compute-stream work wait for ``done`` (a device-side wait; the host goes on)."""
         self.copies.compute_waits(done)
+
+    def close(self) -> None:
+        """Wait for the folds still queued and end the fold thread (``unprepare``; a collected engine's thread
+        ends by itself once its executor is gone)."""
+        self.drain()
+        if self._folder is not None:
+            self._folder.shutdown(wait=True)
+            self._folder = None
 
     def drain(self) -> None:
         """Wait for the folds still queued (in push order); afterwards ``grad`` holds every pushed slice."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +68,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, engine: ZeroEngine, base: torch.optim.Optimizer):
         _check_elementwise(base)
         self.engine = engine
+        engine.zero_optimizer = weakref.ref(self)  # unprepare finds it (See [Note: engine lifetime] in lifetime.py)
         groups = [{**g, "params": list(g["params"])} for g in base.param_groups]
         super().__init__(groups, dict(base.defaults))
         # Share the user's group dicts, so a scheduler built on ``base`` before prepare drives the shards.
@@ -89,6 +91,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         cpu_trim = engine.device.type == "cpu" and engine.config.host_trim
         self.heap = HeapTrimmer(engine.config.host_trim_slack) if cpu_trim else None
         """CPU engines: the per-step heap trim's decision (see [Note: host allocator])."""
+
+    def release(self) -> None:
+        """``unprepare``: drop the inner optimizer (its states are freed); the engine is released by the caller,
+        after which every use of this optimizer raises ``UNPREPARED``."""
+        self.inner = None
+        self.heap = None
 
     # ---- training -------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

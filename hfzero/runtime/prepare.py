@@ -26,6 +26,7 @@ from hfzero.runtime.activations.tiled_mlp import enable_tiled_mlp, mlp_tiles_of
 from hfzero.runtime.engine import ENGINE_ATTR, ZeroEngine
 from hfzero.runtime.groups import EngineGroups
 from hfzero.runtime.hostmem import configure_host_allocator
+from hfzero.runtime.lifetime import Installed
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.placement import check_placement
 from hfzero.runtime.pending import PendingWeights, find_pending, materialize_whole
@@ -129,25 +130,28 @@ def prepare_engine(model: nn.Module, optimizer: torch.optim.Optimizer, config: Z
         engine = ZeroEngine(model, params, config, comm, device, bucket_units=units, replicate=replicate, **groups_kw)
     if groups.tensor is not None:
         engine.norm_group = Communicator(groups.tensor, device=scratch_device(device, backend_map(groups.tensor)))
+    # everything below that changes the user's model is recorded in engine.installed, for unprepare
+    # (See [Note: engine lifetime] in lifetime.py)
+    installed = engine.installed
     if config.mlp_tiles > 1 and mlp_tiles_of(model) == 1:  # See [Note: tiled MLP]
-        enable_tiled_mlp(model, config.mlp_tiles)
+        enable_tiled_mlp(model, config.mlp_tiles, installed)
     if hasattr(model, "_set_gradient_checkpointing"):
         policy = CheckpointPolicy(partition=config.partition_activations, cpu=config.cpu_checkpointing,
                                   contiguous=config.contiguous_checkpoints)
-        enable_checkpointing(model, policy, engine.norm_group)
+        enable_checkpointing(model, policy, engine.norm_group, installed)
     zero_optimizer = ZeroOptimizer(engine, optimizer)
-    setattr(model, ENGINE_ATTR, engine)
+    installed.set_attr(model, ENGINE_ATTR, engine)
     if pending is not None:
         release_pending(model)
     global _prepared_count
     _prepared_count += 1
-    model.no_sync = engine.no_sync  # the DDP-style context accelerate and Trainer look for
+    installed.set_attr(model, "no_sync", engine.no_sync)  # the DDP-style context accelerate and Trainer look for
     if config.stage == 3 and comm.world_size > 1 and hasattr(model, "generate"):
-        _sync_generate(model)
+        _sync_generate(model, installed)
     return model, zero_optimizer
 
 
-def _sync_generate(model: nn.Module) -> None:
+def _sync_generate(model: nn.Module, installed: Installed) -> None:
     """Stage 3: every forward is collective, so ranks must keep stepping ``generate`` until all are done
     (transformers' ``synced_gpus``); without it a rank that reaches EOS first leaves the others hanging.
 
@@ -162,7 +166,7 @@ def _sync_generate(model: nn.Module) -> None:
         kwargs["synced_gpus"] = True
         return generate(*args, **kwargs)
 
-    model.generate = functools.wraps(generate)(synced_generate)
+    installed.set_attr(model, "generate", functools.wraps(generate)(synced_generate))
 
 
 def _check_process_group(group: dist.ProcessGroup | None) -> None:

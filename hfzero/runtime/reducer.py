@@ -78,6 +78,7 @@ from hfzero.comm.collectives import Communicator, Handle
 from hfzero.logging import get_logger
 from hfzero.runtime.tensors import iter_tensors, local_tensor
 from hfzero.runtime.layout import Bucket, FlatLayout, ParamSlot
+from hfzero.runtime.lifetime import WeakHook
 from hfzero.runtime.offload import HostOffload
 
 logger = get_logger(__name__)
@@ -181,8 +182,15 @@ class GradientReducer:
         """Called at the first backward after the gradients were zeroed, before any reduction."""
         # keyed by RemovableHandle id (an OrderedDict: the handle keeps a weak reference to it)
         self.backward_end_hooks: collections.OrderedDict[int, Callable[[], None]] = collections.OrderedDict()
-        for slot in layout.slots.values():
-            slot.param.register_post_accumulate_grad_hook(self._on_grad)
+        # torch holds these in C++, out of the garbage collector's sight: weak (See [Note: engine lifetime])
+        self._hook_handles = [slot.param.register_post_accumulate_grad_hook(WeakHook(self._on_grad))
+                              for slot in layout.slots.values()]
+
+    def remove_hooks(self) -> None:
+        """Remove the post-accumulate-grad hooks from the parameters (``unprepare``)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
 
     # ---- switches -------------------------------------------------------------------------------
     @contextlib.contextmanager

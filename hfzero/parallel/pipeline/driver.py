@@ -35,7 +35,6 @@ import collections
 import contextlib
 import json
 import math
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -164,7 +163,9 @@ class Pipeline:
         self.tied_comm = self._tied_pair_comm(is_tied, tied is not None)
         self._schedules: dict[tuple, Any] = {}
         self._n_micro, self._divisor = config.n_microbatches, None
-        _PIPELINES[self.optimizer] = self
+        # the optimizer names its Pipeline (for pipeline_of): a Python cycle, freed with both (a registry keyed by
+        # the optimizer whose value held it never was: See [Note: engine lifetime] in runtime/lifetime.py)
+        self.optimizer.hfzero_pipeline = self
         self._reduced_stages = 0
         self._pass_observers: collections.OrderedDict[int, Callable[[str, int, int, str], None]] = \
             collections.OrderedDict()
@@ -530,8 +531,6 @@ def _stage_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module,
     return _rebuild(type(optimizer), groups, optimizer.defaults), tied_group, source
 
 
-_PIPELINES: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Pipeline]" = weakref.WeakKeyDictionary()
-
 def released_numel(param: nn.Parameter) -> int | None:
     """The whole numel of a parameter another stage owns (freed here by ``release_other_stages``, which tags
     it), else None."""
@@ -541,10 +540,8 @@ def released_numel(param: nn.Parameter) -> int | None:
 def pipeline_of(optimizer: Any) -> Pipeline | None:
     """The Pipeline whose (stage) optimizer ``optimizer`` is, or None: lets integrations that hold the
     optimizer (checkpoints through the Trainer or accelerate) act on the whole pipeline."""
-    try:
-        return _PIPELINES.get(optimizer)
-    except TypeError:
-        return None
+    pipe = getattr(optimizer, "hfzero_pipeline", None)
+    return pipe if isinstance(pipe, Pipeline) else None
 
 
 def pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,

@@ -31,6 +31,7 @@ from torch import nn
 from hfzero.comm.collectives import Communicator
 from hfzero.config import ConfigError
 from hfzero.parallel.sequence.alltoall import heads_to_seq, seq_to_heads
+from hfzero.runtime.lifetime import Installed
 
 NAME = "hfzero_sequence"
 """The attention implementation name registered in transformers' AttentionInterface."""
@@ -128,8 +129,11 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
             (hasattr(m, "is_causal") and hasattr(m, "scaling"))]
 
 
-def apply_sequence_attention(model: nn.Module, comm: Communicator) -> SequenceAttention:
-    """Switch ``model`` (a transformers decoder) to Ulysses attention over ``comm``'s SP group (in place)."""
+def apply_sequence_attention(model: nn.Module, comm: Communicator,
+                             installed: Installed | None = None) -> SequenceAttention:
+    """Switch ``model`` (a transformers decoder) to Ulysses attention over ``comm``'s SP group (in place).
+    ``installed``: where the switch is recorded, to be undone by ``hfzero.unprepare`` (the model's previous
+    attention implementation back, the modules' ``hfzero_sequence`` removed)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -159,8 +163,11 @@ def apply_sequence_attention(model: nn.Module, comm: Communicator) -> SequenceAt
         if getattr(module, "is_causal", True) is False:
             raise ConfigError(f"hfzero sequence parallelism: {type(module).__name__} is not causal; only causal "
                               "decoders are supported")
-        setattr(module, _ATTR, state)
+    installed = installed or Installed()
+    for module in modules:
+        installed.set_attr(module, _ATTR, state)
     model.set_attn_implementation(NAME)
+    installed.on_undo(lambda: model.set_attn_implementation(previous))
     if model.config._attn_implementation != NAME:
         raise ConfigError(f"hfzero sequence parallelism: {type(model).__name__} did not take the attention "
                           f"implementation {NAME!r}; it does not dispatch through transformers' AttentionInterface")

@@ -14,6 +14,7 @@ from hfzero.parallel.sequence.attention import apply_sequence_attention
 from hfzero.parallel.sequence.loss import group_loss
 from hfzero.parallel.sequence.mesh import SequenceMesh, build_sp_mesh
 from hfzero.parallel.sequence.tiled_loss import enable_tiled_loss
+from hfzero.runtime.lifetime import Installed
 
 if TYPE_CHECKING:
     from hfzero.runtime.optimizer import ZeroOptimizer
@@ -34,15 +35,18 @@ def _check_inputs(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Non
                           "the right and let split_batch / SequenceCollator turn padding into ignored labels")
 
 
-def install_sequence_parallel(model: nn.Module, mesh: SequenceMesh, comm: Communicator | None = None) -> None:
+def install_sequence_parallel(model: nn.Module, mesh: SequenceMesh, comm: Communicator | None = None,
+                              installed: Installed | None = None) -> None:
     """Ulysses attention over ``mesh``'s SP group and the model hooks (inputs checked, loss reported as the
     group's: loss.py), in place, before or after ``hfzero.prepare(..., average_over=mesh.dp_size)``.
     ``comm``: the SP group's communicator (default a new one; prepare_sequence_parallel passes one that
-    counts into the engine's statistics, so profiles show the all-to-all volume)."""
+    counts into the engine's statistics, so profiles show the all-to-all volume). ``installed``: where the
+    changes are recorded for ``hfzero.unprepare`` (prepare_sequence_parallel passes the engine's)."""
     if getattr(model, MESH_ATTR, None) is not None:
         raise ConfigError("hfzero sequence parallelism: this model is already set up for it")
     comm = comm or Communicator(mesh.sp_group)  # on the backend's device
-    apply_sequence_attention(model, comm)
+    installed = installed or Installed()
+    apply_sequence_attention(model, comm, installed)
 
     def report_group_loss(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         loss = getattr(output, "loss", None)
@@ -50,9 +54,9 @@ def install_sequence_parallel(model: nn.Module, mesh: SequenceMesh, comm: Commun
             output.loss = group_loss(loss, comm)
         return output
 
-    model.register_forward_pre_hook(_check_inputs, with_kwargs=True)
-    model.register_forward_hook(report_group_loss, with_kwargs=True)
-    setattr(model, MESH_ATTR, mesh)
+    installed.handle(model.register_forward_pre_hook(_check_inputs, with_kwargs=True))
+    installed.handle(model.register_forward_hook(report_group_loss, with_kwargs=True))
+    installed.set_attr(model, MESH_ATTR, mesh)
 
 
 def prepare_sequence_parallel(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -68,10 +72,13 @@ def prepare_sequence_parallel(model: nn.Module, optimizer: torch.optim.Optimizer
     if config.sp_size < 2:
         raise ConfigError("prepare_sequence_parallel: config.sp_size must be > 1")
     mesh = build_sp_mesh(config.sp_size)
+    tiling = Installed()  # undone by unprepare with the rest: See [Note: engine lifetime] in runtime/lifetime.py
     if config.loss_tiles > 1 and getattr(model, "hfzero_loss_tiles", 1) == 1:
-        enable_tiled_loss(model, config.loss_tiles)
+        enable_tiled_loss(model, config.loss_tiles, tiling)
     model, zero = prepare(model, optimizer, config, average_over=mesh.dp_size)
-    install_sequence_parallel(model, mesh, get_engine(model).comm.on_group(mesh.sp_group))
+    engine = get_engine(model)
+    engine.installed.on_undo(tiling.undo)
+    install_sequence_parallel(model, mesh, engine.comm.on_group(mesh.sp_group), engine.installed)
     logger.info("sequence parallelism: dp=%d x sp=%d, Ulysses attention, ZeRO stage %s over all %d ranks",
                 mesh.dp_size, mesh.sp_size, config.stage, mesh.dp_size * mesh.sp_size)
     return model, zero, mesh

@@ -26,6 +26,7 @@ from torch import nn
 
 from hfzero.config import ConfigError
 from hfzero.parallel.sequence.data import IGNORE, shift_labels as shift_whole
+from hfzero.runtime.lifetime import Installed
 
 _ATTR = "hfzero_loss_tiles"
 
@@ -36,8 +37,9 @@ def _tile_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> 
                            reduction="sum")
 
 
-def enable_tiled_loss(model: nn.Module, tiles: int) -> None:
-    """Compute ``model``'s logits and loss in ``tiles`` slices of the sequence (in place; see [Note: tiled loss])."""
+def enable_tiled_loss(model: nn.Module, tiles: int, installed: Installed | None = None) -> None:
+    """Compute ``model``'s logits and loss in ``tiles`` slices of the sequence (in place; see [Note: tiled loss]).
+    ``installed``: where the patched ``forward`` is recorded, to be restored by ``hfzero.unprepare``."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     if not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 2:
@@ -78,5 +80,6 @@ def enable_tiled_loss(model: nn.Module, tiles: int) -> None:
         return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=out.hidden_states,
                                       attentions=out.attentions)
 
-    model.forward = forward
-    setattr(model, _ATTR, tiles)
+    installed = installed or Installed()
+    installed.set_attr(model, "forward", forward)
+    installed.set_attr(model, _ATTR, tiles)

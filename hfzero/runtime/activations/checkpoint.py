@@ -82,6 +82,7 @@ from hfzero.logging import get_logger
 from hfzero.roles import MemoryRole
 from hfzero.runtime.activations.accounting import LiveBytes
 from hfzero.runtime.compile import checkpointed_body
+from hfzero.runtime.lifetime import Installed
 from hfzero.runtime.streams import Event, SideStream, pinned_empty, pinned_nbytes
 
 logger = get_logger(__name__)
@@ -142,6 +143,9 @@ class HfzeroCheckpoint:
         self.policy = policy
         self.tp_comm = tp_comm
         self.inner: Callable[..., Any] = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        self.user_function: Callable[..., Any] | None = None
+        """The checkpoint function the user last enabled, as given (before prepare, or through a later
+        ``gradient_checkpointing_enable``): what the layers get back at ``unprepare``; None: never enabled."""
         if inner is not None:
             self.with_inner(inner)
         self.stored = LiveBytes()
@@ -158,6 +162,7 @@ class HfzeroCheckpoint:
     def with_inner(self, inner: Callable[..., Any]) -> "HfzeroCheckpoint":
         """The same measurement and buffers around the checkpoint function the user enabled, its settings
         honoured or refused (see [Note: the user's checkpoint settings])."""
+        self.user_function = inner.user_function if isinstance(inner, HfzeroCheckpoint) else inner
         self.inner, offload = _user_settings(inner)
         self.policy = dataclasses.replace(self.configured, cpu=self.configured.cpu or offload)
         return self
@@ -330,14 +335,16 @@ _NOTHING_TO_PARTITION = (
     "or drop partition_activations (cpu_checkpointing works without it).")
 
 
-def enable_checkpointing(model: nn.Module, policy: CheckpointPolicy,
-                         tp_comm: Communicator | None = None) -> HfzeroCheckpoint:
+def enable_checkpointing(model: nn.Module, policy: CheckpointPolicy, tp_comm: Communicator | None = None,
+                         installed: Installed | None = None) -> HfzeroCheckpoint:
     """Route ``model``'s activation checkpointing through hfzero; returns the checkpoint function.
 
     Layers already checkpointed get the hfzero function now; a later ``activation_checkpointing_enable``
     / ``gradient_checkpointing_enable`` (e.g. the Trainer's ``--gradient_checkpointing``) keeps it,
     wrapped around the function that call passes (so its ``use_reentrant`` is checked).
-    Call it once per model; the checkpoint function is ``model.hfzero_checkpoint``.
+    Call it once per model; the checkpoint function is ``model.hfzero_checkpoint``. ``installed``: where the
+    changes are recorded for ``unprepare`` (prepare passes its engine's), which gives every layer back the
+    function the user last enabled (or what it had before).
     """
     if not hasattr(model, "_set_gradient_checkpointing"):
         raise ConfigError(f"hfzero: {type(model).__name__} is not a transformers model with activation "
@@ -358,9 +365,29 @@ def enable_checkpointing(model: nn.Module, policy: CheckpointPolicy,
             gradient_checkpointing_func = checkpoint
         return setter(enable=enable, gradient_checkpointing_func=gradient_checkpointing_func, **kwargs)
 
-    model._set_gradient_checkpointing = set_gradient_checkpointing
-    for module in model.modules():
-        if hasattr(module, "_gradient_checkpointing_func"):
-            module._gradient_checkpointing_func = checkpoint
-    setattr(model, _ATTR, checkpoint)
+    installed = installed or Installed()
+    before = [(module, module.__dict__.get(_FUNC, _MISSING)) for module in model.modules() if hasattr(module, _FUNC)]
+    installed.on_undo(functools.partial(_restore_functions, model, checkpoint, before))  # undone last
+    installed.set_attr(model, "_set_gradient_checkpointing", set_gradient_checkpointing)
+    for module, _ in before:
+        setattr(module, _FUNC, checkpoint)
+    installed.set_attr(model, _ATTR, checkpoint)
     return checkpoint
+
+
+_FUNC = "_gradient_checkpointing_func"
+_MISSING = object()
+
+
+def _restore_functions(model: nn.Module, checkpoint: HfzeroCheckpoint, before: list[tuple[nn.Module, Any]]) -> None:
+    """``unprepare``: every layer that runs ``checkpoint`` gets the function the user last enabled, or, never
+    enabled, the one it had before ``enable_checkpointing``."""
+    previous = {id(module): value for module, value in before}
+    for module in model.modules():
+        if module.__dict__.get(_FUNC) is not checkpoint:
+            continue
+        value = checkpoint.user_function if checkpoint.user_function is not None else previous.get(id(module), _MISSING)
+        if value is _MISSING:
+            del module.__dict__[_FUNC]
+        else:
+            module.__dict__[_FUNC] = value

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from hfzero.config import ConfigError
+from hfzero.runtime.lifetime import Installed
 
 _ATTR = "hfzero_mlp_tiles"
 
@@ -77,10 +78,11 @@ def _tiled(untiled: Any, tiles: int, name: str) -> Any:
     return forward
 
 
-def enable_tiled_mlp(model: nn.Module, tiles: int) -> int:
+def enable_tiled_mlp(model: nn.Module, tiles: int, installed: Installed | None = None) -> int:
     """Run every decoder layer's ``mlp`` over ``tiles`` slices of the sequence (in place; see [Note: tiled
     MLP]). Returns the number of MLPs tiled. Raises ConfigError when ``tiles`` < 2, the model is tiled already
-    or has no ``mlp`` modules."""
+    or has no ``mlp`` modules. ``installed``: where the patched ``forward``s are recorded, to be restored by
+    ``unprepare`` (prepare passes its engine's)."""
     if not isinstance(tiles, int) or isinstance(tiles, bool) or tiles < 2:
         raise ConfigError(f"hfzero: mlp_tiles={tiles!r} must be an integer >= 2 to tile the MLPs")
     if getattr(model, _ATTR, None) is not None:
@@ -94,9 +96,10 @@ def enable_tiled_mlp(model: nn.Module, tiles: int) -> int:
         raise ConfigError(f"hfzero: mlp_tiles does not tile mixture-of-experts blocks ({experts[0]}): their router "
                           "outputs (auxiliary loss, captured router logits) are per call, not per position; leave "
                           "mlp_tiles at 1 for this model")
+    installed = installed or Installed()
     for mlp in mlps:
-        mlp.forward = _tiled(mlp.forward, tiles, type(mlp).__name__)
-    setattr(model, _ATTR, tiles)
+        installed.set_attr(mlp, "forward", _tiled(mlp.forward, tiles, type(mlp).__name__))
+    installed.set_attr(model, _ATTR, tiles)
     return len(mlps)
 
 

@@ -43,6 +43,7 @@ from hfzero.comm.quantized import QuantizedReduceScatter
 from hfzero.roles import MemoryRole
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.layout import Bucket, FlatLayout
+from hfzero.runtime.lifetime import WeakHook
 from hfzero.runtime.stage3.buffers import GatherBufferPool
 from hfzero.runtime.stage3.scheduler import Phase, UnitScheduler
 from hfzero.runtime.stage3.step_check import StepCheck
@@ -124,6 +125,7 @@ class Stage3Engine(ZeroEngine):
         """Stage-3 prefetch budget in elements (``ZeroConfig.prefetch_numel``: sized to the model unless set)."""
         self.gather_pool.limit_bytes = self._gather_pool_limit()
         self.scheduler = UnitScheduler(self.units, verify_comm if verify_gather_order else None, self.prefetch_numel)
+        self.installed.on_undo(self.scheduler.remove_hooks)
         # See [Note: collective order across ranks] in reducer.py
         self.reducer.launch_on_fill = False
         check = self.check_comm
@@ -135,10 +137,10 @@ class Stage3Engine(ZeroEngine):
         self._partitioned = {p for p, unit in self._unit_of.items() if unit != _PERSISTENT}
         self.allow_partitioned_state_dict = False
         # On every module that owns a partitioned parameter, so a submodule's state_dict() is refused
-        # too; a plain function (torch tags the hook object, which a bound method does not allow).
+        # too; a WeakHook, not a bound method (torch tags the hook object; See [Note: engine lifetime]).
         for module in model.modules():
             if any(p in self._partitioned for p in module.parameters(recurse=False)):
-                module.register_state_dict_post_hook(lambda *args: self._refuse_empty_state_dict(*args))
+                self.installed.handle(module.register_state_dict_post_hook(WeakHook(self._refuse_empty_state_dict)))
         logger.info("stage 3: %d unit(s), %d persistent parameter(s) (< %d elements each kept whole)",
                     len(self.units), self.num_persistent_params, config.param_persistence_threshold)
 
@@ -306,6 +308,20 @@ class Stage3Engine(ZeroEngine):
                    for b in self._persistent_buckets()]
         for handle in handles:
             handle.wait()
+
+    # ---- unprepare ------------------------------------------------------------------------------
+    def whole_params(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """As at stages 0-2, for the persistent parameters (views of ``persistent_flat``) and every partitioned one,
+        trainable and frozen: each unit is gathered (exactly, even with qwZ), its parameters copied, and released
+        again, one unit at a time. A collective over the group: every rank calls it at the same point."""
+        self.scheduler.release_all()
+        out = [(local, local.detach().clone()) for local in (local_tensor(slot.param) for bucket in
+                                                              self._persistent_buckets() for slot in bucket.slots)]
+        for unit in self.units:
+            self.scheduler.gather_now(unit)
+            out.extend((local, local.detach().clone()) for local in map(local_tensor, unit.params))
+            unit.release()
+        return out
 
     # ---- introspection --------------------------------------------------------------------------
     def memory_by_role(self) -> dict[MemoryRole, int]:

@@ -62,6 +62,7 @@ from torch import nn
 from hfzero.comm.collectives import Communicator
 from hfzero.logging import get_logger
 from hfzero.runtime.compile import eager_hook
+from hfzero.runtime.lifetime import WeakHook
 from hfzero.runtime.tensors import iter_tensors
 from hfzero.runtime.reducer import FAILED_PASS_MESSAGE
 from hfzero.runtime.stage3.unit import GatherUnit, UnitState
@@ -136,9 +137,13 @@ class UnitScheduler:
         "backward", unit name) events are appended in the order they happen."""
         self._entered: list[nn.Module] = []  # submodules that gathered their unit on demand (a stack)
         self._handles = []
+        # weak: a hook never keeps the scheduler (and its engine) alive (See [Note: engine lifetime]); eager: a graph
+        # boundary under torch.compile (See [Note: compiled regions] in runtime/compile.py)
         for unit in units:
-            self._handles.append(unit.module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True))
-            self._handles.append(unit.module.register_forward_hook(self._hook_post_forward(unit)))
+            self._handles.append(unit.module.register_forward_pre_hook(
+                eager_hook(WeakHook(self._hook_pre_forward, unit.index)), with_kwargs=True))
+            self._handles.append(unit.module.register_forward_hook(
+                eager_hook(WeakHook(self._hook_post_forward, unit.index))))
             for module in _entry_modules(unit, units):
                 probe = next(p for p in module.parameters() if any(p is q for q in unit.params))
                 self._handles.append(module.register_forward_pre_hook(self._hook_pre_submodule(unit, probe),
@@ -200,26 +205,26 @@ class UnitScheduler:
         self.release_all()
 
     # ---- hooks ----------------------------------------------------------------------------------
-    def _hook_pre_forward(self, unit: GatherUnit) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            if unit is self.root and self.phase is Phase.FORWARD and self.root.index in self._in_use:
-                logger.warning("stage 3: the previous forward pass raised before its end; its gathered units "
-                               "are released and this forward starts afresh")
-                self.abort_pass()
-            if unit is self.root and self.phase is Phase.IDLE:
-                self.phase = Phase.FORWARD
-                self._pass = _Pass(self.orders[Phase.FORWARD], torch.is_grad_enabled())
-                self._secondary_window = torch.is_grad_enabled()  # the same on every rank
-                self._carry = set()  # units carried into this pass are its own now
-            self._enter(unit)
-        return eager_hook(hook)  # See [Note: compiled regions] in runtime/compile.py
+    def _hook_pre_forward(self, index: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """Unit ``index``'s forward pre-hook: gather it (the root's starts a forward pass)."""
+        unit = self.units[index]
+        if unit is self.root and self.phase is Phase.FORWARD and self.root.index in self._in_use:
+            logger.warning("stage 3: the previous forward pass raised before its end; its gathered units "
+                           "are released and this forward starts afresh")
+            self.abort_pass()
+        if unit is self.root and self.phase is Phase.IDLE:
+            self.phase = Phase.FORWARD
+            self._pass = _Pass(self.orders[Phase.FORWARD], torch.is_grad_enabled())
+            self._secondary_window = torch.is_grad_enabled()  # the same on every rank
+            self._carry = set()  # units carried into this pass are its own now
+        self._enter(unit)
 
-    def _hook_post_forward(self, unit: GatherUnit) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self._leave(unit, output)
-            if unit is self.root and self.phase is Phase.FORWARD:
-                self._end_pass(Phase.FORWARD, _END_FORWARD)
-        return eager_hook(hook)
+    def _hook_post_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        """Unit ``index``'s forward hook: release it (the root's ends the forward pass)."""
+        unit = self.units[index]
+        self._leave(unit, output)
+        if unit is self.root and self.phase is Phase.FORWARD:
+            self._end_pass(Phase.FORWARD, _END_FORWARD)
 
     def _hook_pre_submodule(self, unit: GatherUnit, probe: nn.Parameter) -> Callable[..., None]:
         """A submodule of ``unit`` called on its own (``get_encoder()(...)``, ``lm_head(h)``): gather the
@@ -230,20 +235,7 @@ class UnitScheduler:
         dynamo guards anyway): gathered, the unit is held by the forward running it and nothing is
         traced; empty, the eager path below gathers it (a graph break, on this rare path only). See
         [Note: compiled regions] in runtime/compile.py."""
-        def enter(module: nn.Module) -> None:
-            if unit.index in self._in_use:
-                return
-            self._enter(unit)
-            self._entered.append(module)
-            handles = []  # a one-shot post-forward hook: none sits inside a unit's forward otherwise
-
-            def leave(module: nn.Module, args: Any, output: Any) -> None:
-                handles.pop().remove()
-                if self._entered and self._entered[-1] is module:
-                    self._entered.pop()
-                    self._leave(unit, output)
-            handles.append(module.register_forward_hook(eager_hook(leave), always_call=True))
-
+        enter = WeakHook(self._enter_submodule, unit.index)  # See [Note: engine lifetime]
         eager_enter = eager_hook(enter)
 
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -252,6 +244,22 @@ class UnitScheduler:
             elif probe.numel() == 0:
                 eager_enter(module)
         return hook
+
+    def _enter_submodule(self, index: int, module: nn.Module) -> None:
+        """A submodule of unit ``index`` runs on its own: gather the unit around its call."""
+        unit = self.units[index]
+        if unit.index in self._in_use:
+            return
+        self._enter(unit)
+        self._entered.append(module)
+        handles = []  # a one-shot post-forward hook: none sits inside a unit's forward otherwise
+
+        def leave(module: nn.Module, args: Any, output: Any) -> None:
+            handles.pop().remove()
+            if self._entered and self._entered[-1] is module:
+                self._entered.pop()
+                self._leave(unit, output)
+        handles.append(module.register_forward_hook(eager_hook(leave), always_call=True))
 
     def _enter(self, unit: GatherUnit) -> None:
         self._log("forward", unit)
@@ -266,28 +274,28 @@ class UnitScheduler:
         if torch.is_grad_enabled():
             for t in iter_tensors(output):
                 if t.requires_grad:
-                    t.register_hook(self._hook_pre_backward(unit))
+                    t.register_hook(WeakHook(self._hook_pre_backward, unit.index))  # See [Note: engine lifetime]
         self._log("forward_end", unit)
         if unit.index not in self._in_use and not self.keep_gathered:
             self._release(unit)
 
-    def _hook_pre_backward(self, unit: GatherUnit) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            if self.phase is Phase.BACKWARD and torch._C._current_graph_task_id() != self._graph_task:
-                raise RuntimeError(FAILED_PASS_MESSAGE)
-            if self.phase is not Phase.BACKWARD:
-                self._begin_backward()
-            if unit.index in self._backward_seen:
-                if unit.state is UnitState.SHARDED:  # used again after it was finished (a shared block)
-                    self._issue(unit)
-                    unit.wait()
-                return
-            if unit is not self.root:  # the root's output hooks may sit on a block's output tensor too
-                self._finish_earlier_units()
-            self._backward_seen.add(unit.index)
-            self._log("backward", unit)
-            self._use(unit, forward=False)
-        return hook
+    def _hook_pre_backward(self, index: int, grad: torch.Tensor) -> None:
+        """A gradient hook on unit ``index``'s forward outputs: the backward pass reached the unit, gather it."""
+        unit = self.units[index]
+        if self.phase is Phase.BACKWARD and torch._C._current_graph_task_id() != self._graph_task:
+            raise RuntimeError(FAILED_PASS_MESSAGE)
+        if self.phase is not Phase.BACKWARD:
+            self._begin_backward()
+        if unit.index in self._backward_seen:
+            if unit.state is UnitState.SHARDED:  # used again after it was finished (a shared block)
+                self._issue(unit)
+                unit.wait()
+            return
+        if unit is not self.root:  # the root's output hooks may sit on a block's output tensor too
+            self._finish_earlier_units()
+        self._backward_seen.add(unit.index)
+        self._log("backward", unit)
+        self._use(unit, forward=False)
 
     def _finish_earlier_units(self) -> None:
         """The backward pass reached a new unit: the units it used before are done on every rank (their
@@ -482,6 +490,8 @@ class UnitScheduler:
             self.events.append((event, unit.name or "<root>"))
 
     def remove_hooks(self) -> None:
+        """Remove the hooks on the units' modules (``unprepare``); gradient hooks on outputs still in a graph
+        reach the scheduler weakly."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
