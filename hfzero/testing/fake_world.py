@@ -4,7 +4,7 @@
 rank ``rank`` of ``world_size`` ranks, every collective returns at once and moves nothing, so losses and
 parameters are meaningless but every tensor the engine allocates has its real size. Each spec prepares a
 GPT-2 model at one stage, trains a few steps and reports, after every step, the model-state bytes the
-engine holds (by role), the stage-3 gather pool's state and, on CUDA, the allocator's peaks; with the
+engine holds (by role), what stage 3's unit buffers hold between steps and, on CUDA, the allocator's peaks; with the
 paper's formula (``hfzero.planning.estimate``) on Ψ and on the padded count, so callers compare without
 re-deriving it. Used by tests/test_fake_world_memory.py (CPU, tiny) and the GPU check (CUDA, ~350M).
 """
@@ -20,6 +20,8 @@ import torch
 import hfzero
 from hfzero.planning.estimate import model_states_bytes, precision_bytes
 from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
+from hfzero.runtime.stage3.buffers import MAPPED
+from hfzero.testing.procmem import resident_in_range
 from hfzero.testing.models import tiny_causal_lm
 from hfzero.testing.workloads import param_groups
 
@@ -48,6 +50,14 @@ class FakeMemorySpec:
     device: str = "cpu"
 
 
+def unit_bytes(unit: Any) -> int:
+    """What a stage-3 unit's full buffer really holds now: a "mapped" buffer's resident pages, else its
+    storage's bytes (See [Note: stage-3 gather buffers])."""
+    if unit.buffer.kind == MAPPED:
+        return resident_in_range(unit.full.data_ptr(), unit.buffer.nbytes)
+    return unit.full.untyped_storage().nbytes()
+
+
 def measure_rank(rank: int, world_size: int, specs: list[FakeMemorySpec]) -> list[dict[str, Any]]:
     """Run every spec on this (fake) rank; one result dict per spec (see ``measure_one``)."""
     out = []
@@ -65,7 +75,9 @@ def measure_one(rank: int, world_size: int, spec: FakeMemorySpec) -> dict[str, A
     - ``model_state_bytes``: per step, the peak over the step of the engine's model-state roles;
     - ``formula_bytes``: the paper's formula on Ψ; ``formula_padded_bytes``: on the padded count (the
       engine pads each bucket to a multiple of the world), plus Adam's fp32 ``step`` scalar per bucket;
-    - stage 3: ``pool_allocations``, ``pool_idle_bytes``, ``gathered_after_step`` per step;
+    - stage 3: ``gather_kind`` (the unit buffers' backing: See [Note: stage-3 gather buffers]), and per step
+      ``gathered_after_step`` (PARAM_GATHERED) and ``unit_bytes_after_step`` (what the unit buffers really
+      hold: resident pages of "mapped" buffers, storage bytes of "resized" ones);
     - CUDA: ``cuda_peak_allocated`` / ``cuda_peak_reserved`` per step, ``cuda_allocated_after_step``.
     """
     cuda = spec.device == "cuda"
@@ -83,7 +95,7 @@ def measure_one(rank: int, world_size: int, spec: FakeMemorySpec) -> dict[str, A
     result: dict[str, Any] = {"stage": spec.stage, "dtype": spec.dtype, "world": world_size, "rank": rank,
                               "num_params": engine.num_params, "num_params_padded": engine.num_params_padded,
                               "buckets": len(engine.layout.buckets), "model_state_bytes": [],
-                              "pool_allocations": [], "pool_idle_bytes": [], "gathered_after_step": [],
+                              "gather_kind": None, "unit_bytes_after_step": [], "gathered_after_step": [],
                               "cuda_peak_allocated": [], "cuda_peak_reserved": [], "cuda_allocated_after_step": []}
     for _ in range(spec.steps):
         batch = torch.randint(0, spec.vocab, (spec.batch, spec.seq_len), generator=g).to(device)  # (B, T)
@@ -95,8 +107,8 @@ def measure_one(rank: int, world_size: int, spec: FakeMemorySpec) -> dict[str, A
         result["model_state_bytes"].append(max(peak, engine.model_state_bytes()))
         if spec.stage == 3:
             roles = engine.memory_by_role()
-            result["pool_allocations"].append(engine.gather_pool.allocations)
-            result["pool_idle_bytes"].append(roles.get(MemoryRole.COMM_BUFFER, 0))
+            result["gather_kind"] = engine.gather_buffers.kind
+            result["unit_bytes_after_step"].append(sum(unit_bytes(u) for u in engine.units))
             result["gathered_after_step"].append(roles.get(MemoryRole.PARAM_GATHERED, 0))
         if cuda:
             torch.cuda.synchronize()
