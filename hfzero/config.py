@@ -423,7 +423,7 @@ def stage3_gathered_numel(root: int, others: "list[int] | tuple[int, ...]", pref
     use and what is prefetched ahead of it: the next unit whatever its size, further ones within
     ``prefetch``. Bounded by root + largest + max(second largest, prefetch), at most every unit; when every
     unit is larger than the budget, the root and the two largest other units (See [Note: stage-3 gather
-    order] in runtime/stage3/scheduler.py). Shared by the gather pool, the estimator and the profile header."""
+    order] in runtime/stage3/scheduler.py). Shared by the estimator and the profile header."""
     ordered = sorted(others, reverse=True)
     largest = ordered[0] if ordered else 0
     ahead = max(ordered[1] if len(ordered) > 1 else 0, min(prefetch, sum(ordered[1:])))

@@ -1,5 +1,5 @@
 """Transient buffers sized to the model (issue 14): the bucket and prefetch rules, explicit values
-kept, and the stage-3 gather pool's reuse and release guarantee. No spawn (world 1 / no group)."""
+kept, and the stage-3 unit buffers' release guarantee. No spawn (world 1 / no group)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import hfzero
-from hfzero.runtime.stage3.buffers import GatherBufferPool
+from hfzero.runtime.stage3.buffers import GatherBuffers, mapped_supported
 from hfzero.testing.models import tiny_causal_lm
+from hfzero.testing.procmem import resident_in_range
 
 
 @pytest.mark.parametrize("num_params,world,bucket,prefetch", [
@@ -37,36 +38,40 @@ def test_engine_uses_the_rule():
     assert opt.state_dict()["hfzero"]["reduce_bucket_size"] == engine.bucket_numel  # the layout that ran
 
 
-def test_gather_pool_reuses_and_bounds():
-    pool = GatherBufferPool(torch.float32, torch.device("cpu"), limit_bytes=96)
-    a = pool.borrow(64)
-    pool.give_back(a)
-    assert pool.borrow(64) is a and pool.allocations == 1  # reused, exact size
-    b = pool.borrow(32)
-    pool.give_back(a)
-    assert pool.idle_bytes() == 64 and pool.lent_bytes() == 32
-    c = pool.borrow(64)
-    d = pool.borrow(64)  # a second 64-byte buffer: 160 bytes held
-    pool.give_back(d)  # beyond the limit: freed
-    pool.give_back(c)
-    pool.give_back(b)
-    assert pool.idle_bytes() == 96 and pool.allocations == 3
+@pytest.mark.skipif(not mapped_supported(torch.device("cpu")), reason="mapped unit buffers need Linux")
+def test_mapped_unit_buffer_hands_pages_back_and_keeps_saved_views():
+    """[Note: stage-3 gather buffers], "mapped": the storage never changes; release hands every page back
+    (a view autograd would keep reads zeros, never freed or foreign memory) and the next gather refills the
+    same storage, which the view sees."""
+    buffers = GatherBuffers(torch.float32, torch.device("cpu"))
+    assert buffers.kind == "mapped"
+    buffer = buffers.make(1 << 20)  # 4 MiB
+    buffer.release()
+    full, address = buffer.tensor, buffer.tensor.data_ptr()
+    assert resident_in_range(address, buffer.nbytes) == 0  # nothing resident before the first gather
+    buffer.acquire()
+    full.copy_(torch.arange(1 << 20, dtype=torch.float32))
+    assert resident_in_range(address, buffer.nbytes) == buffer.nbytes
+    saved = full[:8].view(2, 4).t()  # what autograd would keep of a weight
+    buffer.release()
+    assert resident_in_range(address, buffer.nbytes) == 0 and saved.abs().sum().item() == 0
+    buffer.acquire()
+    full.copy_(torch.arange(1 << 20, dtype=torch.float32) * 10)
+    assert full.data_ptr() == address and saved[1].tolist() == [10.0, 50.0]
 
 
-def test_swapped_storage_keeps_saved_views_valid():
-    """[Note: stage-3 gather buffers]: a view taken while a pool buffer is swapped in loses its memory
-    on release and sees the refilled buffer after the next swap, like a storage resized to 0 and back."""
-    pool = GatherBufferPool(torch.float32, torch.device("cpu"), limit_bytes=1 << 10)
-    full = torch.empty(8)
-    full.untyped_storage().resize_(0)
-    slot = pool.borrow(32)
-    full.untyped_storage()._swap_data_ptr_(slot)
+def test_resized_unit_buffer_fallback():
+    """"resized" (CUDA, and the host where mapped buffers are unsupported): release leaves the storage, and
+    every view of it, at 0 bytes; the next gather refills the same storage."""
+    buffer = GatherBuffers(torch.float32, torch.device("cpu"), kind="resized").make(8)
+    buffer.release()
+    full = buffer.tensor
+    assert buffer.kind == "resized" and full.untyped_storage().nbytes() == 0
+    buffer.acquire()
     full.copy_(torch.arange(8.0))
-    saved = full[2:4].t()  # what autograd would keep
-    full.untyped_storage()._swap_data_ptr_(slot)
-    pool.give_back(slot)
+    saved = full[2:4].t()
+    buffer.release()
     assert full.untyped_storage().nbytes() == 0 and saved.untyped_storage().nbytes() == 0
-    slot = pool.borrow(32)
-    full.untyped_storage()._swap_data_ptr_(slot)
+    buffer.acquire()
     full.copy_(torch.arange(8.0) * 10)
     assert saved.tolist() == [20.0, 30.0]

@@ -64,7 +64,6 @@ def test_next_unit_is_prefetched_whatever_its_size():
     two_largest = sorted((u.numel for u in engine.units[1:]), reverse=True)[:2]
     bound = (engine.units[0].numel + sum(two_largest)) * 4  # fp32
     assert 0 < peak[0] <= bound, (peak[0], bound)
-    assert engine.gather_pool.limit_bytes >= bound  # the pool keeps what one step gathers at once
     # the estimator and the profile header count the same transient (the estimator without padding)
     predicted = estimate.stage3_gathered_bytes(root, blocks, 1, param_bytes=4, prefetch_numel=1)
     assert peak[0] - 4 * 8 * len(engine.units) <= predicted <= bound, (peak[0], predicted, bound)

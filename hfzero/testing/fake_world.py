@@ -4,9 +4,10 @@
 rank ``rank`` of ``world_size`` ranks, every collective returns at once and moves nothing, so losses and
 parameters are meaningless but every tensor the engine allocates has its real size. Each spec prepares a
 GPT-2 model at one stage, trains a few steps and reports, after every step, the model-state bytes the
-engine holds (by role), the stage-3 gathers and how the gather pool served them and, on CUDA, the
-allocator's peaks; then whether the engine was freed once dropped; with the paper's formula
-(``hfzero.planning.estimate``) on Ψ and on the padded count, so callers compare without re-deriving it. Used by tests/test_fake_world_memory.py (CPU, tiny) and the GPU check (CUDA, ~350M).
+engine holds (by role), the stage-3 gathers and what stage 3's unit buffers hold between steps and, on CUDA,
+the allocator's peaks; then whether the engine was freed once dropped; with the paper's formula
+(``hfzero.planning.estimate``) on Ψ and on the padded count, so callers compare without re-deriving it. Used by
+tests/test_fake_world_memory.py (CPU, tiny) and the GPU check (CUDA, ~350M).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch
 import hfzero
 from hfzero.planning.estimate import model_states_bytes, precision_bytes
 from hfzero.roles import MODEL_STATE_ROLES, MemoryRole
+from hfzero.runtime.stage3.buffers import MAPPED
+from hfzero.testing.procmem import resident_in_range
 from hfzero.testing.models import tiny_causal_lm
 from hfzero.testing.workloads import param_groups
 
@@ -49,6 +52,14 @@ class FakeMemorySpec:
     device: str = "cpu"
 
 
+def unit_bytes(unit: Any) -> int:
+    """What a stage-3 unit's full buffer really holds now: a "mapped" buffer's resident pages, else its
+    storage's bytes (See [Note: stage-3 gather buffers])."""
+    if unit.buffer.kind == MAPPED:
+        return resident_in_range(unit.full.data_ptr(), unit.buffer.nbytes)
+    return unit.full.untyped_storage().nbytes()
+
+
 def measure_rank(rank: int, world_size: int, specs: list[FakeMemorySpec]) -> list[dict[str, Any]]:
     """Run every spec on this (fake) rank; one result dict per spec (see ``measure_one``). Each spec's
     engine is dropped and collected before the next; one that is not freed carries its memory into the
@@ -61,14 +72,6 @@ def measure_rank(rank: int, world_size: int, specs: list[FakeMemorySpec]) -> lis
     return out
 
 
-def pool_counters(engine: Any) -> tuple[int, int]:
-    """(gathers served, buffers allocated) by stage 3's gather buffer pool since the engine was built: the
-    two counters any pool design exposes (``engine.gather_pool.served`` and ``.allocations``), so a check
-    can see that the pool served every gather after the first step, not only that it allocated nothing."""
-    pool = engine.gather_pool
-    return pool.served, pool.allocations
-
-
 def measure_one(rank: int, world_size: int, spec: FakeMemorySpec) -> dict[str, Any]:
     """Train ``spec`` on this rank, then drop the model, optimizer and engine; returns sizes, the formula
     and per-step memory figures:
@@ -76,9 +79,10 @@ def measure_one(rank: int, world_size: int, spec: FakeMemorySpec) -> dict[str, A
     - ``model_state_bytes``: per step, the peak over the step of the engine's model-state roles;
     - ``formula_bytes``: the paper's formula on Ψ; ``formula_padded_bytes``: on the padded count (the
       engine pads each bucket to a multiple of the world), plus Adam's fp32 ``step`` scalar per bucket;
-    - stage 3, per step: ``gathers`` (units gathered, from the scheduler's trace), ``pool_served`` (gathers
-      the pool gave memory), ``pool_new`` (buffers it allocated); cumulative ``pool_allocations``,
-      ``pool_idle_bytes``, ``gathered_after_step``;
+    - stage 3: ``gather_kind`` (the unit buffers' backing: See [Note: stage-3 gather buffers]), and per step
+      ``gathers`` (units gathered, from the scheduler's trace), ``gathered_after_step`` (PARAM_GATHERED) and
+      ``unit_bytes_after_step`` (what the unit buffers really hold: resident pages of "mapped" buffers,
+      storage bytes of "resized" ones);
     - ``engine_freed``: whether the engine was garbage-collected once the caller's references were gone
       (nothing hfzero registered keeps it alive);
     - CUDA: ``cuda_peak_allocated`` / ``cuda_peak_reserved`` per step (peaks since after ``prepare``),
@@ -118,13 +122,12 @@ def _train(rank: int, world_size: int, spec: FakeMemorySpec) -> tuple[dict[str, 
     result: dict[str, Any] = {"stage": spec.stage, "dtype": spec.dtype, "world": world_size, "rank": rank,
                               "num_params": engine.num_params, "num_params_padded": engine.num_params_padded,
                               "buckets": len(engine.layout.buckets), "model_state_bytes": [],
-                              "pool_allocations": [], "pool_idle_bytes": [], "gathered_after_step": [],
-                              "gathers": [], "pool_served": [], "pool_new": [],
+                              "gather_kind": None, "unit_bytes_after_step": [], "gathered_after_step": [],
+                              "gathers": [],
                               "cuda_peak_allocated": [], "cuda_peak_reserved": [], "cuda_allocated_after_step": [],
                               "cuda_allocated_before_prepare": before_prepare}
     events = engine.trace(True) if spec.stage == 3 else None
     for _ in range(spec.steps):
-        counters = pool_counters(engine) if spec.stage == 3 else None
         batch = torch.randint(0, spec.vocab, (spec.batch, spec.seq_len), generator=g).to(device)  # (B, T)
         optimizer.backward(model(input_ids=batch, labels=batch).loss)
         peak = engine.model_state_bytes()
@@ -134,13 +137,10 @@ def _train(rank: int, world_size: int, spec: FakeMemorySpec) -> tuple[dict[str, 
         result["model_state_bytes"].append(max(peak, engine.model_state_bytes()))
         if spec.stage == 3:
             roles = engine.memory_by_role()
-            served, allocations = pool_counters(engine)
             result["gathers"].append(sum(1 for kind, _ in events if kind == "gather"))
             events.clear()
-            result["pool_served"].append(served - counters[0])
-            result["pool_new"].append(allocations - counters[1])
-            result["pool_allocations"].append(allocations)
-            result["pool_idle_bytes"].append(roles.get(MemoryRole.COMM_BUFFER, 0))
+            result["gather_kind"] = engine.gather_buffers.kind
+            result["unit_bytes_after_step"].append(sum(unit_bytes(u) for u in engine.units))
             result["gathered_after_step"].append(roles.get(MemoryRole.PARAM_GATHERED, 0))
         if cuda:
             torch.cuda.synchronize()

@@ -8,6 +8,8 @@ skip where /proc is missing. Holds nothing.
 from __future__ import annotations
 
 import gc
+import os
+import struct
 
 
 def status(field: str, path: str = "/proc/self/status") -> int:
@@ -25,3 +27,16 @@ def reset_peak() -> int:
     with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
         f.write("5")
     return status("VmRSS")
+
+
+
+def resident_in_range(address: int, nbytes: int) -> int:
+    """Bytes of the pages in [address, address + nbytes) that are resident now (the "present" bit of
+    /proc/self/pagemap, readable without privileges), e.g. a stage-3 unit's "mapped" buffer."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = address // page, (address + nbytes - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        raw = f.read((last - first + 1) * 8)
+    present = sum(1 for (entry,) in struct.iter_unpack("<Q", raw) if entry >> 63)
+    return present * page

@@ -1,82 +1,128 @@
-"""Reused gather buffers for stage 3: units borrow pre-allocated storage instead of allocating per gather.
+"""Each stage-3 unit's full buffer: one storage for the unit's lifetime, memory only while gathered.
 
 [Note: stage-3 gather buffers]
-Gathering a unit into fresh storage and freeing it after every use (twice per step per unit) churns
-the allocator with the largest transient allocations of the run. On the host, glibc then raises its
-mmap threshold to the size of the freed block and serves later allocations of up to that size from
-a heap that never shrinks: the process's peak grew with every step (ZeRO-R's MD problem). On CUDA
-the caching allocator's reserved memory grows the same way. So a unit borrows a buffer from a
-``GatherBufferPool`` for each gather and gives it back on release; in steady state the same few
-buffers serve every gather of every step.
+A unit's parameters are views of its full buffer while gathered, and autograd saves views of them in a
+training forward (``weight.t()`` in a linear layer). Those saved views hold the buffer's storage object
+(not the tensor), so three things must hold at once, with public torch API only:
+1. release gives the memory back although saved views still reference the storage, and they lose it
+   too (nothing keeps a released unit resident);
+2. the backward gather refills the *same* storage the saved views reference, before any of them is read;
+3. gathering and releasing every unit twice per step does not churn an allocator: on the host, glibc
+   hands a freed block to the activations allocated meanwhile, the next gather takes a fresh one and the
+   heap grows step after step (ZeRO-R's MD problem: +12 to +27% peak over 12 steps at issue 14).
 
-How a borrowed buffer keeps [Note: stage-3 release] (in unit.py) true: the unit's full tensor keeps
-its own storage object, whose memory is *swapped* with the pool buffer's
-(``UntypedStorage._swap_data_ptr_``: the two storage objects exchange their allocations and sizes).
-Views autograd saved in forward share the unit's storage object, so on release (swapped back: the
-unit's storage has 0 bytes again) they lose their memory exactly as a resize to 0 would, and the
-backward gather swaps a buffer in and refills it before any of them is read. A buffer is lent to one
-unit at a time; on CUDA a collective launched into a reused buffer is ordered after the compute
-stream's earlier kernels (the collective stream waits for the current stream), as with a freed and
-reallocated block of the caching allocator.
+Only the storage's own memory can change under a live storage object: publicly by ``resize_`` (through
+the allocator the storage was made with) or, for memory hfzero maps itself, by handing its pages back to
+the kernel. So a unit's storage is made once, at construction, and never replaced, and one of two
+backings serves it (``GatherBuffers.kind``):
 
-Buffers are matched by exact size (decoder blocks share one size, the root has its own), so a large
-buffer is never tied up by a small unit. The pool keeps idle buffers while everything it holds
-stays within ``limit_bytes``: the root unit, the largest unit and the next one or the prefetch budget,
-the most that can be gathered at once (``config.stage3_gathered_numel``) (see [Note: stage-3 gather order] in scheduler.py); a buffer given back
-beyond that is freed.
+- "mapped" (CPU ranks on Linux): the storage wraps an anonymous private mapping of the unit's size that
+  hfzero owns (``mmap``, ``torch.frombuffer``). Release is ``madvise(MADV_DONTNEED)``: the kernel takes
+  the physical pages back at once (the process's resident memory drops by the unit) and the address
+  range stays the unit's; the next gather's writes fault zero-filled pages in. No allocator is ever
+  called after construction, so nothing fragments: the mapping is the unit's for its lifetime, no other
+  allocation can land in it, and the host's peak counts gathered units only (nothing idle stays
+  resident). A view kept past release reads zeros until the next gather refills it, never another
+  unit's values or freed memory. The cost is the page faults of each gather (one per 4 KiB page touched;
+  docs/stage3.md has the measured figures).
+- "resized" (CUDA, and CPU elsewhere): release resizes the storage to 0 bytes and a gather resizes it
+  back (FSDP1's and FSDP2's technique); saved views then see a 0-byte storage (any read raises) until the
+  gather refills it. On CUDA the memory comes from the caching allocator, which is the pool: a block
+  freed by a release is reused by the next allocation of its size on the same stream, with no
+  ``cudaMalloc`` after the first step. On the host it is glibc (the fallback where there is no
+  ``madvise``): correct, but item 3 does not hold there (tests/test_stage3_gather_buffers.py runs both).
+
+Stream order on CUDA ("resized"): the hooks run on the compute stream, so a gather's ``resize_`` takes a
+block of the compute stream's pool, and ProcessGroupNCCL makes its stream wait for the compute stream
+before the all-gather writes the block: every kernel that read the block's previous contents (another
+unit's parameters, an activation) was enqueued on the compute stream before the gather and runs first.
+A release happens after the unit's wait (the compute stream waited for the all-gather) and after the
+compute kernels that read the parameters were enqueued, so the freed block's next user, again a
+compute-stream allocation, is ordered after them. No ``record_stream`` and no host synchronization: the
+ordering is the streams' own, as with any block the caching allocator reuses.
 """
 
 from __future__ import annotations
 
+import mmap
+import sys
+
 import torch
 
+from hfzero.logging import get_logger
 
-class GatherBufferPool:
-    """Storages lent to stage-3 units for their gathers; see [Note: stage-3 gather buffers].
+logger = get_logger(__name__)
 
-    Memory: ``lent_bytes()`` are gathered units (PARAM_GATHERED), ``idle_bytes()`` are buffers kept
-    for the next gathers (COMM_BUFFER); both transient, bounded by ``limit_bytes``.
+MAPPED = "mapped"
+RESIZED = "resized"
+
+
+def mapped_supported(device: torch.device) -> bool:
+    """Whether units on ``device`` can use the "mapped" backing: a CPU device on Linux, whose
+    ``madvise(MADV_DONTNEED)`` frees a private mapping's pages at once (see [Note: stage-3 gather buffers])."""
+    return (device.type == "cpu" and sys.platform.startswith("linux") and hasattr(mmap, "MAP_PRIVATE")
+            and hasattr(mmap, "MADV_DONTNEED") and hasattr(mmap.mmap, "madvise"))
+
+
+class UnitBuffer:
+    """One unit's full buffer (``tensor``, flat, ``numel`` elements); see [Note: stage-3 gather buffers].
+
+    Memory: ``nbytes`` while acquired (PARAM_GATHERED), none between a release and the next acquire.
     """
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, limit_bytes: int = 0):
+    kind = RESIZED
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.tensor = torch.empty(numel, dtype=dtype, device=device)
+        self.nbytes = numel * self.tensor.element_size()
+        self._storage = self.tensor.untyped_storage()
+
+    def acquire(self) -> None:
+        """Give the storage its memory (contents undefined) before a gather writes it."""
+        self._storage.resize_(self.nbytes)
+
+    def release(self) -> None:
+        """Take the memory away: the storage (and every view of it) has 0 bytes until ``acquire``."""
+        self._storage.resize_(0)
+
+
+class MappedUnitBuffer(UnitBuffer):
+    """A unit's full buffer on a private anonymous mapping: ``acquire`` does nothing (a gather's writes
+    fault pages in), ``release`` hands the pages back to the kernel (``MADV_DONTNEED``)."""
+
+    kind = MAPPED
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        element = torch.empty(0, dtype=dtype).element_size()
+        self.nbytes = numel * element
+        length = -(-self.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        self._map = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE)
+        self.tensor = torch.frombuffer(self._map, dtype=dtype, count=numel)  # keeps the mapping alive
+
+    def acquire(self) -> None:
+        pass
+
+    def release(self) -> None:
+        self._map.madvise(mmap.MADV_DONTNEED)
+
+
+class GatherBuffers:
+    """Makes every unit's full buffer on one device and says which backing they use.
+
+    ``kind``: "mapped" or "resized" (see [Note: stage-3 gather buffers]). Holds no memory itself.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, kind: str | None = None):
         self.dtype = dtype
         self.device = device
-        self.limit_bytes = limit_bytes
-        """Most bytes held (idle + lent) after a give-back; larger holdings free the returned buffer."""
-        self._idle: dict[int, list[torch.UntypedStorage]] = {}
-        self._lent = 0
-        self.allocations = 0
-        """Buffers allocated since construction (steady state: constant)."""
-        self.served = 0
-        """Gathers given memory by the pool since construction, from an idle buffer or a new one. With
-        ``allocations``, the counters the GPU check reads (``hfzero.testing.fake_world.pool_counters``):
-        from the second step every gather is served, and after it (the first that prefetches) none allocates."""
+        self.kind = kind or (MAPPED if mapped_supported(device) else RESIZED)
+        if self.kind == MAPPED and not mapped_supported(device):
+            raise ValueError(f"stage 3: mapped gather buffers need a CPU device on Linux, not {device}")
+        logger.debug("stage 3: %s gather buffers on %s", self.kind, device)
 
-    def borrow(self, nbytes: int) -> torch.UntypedStorage:
-        """A storage of exactly ``nbytes`` bytes, idle or newly allocated (its content is undefined)."""
-        idle = self._idle.get(nbytes)
-        if idle:
-            storage = idle.pop()
-        else:
-            storage = torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
-            self.allocations += 1
-        self._lent += nbytes
-        self.served += 1
-        return storage
-
-    def give_back(self, storage: torch.UntypedStorage) -> None:
-        """Take a lent storage back: keep it idle within ``limit_bytes``, else free it."""
-        nbytes = storage.nbytes()
-        self._lent -= nbytes
-        if self._lent + self.idle_bytes() + nbytes <= self.limit_bytes:
-            self._idle.setdefault(nbytes, []).append(storage)
-
-    def lent_bytes(self) -> int:
-        return self._lent
-
-    def idle_bytes(self) -> int:
-        return sum(nbytes * len(storages) for nbytes, storages in self._idle.items())
-
-    def clear(self) -> None:
-        """Free every idle buffer (lent ones come back later and are kept within the limit)."""
-        self._idle.clear()
+    def make(self, numel: int) -> UnitBuffer:
+        """A unit's buffer of ``numel`` elements, acquired: the caller takes its views (torch checks a view
+        against the storage's size), then releases it until the first gather."""
+        if self.kind == MAPPED and numel > 0:
+            return MappedUnitBuffer(numel, self.dtype, self.device)
+        return UnitBuffer(numel, self.dtype, self.device)

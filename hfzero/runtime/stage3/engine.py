@@ -21,9 +21,9 @@ happen to be full; see scheduler.py.
 - full buffers of the units gathered right now (PARAM_GATHERED, transient): the unit running
   forward or backward, the root (the whole forward and the whole backward), and prefetched units
   (the next unit whatever its size, more within ``prefetch_numel`` elements; at most
-  ``config.stage3_gathered_numel`` in all); see unit.py and scheduler.py. They are borrowed
-  from ``gather_pool``, whose idle buffers (COMM_BUFFER, transient) are kept for the next gathers:
-  see [Note: stage-3 gather buffers] in buffers.py.
+  ``config.stage3_gathered_numel`` in all); see unit.py and scheduler.py. Each unit's buffer keeps
+  its storage for the engine's lifetime and has memory only while gathered (``gather_buffers``: see
+  [Note: stage-3 gather buffers] in buffers.py).
 - gradients, master weights, optimizer states: as at stage 2 (GRAD_SHARD 2Ψ/N, MASTER_SHARD 4Ψ/N,
   OPTIM_STATE 8Ψ/N, GRAD_BUCKET staging), the same code (engine.py, reducer.py, optimizer.py).
 """
@@ -37,14 +37,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hfzero.comm.collectives import Communicator
-from hfzero.config import ZeroConfig, stage3_gathered_numel
+from hfzero.config import ZeroConfig
 from hfzero.logging import get_logger
 from hfzero.comm.quantized import QuantizedReduceScatter
 from hfzero.roles import MemoryRole
 from hfzero.runtime.engine import ZeroEngine
 from hfzero.runtime.layout import Bucket, FlatLayout
 from hfzero.runtime.lifetime import WeakHook
-from hfzero.runtime.stage3.buffers import GatherBufferPool
+from hfzero.runtime.stage3.buffers import GatherBuffers
 from hfzero.runtime.stage3.scheduler import Phase, UnitScheduler
 from hfzero.runtime.stage3.step_check import StepCheck
 from hfzero.runtime.stage3.unit import GatherUnit, UnitState
@@ -110,7 +110,8 @@ class Stage3Engine(ZeroEngine):
         self._verify_gather_order = verify_gather_order
         super().__init__(model, param_groups, config, comm, device, average_over=average_over,
                          expert_comm=expert_comm, replicate=replicate, grad_reduce=grad_reduce)
-        self.gather_pool = GatherBufferPool(self.policy.param_dtype, device)
+        self.gather_buffers = GatherBuffers(self.policy.param_dtype, device)
+        """Makes the units' full buffers; ``kind`` says their backing (See [Note: stage-3 gather buffers])."""
         self.units = [self._make_unit(spec) for spec in self.unit_specs]
         partitioned_frozen = set(self.frozen_layout.slots)
         whole = [p for p in dict.fromkeys(model.parameters()) if p not in self.layout.slots and p not in partitioned_frozen]
@@ -123,7 +124,6 @@ class Stage3Engine(ZeroEngine):
         # sized by everything that is gathered (a LoRA model's trainable count alone would be tiny)
         self.prefetch_numel = config.prefetch_numel(self.num_params + self.frozen_layout.num_params, self.world_size)
         """Stage-3 prefetch budget in elements (``ZeroConfig.prefetch_numel``: sized to the model unless set)."""
-        self.gather_pool.limit_bytes = self._gather_pool_limit()
         self.scheduler = UnitScheduler(self.units, verify_comm if verify_gather_order else None, self.prefetch_numel)
         self.installed.on_undo(self.scheduler.remove_hooks)
         # See [Note: collective order across ranks] in reducer.py
@@ -255,13 +255,7 @@ class Stage3Engine(ZeroEngine):
         frozen = [b for b in self.frozen_layout.buckets if self._unit_of[b.slots[0].param] == spec.index]
         return GatherUnit(spec.index, spec.name, spec.module, [(b, self._shard_views[b.index]) for b in buckets],
                           [(b, self._frozen_views[b.index]) for b in frozen], self.param_gathers,
-                          self.policy.param_dtype, self.device, self.gather_pool, secondary=self.secondary)
-
-    def _gather_pool_limit(self) -> int:
-        """Bytes the gather pool may hold: the most gathered at once (``stage3_gathered_numel``: the
-        root, the unit in use and the next one or the prefetch budget). See [Note: stage-3 gather buffers]."""
-        numels = [u.numel for u in self.units]
-        return stage3_gathered_numel(numels[0], numels[1:], self.prefetch_numel) * self.param_shard.element_size()
+                          self.policy.param_dtype, self.device, self.gather_buffers, secondary=self.secondary)
 
     def _owned_param(self, bucket: Bucket) -> torch.Tensor:
         return self._shard_views[bucket.index]
@@ -333,7 +327,6 @@ class Stage3Engine(ZeroEngine):
             MemoryRole.PARAM_FULL: roles.get(MemoryRole.PARAM_FULL, 0) + self.persistent_flat.numel() * element,
             MemoryRole.PARAM_GATHERED: sum(u.resident_bytes() for u in self.units),
             MemoryRole.PARAM_SECONDARY: sum(u.secondary_bytes() for u in self.units),
-            MemoryRole.COMM_BUFFER: roles.get(MemoryRole.COMM_BUFFER, 0) + self.gather_pool.idle_bytes(),
         }
         roles.update(extra)
         return {role: size for role, size in roles.items() if size}

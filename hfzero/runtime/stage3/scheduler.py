@@ -95,6 +95,7 @@ class _Pass:
         self.training = training
         """A forward with gradients enabled, or a backward: checked at the step (See [Note: stage-3 step check])."""
         self.seen: list[int] = []
+        self.seen_set: set[int] = set()
         self.issued: list[int] = []
         """Units whose gather this pass launched (prefetched ones included): what must match across ranks."""
         self.diverged = False
@@ -117,6 +118,11 @@ class UnitScheduler:
         self._in_use: list[int] = []  # units between their pre- and post-forward (a stack)
         self._backward_seen: set[int] = set()
         self._finished: set[int] = set()
+        self._finish_from = 0  # units of the backward pass's ``seen`` before this index are finished
+        self._gathered: dict[int, GatherUnit] = {}
+        """Units gathered through ``_issue`` and maybe not released yet (a superset of the gathered ones:
+        entries are dropped when found sharded), so per-use work scans what is gathered, not every unit."""
+        self._backward_hooks: dict[int, Callable[[torch.Tensor], None]] = {}  # per unit, made once
         self._graph_task = -1
         self.on_unit_done: Callable[[GatherUnit], None] | None = None
         """Called when the backward pass is done with a unit (engine: launch its buckets' reductions)."""
@@ -200,6 +206,7 @@ class UnitScheduler:
         self._in_use.clear()
         self._backward_seen = set()
         self._finished = set()
+        self._finish_from = 0
         self._step_passes = None if self._step_passes is None else []  # no plan after a failed pass
         self.pass_plan = []
         self.release_all()
@@ -272,9 +279,13 @@ class UnitScheduler:
         if self.phase is Phase.BACKWARD:
             return  # activation-checkpoint recomputation: the backward pass owns the unit
         if torch.is_grad_enabled():
+            hook = self._backward_hooks.get(unit.index)
+            if hook is None:
+                # See [Note: engine lifetime]: the hook reaches the scheduler weakly
+                hook = self._backward_hooks[unit.index] = WeakHook(self._hook_pre_backward, unit.index)
             for t in iter_tensors(output):
                 if t.requires_grad:
-                    t.register_hook(WeakHook(self._hook_pre_backward, unit.index))  # See [Note: engine lifetime]
+                    t.register_hook(hook)
         self._log("forward_end", unit)
         if unit.index not in self._in_use and not self.keep_gathered:
             self._release(unit)
@@ -304,7 +315,8 @@ class UnitScheduler:
         current = self._pass
         if current is None:
             return
-        for index in current.seen:
+        start, self._finish_from = self._finish_from, len(current.seen)
+        for index in current.seen[start:]:
             if index in self._finished or index == self.root.index:
                 continue
             self._finished.add(index)
@@ -326,6 +338,7 @@ class UnitScheduler:
         self._carry = set()  # units carried into this pass are its own now
         self._backward_seen = set()
         self._finished = set()
+        self._finish_from = 0
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
@@ -338,10 +351,13 @@ class UnitScheduler:
         self._in_use.clear()
         if self._step_passes is not None:
             self._step_passes.append(phase)
-        for unit in self.units:
-            if unit.state is not UnitState.SHARDED and not self.keep_gathered and unit.index not in self._carry:
-                self._log("release", unit)
-                self._release(unit)
+        if not self.keep_gathered:
+            for index, unit in list(self._gathered.items()):
+                if unit.state is not UnitState.SHARDED and index not in self._carry:
+                    self._log("release", unit)
+                    self._release(unit)
+                if unit.state is UnitState.SHARDED:
+                    del self._gathered[index]
         issued = current.issued if current is not None else []
         if current is not None and current.seen != current.recorded:
             if current.recorded:
@@ -359,26 +375,34 @@ class UnitScheduler:
         """Make ``unit`` gathered now, then prefetch what the recorded order says comes next."""
         self._issue(unit)
         unit.wait()
-        self._log("wait", unit)
+        if self.events is not None:
+            self._log("wait", unit)
         current = self._pass
         if current is None:
             return
         position = len(current.seen)
         current.seen.append(unit.index)
-        if current.diverged or position >= len(current.recorded) or current.recorded[position] != unit.index:
+        current.seen_set.add(unit.index)
+        recorded = current.recorded
+        if current.diverged or position >= len(recorded) or recorded[position] != unit.index:
             current.diverged = True
             return
-        budget = self.prefetch_numel - sum(u.numel for u in self.units
-                                           if u.state is not UnitState.SHARDED and u.index not in current.seen)
-        for ahead, index in enumerate(current.recorded[position + 1:]):
-            nxt = self.units[index]
+        budget = self.prefetch_numel  # less the gathered units this pass has not used yet
+        for index, other in list(self._gathered.items()):
+            if other.state is UnitState.SHARDED:
+                del self._gathered[index]
+            elif index not in current.seen_set:
+                budget -= other.numel
+        units = self.units
+        for ahead in range(len(recorded) - position - 1):
+            nxt = units[recorded[position + 1 + ahead]]
             if nxt.state is not UnitState.SHARDED:
                 continue
             if ahead > 0 and nxt.numel > budget:  # the next unit always goes: See [Note: stage-3 gather order]
                 break
             budget -= nxt.numel
             self._issue(nxt)
-        if position == len(current.recorded) - 1:
+        if position == len(recorded) - 1:
             self._prefetch_next_pass()
 
     def _prefetch_next_pass(self) -> None:
@@ -406,7 +430,9 @@ class UnitScheduler:
             self._verify(unit.index)
         if self._pass is not None:
             self._pass.issued.append(unit.index)
-        self._log("gather", unit)
+        if self.events is not None:
+            self._log("gather", unit)
+        self._gathered[unit.index] = unit
         unit.start_gather(exact=exact)
 
     def _fold(self, marker: int, issued: list[int]) -> None:

@@ -1,14 +1,13 @@
 """One stage-3 gathering unit: its buckets, its reusable full buffer, and its shard lifecycle.
 
 [Note: stage-3 release]
-A unit's full buffer is one tensor allocated at construction whose *storage* is resized to zero
-bytes when the unit is released and back to full size before each gather (as FSDP1 does). Autograd
-may have saved views of a parameter (``weight.t()`` in a linear layer) during forward: those views
-share the storage, so resizing it frees their memory too, and the backward gather refills the same
-storage before any of them is read. Between uses the parameters point at a 0-element tensor of
-their dtype, so nothing can read stale or freed memory through them. With a buffer pool the
-storage's memory is borrowed for each gather instead of allocated; see [Note: stage-3 gather
-buffers] in buffers.py, which keeps this guarantee.
+A unit's full buffer is one tensor made at construction whose storage has memory only while the unit is
+gathered: a release takes the memory away and the next gather gives it back (See [Note: stage-3 gather
+buffers] in buffers.py for how, on public torch API only). Autograd may have saved views of a parameter
+(``weight.t()`` in a linear layer) during forward: those views share the storage, so a release frees
+their memory too, and the backward gather refills the same storage before any of them is read. Between
+uses the parameters point at a 0-element tensor of their dtype, so nothing can read stale or freed
+memory through them.
 
 [Note: secondary partition]
 hpZ (ZeRO++, ``ZeroConfig.secondary_partition``): a unit released in a training forward first copies the
@@ -33,7 +32,7 @@ from hfzero.comm.collectives import Communicator, Handle
 from hfzero.comm.quantized import QuantizedGather
 from hfzero.runtime.layout import Bucket
 from hfzero.runtime.tensors import local_tensor
-from hfzero.runtime.stage3.buffers import GatherBufferPool
+from hfzero.runtime.stage3.buffers import GatherBuffers
 
 
 class UnitState(enum.Enum):
@@ -57,14 +56,13 @@ class GatherUnit:
     def __init__(self, index: int, name: str, module: nn.Module, buckets: list[tuple[Bucket, torch.Tensor]],
                  frozen: list[tuple[Bucket, torch.Tensor]],
                  comm: Communicator | QuantizedGather | list[Communicator | QuantizedGather], dtype: torch.dtype,
-                 device: torch.device, pool: GatherBufferPool | None = None, secondary: Communicator | None = None):
+                 device: torch.device, buffers: GatherBuffers | None = None, secondary: Communicator | None = None):
         """``buckets``/``frozen``: (bucket, this rank's shard slice of it) for the unit's trainable and
         frozen buckets; both are gathered into one full buffer (see [Note: stage-3 frozen parameters]).
         ``comm``: what gathers them, or one per layout partition (a bucket's ``partition`` indexes it: See
         [Note: bucket partitions] in layout.py).
-        ``pool``: where the full buffer's memory is borrowed from per gather (see [Note: stage-3 gather
-        buffers]); None keeps today's storage resize. ``secondary``: the node's communicator for hpZ (See
-        [Note: secondary partition])."""
+        ``buffers``: what makes the full buffer (See [Note: stage-3 gather buffers]; None: the device's
+        default backing). ``secondary``: the node's communicator for hpZ (See [Note: secondary partition])."""
         self.secondary = secondary
         self._secondary_parts: list[torch.Tensor] | None = None
         """hpZ: this rank's node-local slice of each target, kept from a training forward to its backward."""
@@ -79,24 +77,30 @@ class GatherUnit:
         self.comm = self.comms[0]
         """What gathers partition 0's buckets: the data-parallel group's (the only one without expert parallelism)."""
         self.state = UnitState.SHARDED
-        self.pool = pool
-        self._borrowed: torch.UntypedStorage | None = None  # the pool buffer whose memory the unit holds
         self.numel = sum(b.padded for b, _ in buckets + frozen)
-        self.full = torch.empty(self.numel, dtype=dtype, device=device)
-        self._nbytes = self.numel * self.full.element_size()
+        self.buffer = (buffers or GatherBuffers(dtype, device)).make(self.numel)
+        """The full buffer's backing: memory only while gathered (See [Note: stage-3 gather buffers])."""
+        self.full = self.buffer.tensor
+        self._nbytes = self.buffer.nbytes
         self._empty = torch.empty(0, dtype=dtype, device=device)
         self._targets: list[tuple[torch.Tensor, torch.Tensor]] = []  # (full bucket view, shard slice)
-        self._partitions = [b.partition for b, _ in buckets + frozen]  # each target's gathering group
+        self._gathers: list[tuple[Communicator | QuantizedGather, torch.Tensor, torch.Tensor]] = []
+        """(what gathers it, full bucket view, shard slice) per target: a gather's whole plan, made once."""
         self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
         start = 0
         for bucket, shard in buckets + frozen:
-            self._targets.append((self.full[start: start + bucket.padded], shard))
+            target = self.full[start: start + bucket.padded]
+            self._targets.append((target, shard))
+            self._gathers.append((self.comms[bucket.partition], target, shard))
             for slot in bucket.slots:
                 view = self.full[start + slot.offset: start + slot.offset + slot.numel].view(slot.shape)
                 self._views.append((slot.param, view))
             start += bucket.padded
+        # what ``.data`` re-points per parameter: a DTensor's local tensor (See [Note: tensor-parallel
+        # parameters]); the objects are final once the engine exists (meta parameters are swapped before)
+        self._locals = [(local_tensor(param), view) for param, view in self._views]
         self._handles: list[Handle] = []
-        self._free_storage()
+        self.buffer.release()
         self._point_at_empty()
 
     @property
@@ -121,24 +125,20 @@ class GatherUnit:
         self._secondary_parts = [full.view(size, -1)[rank].clone() for full, _ in self._targets]
 
     def start_gather(self, exact: bool = False) -> None:
-        """Give the full buffer memory (a pool buffer, else a fresh allocation) and launch its
-        all-gathers (asynchronously): from the shards over the group, or with a secondary partition held
-        (hpZ) from it over the node; no-op unless SHARDED. ``exact``: unquantized even where ``comm`` is qwZ's
-        quantized gather (state dicts)."""
+        """Give the full buffer memory and launch its all-gathers (asynchronously): from the shards over
+        the group, or with a secondary partition held (hpZ) from it over the node; no-op unless SHARDED.
+        ``exact``: unquantized even where ``comm`` is qwZ's quantized gather (state dicts)."""
         if self.state is not UnitState.SHARDED:
             return
-        if self.pool is None:
-            self.full.untyped_storage().resize_(self._nbytes)
-        else:  # See [Note: stage-3 gather buffers]
-            self._borrowed = self.pool.borrow(self._nbytes)
-            self.full.untyped_storage()._swap_data_ptr_(self._borrowed)
+        self.buffer.acquire()
         if self._secondary_parts is not None:  # See [Note: secondary partition]
             self._handles = [self.secondary.all_gather(full, part, async_op=True)
                              for (full, _), part in zip(self._targets, self._secondary_parts)]
+        elif exact:
+            self._handles = [(gather.comm if isinstance(gather, QuantizedGather) else gather).all_gather(
+                                 full, shard, async_op=True) for gather, full, shard in self._gathers]
         else:
-            gathers = [c.comm if exact and isinstance(c, QuantizedGather) else c for c in self.comms]
-            self._handles = [gathers[partition].all_gather(full, shard, async_op=True)
-                             for (full, shard), partition in zip(self._targets, self._partitions)]
+            self._handles = [gather.all_gather(full, shard, async_op=True) for gather, full, shard in self._gathers]
         self.state = UnitState.GATHERING
 
     def wait(self) -> None:
@@ -148,33 +148,29 @@ class GatherUnit:
         for handle in self._handles:
             handle.wait()
         self._handles = []
-        for param, view in self._views:  # a DTensor's local shard (See [Note: tensor-parallel parameters])
-            local_tensor(param).data = view
+        for tensor, view in self._locals:
+            tensor.data = view
         self.state = UnitState.GATHERED
 
     def release(self, keep_secondary: bool = False) -> None:
-        """Drop the full buffer (the shard stays); no-op when SHARDED. ``keep_secondary`` (a training forward's
-        release, with hpZ): keep the node-local slice for the backward; otherwise any secondary is dropped."""
+        """Drop the full buffer's memory (the shard stays); no-op when SHARDED. ``keep_secondary`` (a training
+        forward's release, with hpZ): keep the node-local slice for the backward; otherwise any secondary is
+        dropped."""
         if self.state is UnitState.SHARDED:
             return
-        self.wait()
+        if self.state is UnitState.GATHERING:  # finish writing the buffer (hpZ may copy from it below)
+            for handle in self._handles:
+                handle.wait()
+            self._handles = []
         if keep_secondary and self.secondary is not None:
             self._keep_secondary()
         else:
             self._secondary_parts = None
         self._point_at_empty()
-        self._free_storage()
+        self.buffer.release()
         self.state = UnitState.SHARDED
 
     def _point_at_empty(self) -> None:
-        for param, _ in self._views:
-            local_tensor(param).data = self._empty
-
-    def _free_storage(self) -> None:
-        """The full buffer's storage to 0 bytes: its memory goes back to the pool (or is freed)."""
-        if self._borrowed is None:
-            self.full.untyped_storage().resize_(0)
-            return
-        borrowed, self._borrowed = self._borrowed, None
-        self.full.untyped_storage()._swap_data_ptr_(borrowed)  # the unit's storage is empty again
-        self.pool.give_back(borrowed)
+        empty = self._empty
+        for tensor, _ in self._locals:
+            tensor.data = empty
