@@ -32,7 +32,7 @@ TRANSIENT_KEYS: tuple[str, ...] = tuple(r.value for r in MemoryRole if r not in 
 ALLOCATOR_KEYS: tuple[str, ...] = (
     "allocated", "reserved", "rss", "rss_peak", "active", "inactive_split", "reserved_unallocated", "fragmentation",
     "heap_arena", "heap_in_use", "heap_free", "heap_mmapped", "total_free", "largest_free_block",
-    "num_alloc_retries", "num_ooms",
+    "snapshot_fragmentation", "num_alloc_retries", "num_ooms",
 )
 """Allocator sample fields copied into the tables (absent ones become NaN)."""
 

@@ -297,7 +297,8 @@ def peak_sentence(loaded: LoadedRun, tolerance: float = 0.10) -> str:
 
 
 def _mb(value: float) -> str:
-    return f"{value / 1e6:,.0f} MB"
+    """Bytes in MB, or in kB below 1 MB (a small model's roles on a GPU would all read "0 MB")."""
+    return f"{value / 1e6:,.0f} MB" if value == 0 or abs(value) >= 1e6 else f"{value / 1e3:,.0f} kB"
 
 
 def whole_peak_rows(loaded: LoadedRun) -> list[dict[str, Any]]:
@@ -385,8 +386,9 @@ def timeline_figure(frame: pd.DataFrame, *, factor: int = 1, metrics: Sequence[s
 
 
 def fragmentation_figure(timeline: pd.DataFrame, steps: pd.DataFrame, *, factor: int = 1) -> tuple[go.Figure, list[str]]:
-    """Fragmentation over time: the ratio, the largest free block (CUDA snapshots), free vs in-use
-    bytes (reserved - allocated vs allocated) and, on CUDA, allocator retries and OOMs.
+    """Fragmentation over time: the ratio (CPU: free heap / heap; CUDA: free blocks inside segments in use /
+    reserved), the largest free block and the free memory's scatter (CUDA snapshots), free vs in-use bytes
+    (reserved - allocated vs allocated) and, on CUDA, allocator retries and OOMs.
 
     Returns the figure and one note per panel left out for lack of data.
     """
@@ -399,11 +401,14 @@ def fragmentation_figure(timeline: pd.DataFrame, steps: pd.DataFrame, *, factor:
         panels.append(("fragmentation ratio (free but held / held)", ratio_source,
                        [("fragmentation", "fragmentation", "ratio", None)]))
     else:
-        notes.append("fragmentation ratio: not recorded (CUDA needs cuda_snapshot=True; CPU needs glibc mallinfo2)")
+        notes.append("fragmentation ratio: not recorded (CPU needs glibc mallinfo2)")
     if _has_data(steps, "largest_free_block"):
         panels.append(("largest free block vs total free (CUDA snapshot)", steps,
                        [("largest_free_block", "largest free block", "bytes", None),
                         ("total_free", "total free", "bytes", "dot")]))
+        if _has_data(steps, "snapshot_fragmentation"):
+            panels.append(("free memory's scatter: 1 - largest free block / total free (CUDA snapshot)", steps,
+                           [("snapshot_fragmentation", "scatter", "ratio", None)]))
     else:
         notes.append("largest free block: only with a CUDA allocator snapshot (ZeroProfiler(cuda_snapshot=True))")
     if _has_data(timeline, "reserved") and _has_data(timeline, "allocated"):
@@ -451,14 +456,17 @@ _COMM_SECONDS_TITLE = {
 
 
 def comm_figure(comm: pd.DataFrame, theory_elements: float | None, *, rank: int, stage: int,
-                timing: str | None = None) -> go.Figure:
+                timing: str | None = None, world_size: int | None = None) -> go.Figure:
     """Per step of ``rank``: elements (stacked by collective kind) against the paper's volume for the
     run's accumulation (2Ψ for stages 0-2, 3Ψ for stage 3 at one reduction per step), and seconds per
     collective kind: host wall time, device time between CUDA events when ``timing`` is "cuda_event", or
     launch time in profiles older than issue 19 whose ``timing`` is "launch"."""
     mine = comm[comm["rank"] == rank] if not comm.empty else comm
     if mine.empty:
-        return _empty(f"Rank {rank} recorded no collective in its step records.")
+        why = ("a data-parallel world of one rank moves nothing (the paper's volume is 0, not 2Ψ or 3Ψ), so its "
+               "step records count no collective" if world_size == 1 else "it recorded no collective in its step "
+               "records")
+        return _empty(f"Rank {rank}: {why}.", title=f"Communication per step, rank {rank}, stage {stage}")
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
                         subplot_titles=["elements per step (the paper's logical volume)",
                                         _COMM_SECONDS_TITLE.get(timing, "wall seconds per step")])
@@ -570,10 +578,12 @@ def estimator_figure(table: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def _empty(message: str) -> go.Figure:
+def _empty(message: str, title: str | None = None) -> go.Figure:
     fig = go.Figure()
     fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
-    fig.update_layout(xaxis={"visible": False}, yaxis={"visible": False}, height=200)
+    fig.update_layout(xaxis={"visible": False}, yaxis={"visible": False}, height=200 if title is None else 260)
+    if title is not None:
+        fig.update_layout(title=title)
     return fig
 
 

@@ -154,7 +154,8 @@ def view_comm(loaded: LoadedRun, settings: dict[str, int]) -> None:
             comm = comm[comm["step"].isin(steps[::stride])]
             st.caption(f"Showing every {stride}th step of {len(steps)}.")
     st.plotly_chart(figures.comm_figure(comm, data.comm_theory_elements(loaded.run), rank=rank,
-                                        stage=loaded.run.stage, timing=loaded.run.header.get("comm_timing")),
+                                        stage=loaded.run.stage, timing=loaded.run.header.get("comm_timing"),
+                                        world_size=loaded.run.world_size),
                     width="stretch")
     micro, policy = data.accumulation_of(loaded.run)
     st.caption("Elements follow the paper's logical volume: an all-reduce of n counts 2n, a reduce-scatter "

@@ -7,6 +7,9 @@ Trainer script (no hfzero import):
     hfzero run --nproc_per_node 2 examples/finetune_classifier.py --output_dir out/cls \
         --do_train --do_eval --max_steps 30 --per_device_train_batch_size 16 --learning_rate 5e-5 \
         --zero_stage 2
+
+On a host with GPUs each rank takes one (``--nproc_per_node`` at most the GPUs visible); with a single GPU,
+train two ranks on the CPU with ``--use_cpu true``. examples/main_job.sh chooses for you.
 """
 
 from __future__ import annotations

@@ -669,6 +669,37 @@ def test_first_view_of_the_main_job_profile() -> None:
     assert legend.count("<b>") == 3 and "measured, by role:" in legend and "framework runtime" in legend
 
 
+def test_every_view_renders_the_first_cuda_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profile of the first GPU run (2026-11-28, one H200, torch 2.11: `hfzero run --bf16 --zero_stage 2
+    --zero_profile_dir` on a 26.8K-parameter Llama, world 1; kept in tests/data/cuda_profile). It was written
+    before CUDA samples carried a fragmentation figure (null then): the reader fills it from the two counters
+    it is made of, so every sample and step has one. Every view renders it: the formula met, a world of one
+    moving nothing, sizes in kB where MB would read 0. (Estimator and Planner read no run.)"""
+    path = Path(__file__).parent / "data" / "cuda_profile"
+    loaded = data.load(path)
+    assert loaded.error is None and loaded.run.header["device_type"] == "cuda" and loaded.run.warnings == []
+    timeline, steps = data.timeline_frame(loaded.run), data.step_frame(loaded.run)
+    assert len(steps) == 3 and timeline["fragmentation"].notna().all() and steps["fragmentation"].notna().all()
+    np.testing.assert_allclose(timeline["fragmentation"], timeline["inactive_split"] / timeline["reserved"])
+    assert 0 < timeline["fragmentation"].min() <= timeline["fragmentation"].max() < 1
+    figure, notes = figures.fragmentation_figure(timeline, steps)
+    assert [a.text for a in figure.layout.annotations] == ["fragmentation ratio (free but held / held)",
+                                                           "in use (allocated) vs free but held (reserved - allocated)"]
+    assert notes == ["largest free block: only with a CUDA allocator snapshot (ZeroProfiler(cuda_snapshot=True))",
+                     "allocator retries and OOMs: none (all zero)"]
+    sentence = figures.peak_sentence(loaded)
+    assert sentence.startswith("Within its prediction (model states 1.000 of the formula, activations 1.000")
+    assert "is 268 kB of engine roles (model states 214 kB, transient 54 kB" in sentence  # not "0 MB"
+    comm = figures.comm_figure(data.comm_frame(loaded.run), data.comm_theory_elements(loaded.run), rank=0,
+                               stage=2, world_size=1)
+    assert "world of one rank moves nothing" in comm.layout.annotations[0].text
+    from dashboard.pages import RUN_VIEWS
+
+    for view in (*RUN_VIEWS, "Compare runs"):  # the views that show a run (Estimator and Planner read none)
+        app = run_page([path], view, monkeypatch)
+        assert not app.error and EXPECTED_TITLES[view] in page_titles(app), view
+
+
 def test_comm_view_shows_bytes_between_nodes(tmp_path: Path) -> None:
     """Issue 22: step records whose comm entries carry the node split show it in the frame and the title;
     older ones (write_run's) read as NaN and the title does not mention nodes."""

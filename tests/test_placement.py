@@ -5,6 +5,7 @@ CUDA host faked by patching what torch reports (no GPU needed)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch.distributed.run
 import hfzero
 from hfzero.comm.collectives import Communicator, _default_device
 from hfzero.config import ConfigError
-from hfzero.devices import parse_backend_config
+from hfzero.devices import parse_backend_config, scratch_device, with_index
 from hfzero.runtime.placement import Placement, placement_error
 from hfzero.testing.models import tiny_causal_lm
 
@@ -51,6 +52,53 @@ def test_undefined_backend_serves_cuda_with_nccl(world1, monkeypatch: pytest.Mon
     assert _default_device() == torch.device("cuda", 0)
     _fake_cuda_host(monkeypatch, "cpu:gloo,cuda:gloo")  # gloo stages CUDA tensors through the host: CPU scratch
     assert Communicator().device == torch.device("cpu")
+
+
+def test_scratch_device_follows_the_backend_serving_the_models_device() -> None:
+    """[Note: collective device]: scratch on the model's GPU under NCCL, on the CPU under gloo (fewer copies and
+    host waits per step, counted in the Note), on the model's device without a process group."""
+    cpu, cuda1 = torch.device("cpu"), torch.device("cuda", 1)
+    assert scratch_device(cuda1, parse_backend_config("cuda:nccl")) == cuda1
+    assert scratch_device(cuda1, parse_backend_config("cpu:gloo,cuda:nccl")) == cuda1
+    assert scratch_device(cuda1, parse_backend_config("cpu:gloo,cuda:gloo")) == cpu  # gloo ranks on a GPU
+    assert scratch_device(cuda1, {}) == cuda1  # one process: nothing communicated
+    assert scratch_device(cpu, parse_backend_config("cpu:gloo,cuda:nccl")) == cpu
+
+
+def test_with_index_names_the_current_device() -> None:
+    """[Note: device index]: an index-less accelerator device becomes the calling thread's current device."""
+    current = {"cuda": 2, "xpu": 5}.get
+
+    def never(device_type: str) -> int:
+        raise AssertionError(f"asked for the current {device_type} device")
+
+    assert with_index("cuda", current) == torch.device("cuda", 2)
+    assert with_index(torch.device("xpu"), current) == torch.device("xpu", 5)
+    assert with_index("lazy", current) == torch.device("lazy")  # no current device to ask
+    for device in ("cuda:0", "cpu", "meta"):
+        assert with_index(device, never) == torch.device(device)
+
+
+def test_a_cpu_clip_coefficient_scales_tensors_of_any_device_without_a_copy() -> None:
+    """Under gloo the clip coefficient is on the CPU (the scratch device); it scales the gradients as a kernel
+    argument: never copied to their device (the old code copied it once per gradient, each a blocking copy)."""
+    from hfzero.runtime.tensors import scale_
+
+    moved = []
+
+    class Record(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.Tensor.to and any(isinstance(a, (torch.device, str)) for a in (*args[1:], *kwargs.values())):
+                moved.append(args[1:])
+            return func(*args, **kwargs)
+
+    grads = [torch.ones(3), torch.full((2,), 2.0, dtype=torch.bfloat16), torch.empty(4, device="meta")]
+    with Record():
+        scale_(grads, torch.tensor(0.25))
+    assert moved == []
+    assert grads[0].tolist() == [0.25] * 3 and grads[1].tolist() == [0.5] * 2 and grads[1].dtype == torch.bfloat16
+    assert grads[2].device.type == "meta"
 
 
 def _where(backends: str = "cuda:nccl", current: int | None = 0, local_rank: int | None = 0,
@@ -111,6 +159,8 @@ def test_hfzero_run_refuses_more_ranks_than_gpus(one_gpu, monkeypatch: pytest.Mo
     for cpu_run in (["--use_cpu"], ["--use_cpu", "true"], ["--use_cpu=true"]):
         with pytest.raises(AssertionError, match="torchrun started"):  # a CPU run needs no GPU
             launch(["--nproc_per_node", "2", SCRIPT, "--output_dir", "o", *cpu_run])
+        # and its workers are told so: the accelerator the Trainer builds reads ACCELERATE_USE_CPU, not --use_cpu
+        assert os.environ.pop("ACCELERATE_USE_CPU") == "true"
     with pytest.raises(ConfigError, match="only 1"):
         launch(["--nproc_per_node", "2", SCRIPT, "--output_dir", "o", "--use_cpu", "false"])
     with pytest.raises(AssertionError, match="torchrun started"):  # one rank per GPU
@@ -118,6 +168,33 @@ def test_hfzero_run_refuses_more_ranks_than_gpus(one_gpu, monkeypatch: pytest.Mo
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
     with pytest.raises(AssertionError, match="torchrun started"):
         launch(["--nproc_per_node", "2", SCRIPT, "--output_dir", "o"])
+
+
+def test_the_main_job_runs_on_every_gpu_or_on_two_cpu_ranks(one_gpu, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 33 item 9: examples/main_job.sh asks ``python -m hfzero.integrations.gpus`` where to run: one rank per
+    GPU with two or more, else 2 CPU ranks (``--use_cpu true``), which `hfzero run` then starts on a 1-GPU host
+    (it refused ``--nproc_per_node 2`` there) with its workers told it is a CPU run."""
+    from hfzero.integrations import gpus
+    from hfzero.integrations.launch import launch
+
+    assert gpus.job_placement(0) == gpus.JobPlacement(2, True, "2 CPU ranks, gloo (no GPU is visible)")
+    assert gpus.job_placement(1) == gpus.JobPlacement(
+        2, True, "2 CPU ranks, gloo (1 GPU is visible and two ranks cannot share it)")
+    assert gpus.job_placement(4) == gpus.JobPlacement(4, False, "4 ranks, one per visible GPU (cuda:0-cuda:3), NCCL")
+    assert gpus.job_placement(4, cpu=True).cpu and gpus.job_placement(1, cpu_ranks=3).nproc == 3
+    gpus.main([])  # this host: one GPU (the fixture)
+    assert capsys.readouterr().out == "2 cpu 2 CPU ranks, gloo (1 GPU is visible and two ranks cannot share it)\n"
+    with pytest.raises(AssertionError, match="torchrun started"):  # what main_job.sh then runs
+        launch(["--nproc_per_node", "2", "examples/finetune_classifier.py", "--output_dir", "o", "--use_cpu", "true"])
+    assert os.environ.pop("ACCELERATE_USE_CPU") == "true"
+    monkeypatch.setattr(gpus, "accelerator_count", lambda: 2)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
+    gpus.main([])
+    assert capsys.readouterr().out == "2 gpu 2 ranks, one per visible GPU (cuda:0-cuda:1), NCCL\n"
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    gpus.main(["--cpu-ranks", "3"])
+    assert capsys.readouterr().out == "3 cpu 3 CPU ranks, gloo (ACCELERATE_USE_CPU asks for a CPU run)\n"
 
 
 def test_trainer_and_accelerator_refuse_more_ranks_than_gpus(one_gpu, monkeypatch: pytest.MonkeyPatch) -> None:

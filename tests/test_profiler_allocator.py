@@ -1,9 +1,12 @@
-"""Allocator statistics: fragmentation from known allocation patterns and a recorded CUDA snapshot."""
+"""Allocator statistics: fragmentation from known allocation patterns, a recorded CUDA snapshot and the counters
+of the first GPU run's profile."""
 
 from __future__ import annotations
 
 import ctypes
 import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,7 +89,8 @@ def test_cuda_fields_from_recorded_memory_stats() -> None:
     fields = cuda_fields(stats, rss=123)
     assert fields == {"rss": 123, "allocated": 3 * MiB, "reserved": 8 * MiB, "active": 4 * MiB,
                       "inactive_split": 1 * MiB, "reserved_unallocated": 5 * MiB, "num_alloc_retries": 2,
-                      "num_ooms": 0, "peak_allocated": 6 * MiB, "peak_reserved": 8 * MiB, "fragmentation": None}
+                      "num_ooms": 0, "peak_allocated": 6 * MiB, "peak_reserved": 8 * MiB,
+                      "fragmentation": 1 / 8}  # 1 MiB of free split blocks in 8 MiB reserved (issue 33 item 7)
 
 
 def test_heap_fragmentation_on_a_synthetic_pattern() -> None:
@@ -160,6 +164,7 @@ def test_cuda_probe_reads_stats_and_snapshot_for_its_device(monkeypatch: pytest.
     sample = probe.sample()
     assert seen == [torch.device("cuda", 1)]
     assert sample["device"] == "cuda:1" and sample["allocated"] == 5 and sample["reserved_unallocated"] == 4
+    assert sample["fragmentation"] == 0.0  # no inactive split block: the 4 free bytes are a whole free segment
     snapshot = probe.snapshot()
     assert snapshot is not None and snapshot["reserved"] == 2 * MiB and snapshot["fragmentation"] == 0.0
 
@@ -181,3 +186,32 @@ def test_peak_decomposition_parts_add_up() -> None:
     cuda = {"reserved": 100, "allocated": 70, "reserved_unallocated": 30}
     assert decompose({"param_full": 50}, cuda, {"param_full"})["remainder"] == 30
     assert decompose({}, cpu_fields(rss=None, info=None), set()) is None
+
+
+def test_cuda_fragmentation_from_the_counters_of_the_first_gpu_run() -> None:
+    """Issue 33 item 7: the first GPU run's profile (tests/data/cuda_profile, one H200) recorded CUDA counters
+    but ``fragmentation: null``. Its counters, fed back through ``cuda_fields`` in memory_stats' nested form,
+    give the figure every sample now carries; the reader fills the same figure into that old profile."""
+    from hfzero.profiler.fragmentation import split_fragmentation
+    from hfzero.profiler.reader import load_run
+
+    path = Path(__file__).parent / "data" / "cuda_profile"
+    raw = [json.loads(line) for line in (path / "rank-0.jsonl").read_text().splitlines()]
+    assert all(r["allocator"]["fragmentation"] is None for r in raw if "allocator" in r)  # as written
+    run = load_run(path)
+    samples = [r["allocator"] for r in run.ranks[0].records if "allocator" in r]
+    assert len(samples) == len([r for r in raw if "allocator" in r]) > 20
+    for sample in samples:
+        stats = {"allocated_bytes": _pools(sample["allocated"], sample["peak_allocated"]),
+                 "reserved_bytes": _pools(sample["reserved"], sample["peak_reserved"]),
+                 "active_bytes": _pools(sample["active"], sample["active"]),
+                 "inactive_split_bytes": _pools(sample["inactive_split"], sample["inactive_split"]),
+                 "num_alloc_retries": 0, "num_ooms": 0}
+        fields = cuda_fields(stats, rss=sample["rss"])
+        assert fields == {k: v for k, v in sample.items() if k != "device"}
+        assert fields["fragmentation"] == sample["inactive_split"] / sample["reserved"]
+    start = samples[0]  # 212 KiB allocated in one 2 MiB segment: most of it free, in one split block
+    assert start["fragmentation"] == pytest.approx(1880576 / 2097152)
+    later = [s["fragmentation"] for s in samples if s["reserved"] > 32 * MiB]  # from the first forward on
+    assert len(later) > 20 and max(later) < 0.05  # ~1.6 MiB split of 34-66 MiB reserved
+    assert split_fragmentation(0, 0) == 0.0 and split_fragmentation(None, 8) is None

@@ -175,6 +175,29 @@ def test_records_every_phase_with_exact_figures(tmp_path: Path) -> None:
     assert rank0["comm_elements_per_step"] == 2 * padded
 
 
+def test_a_snapshot_adds_its_figures_under_keys_of_their_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``cuda_snapshot=True`` the step record gains the snapshot's figures; its scatter ratio goes under
+    ``snapshot_fragmentation`` and ``fragmentation`` stays the counters' figure of every sample (one series, one
+    meaning). The snapshot is faked (a CPU run has none)."""
+    from hfzero.profiler.allocator import AllocatorProbe
+
+    snapshot = {"reserved": 8, "allocated": 3, "total_free": 5, "largest_free_block": 2, "reserved_unallocated": 5,
+                "fragmentation": 0.6, "segments": [{}, {}]}
+    monkeypatch.setattr(AllocatorProbe, "snapshot", lambda self: snapshot)
+    model, optimizer, engine = _setup()
+    with ZeroProfiler(model, optimizer, tmp_path / "run", cuda_snapshot=True):
+        _train(model, optimizer, engine, steps=2)
+    records = load_run(tmp_path / "run").ranks[0].records
+    ends = {r["step"]: r["allocator"] for r in records
+            if r["kind"] == "phase" and (r["phase"], r["edge"]) == ("step", "end")}
+    steps = [r for r in records if r["kind"] == "step"]
+    assert len(steps) == 2 and sum(r.get("event") == "cuda_snapshot" for r in records) == 2
+    for step in steps:
+        sample = step["allocator"]
+        assert sample["snapshot_fragmentation"] == 0.6 and sample["largest_free_block"] == 2 and sample["segments"] == 2
+        assert sample["fragmentation"] == ends[step["step"]]["fragmentation"]  # the heap's, as at the step's end
+
+
 def test_every_n_steps_and_gradient_accumulation(tmp_path: Path) -> None:
     model, optimizer, engine = _setup()
     with ZeroProfiler(model, optimizer, tmp_path / "run", every_n_steps=2):

@@ -1,10 +1,12 @@
 """The CPU side of the copy machinery (issue 19, items 4 and 5), one process, no spawn: exact-size pinned
 allocation and its unregistration, which offload buffers are flagged to be pinned, the host step's thread
-count, and the offload's gradient folds running on the fold thread as copies land, in push order.
+count, the offload's gradient folds running on the fold thread as copies land, in push order, and the
+offload's CUDA calls on a faked torch.cuda (every one with the rank's device index).
 The same paths on a GPU are in tests/test_streams_cuda.py."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -142,6 +144,98 @@ def test_a_failed_fold_is_raised_by_drain():
     offload.push(layout.buckets[0], torch.ones(layout.buckets[0].chunk))
     with pytest.raises(RuntimeError, match="copy failed"):
         offload.drain()
+
+
+# ---- offload on a CUDA device given without an index (faked: torch.cuda's calls recorded) --------------
+class _FakeCuda:
+    """What the offload's CUDA path calls of torch.cuda, recorded; copies stay synchronous CPU copies.
+    ``set_device`` refuses an index-less device, as torch's does."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, current: int) -> None:
+        self.calls: list[tuple[str, str, str]] = []  # (call, device, thread name)
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None, priority=0):
+                fake._call("Stream", device)
+                self.device = torch.device(device)
+
+            def wait_stream(self, other) -> None:
+                pass
+
+            def synchronize(self) -> None:
+                pass
+
+        class Event:
+            def record(self, stream=None) -> None:
+                pass
+
+            def synchronize(self) -> None:
+                pass
+
+            def query(self) -> bool:
+                return True
+
+        def set_device(device) -> None:
+            fake._call("set_device", device)
+            if torch.device(device).index is None:
+                raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(streams, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake._call("current_stream", device))
+        monkeypatch.setattr(torch.cuda, "set_device", set_device)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+        monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
+        monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: current)
+        monkeypatch.setattr(streams, "_register", lambda address, nbytes: None)
+        monkeypatch.setattr(streams, "_unregister", lambda address: None)
+
+    def _call(self, name: str, device) -> "_FakeCuda":
+        self.calls.append((name, str(device), threading.current_thread().name))
+        return self  # as the compute stream: waits on it are device-side, nothing to do here
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+def test_offload_on_cuda_without_an_index_sets_the_ranks_device_on_the_fold_thread(monkeypatch):
+    """Issue 33 item 4: ``HostOffload(layout, torch.device("cuda"), ...)`` made its fold thread call
+    ``torch.cuda.set_device(torch.device("cuda"))`` (ValueError: the pool broke, the first push raised). The device
+    is resolved once to the current one, cuda:1 here, and every stream, current-stream query and set_device
+    gets it: on the fold thread too, whose own current device would be 0. See [Note: device index]."""
+    fake = _FakeCuda(monkeypatch, current=1)
+    layout = _layout([4, 4], 4)
+    offload = HostOffload(layout, torch.device("cuda"), torch.bfloat16, accumulate=True)
+    for value in (1.0, 2.0):
+        for bucket in layout.buckets:  # the old code: BrokenThreadPool here (its initializer's ValueError)
+            offload.order_after(offload.push(bucket, torch.full((bucket.chunk,), value, dtype=torch.bfloat16)))
+    offload.drain()
+    assert offload.device == torch.device("cuda", 1) and offload.copies.device == torch.device("cuda", 1)
+    assert offload.pinned and offload.pinned_bytes() > 0
+    assert offload.fold_order == [0, 1, 0, 1]
+    assert all(offload.gradient(b).tolist() == [3.0] * b.chunk for b in layout.buckets)
+    assert {device for _, device, _ in fake.calls} == {"cuda:1"}
+    folds = [thread for call, _, thread in fake.calls if call == "set_device"]
+    assert len(folds) == 1 and folds[0].startswith("hfzero-offload-fold")
+    assert [call for call, _, _ in fake.calls].count("Stream") == 1
+
+
+def test_devices_kept_for_later_carry_their_index(monkeypatch):
+    """The communicator's scratch device, its timer and the profiler's allocator probe, given "cuda"."""
+    from hfzero.comm.collectives import Communicator
+    from hfzero.comm.timing import DeviceTimer
+    from hfzero.profiler.allocator import AllocatorProbe
+
+    _FakeCuda(monkeypatch, current=3)
+    assert Communicator(device=torch.device("cuda")).device == torch.device("cuda", 3)
+    assert DeviceTimer("cuda").device == torch.device("cuda", 3)
+    probe = AllocatorProbe(torch.device("cuda"))
+    assert probe.device == torch.device("cuda", 3)
+    probe.close()
 
 
 # ---- P_a+cpu checkpoints: copies beside compute, the next one prefetched -------------------------

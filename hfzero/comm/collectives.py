@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from hfzero.comm import gloo_exit, topology
-from hfzero.devices import collective_device
+from hfzero.devices import collective_device, with_index
 from hfzero.logging import get_logger
 from hfzero.comm.timing import DeviceTimer, Mark
 
@@ -191,9 +191,10 @@ class Communicator:
         self.reduce_scatter_via_all_reduce = via_ar
         self.all_gather_impl = _ALL_GATHER_IMPL.get(self.backend.split(":")[0], "all_gather")
         """How a gather runs: "all_gather", or one in-place broadcast per rank (gloo): see ``_ALL_GATHER_IMPL``."""
-        self.device = device if device is not None else (
+        self.device = with_index(device) if device is not None else (
             _default_device(group) if self.distributed else torch.device("cpu"))
-        """Where scratch tensors for metadata collectives live (NCCL needs them on the GPU)."""
+        """Where scratch tensors for metadata collectives live, with its index: the GPU under NCCL, the CPU under
+        gloo (See [Note: collective device] and [Note: device index] in hfzero/devices.py)."""
         self._stats: dict[str, CommStats] = {}
         on_stream = self.device.type == "cuda" and self.backend.split(":")[0] != "gloo"  # gloo waits block
         self.timer = DeviceTimer(self.device if on_stream else "cpu")

@@ -23,6 +23,8 @@ from typing import Union
 
 import torch
 
+from hfzero.devices import with_index
+
 Mark = Union[float, "torch.cuda.Event", None]
 """A point in time: a wall-clock reading (CPU), a recorded CUDA event, or None (not taken: capture)."""
 
@@ -31,7 +33,7 @@ class DeviceTimer:
     """Marks and intervals on ``device``; holds two events per pending interval until it is settled."""
 
     def __init__(self, device: torch.device | str):
-        self.device = torch.device(device)
+        self.device = with_index(device)  # See [Note: device index] in hfzero/devices.py
         self.kind = "cuda_event" if self.device.type == "cuda" else "wall"
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event, Callable[[float], None]]] = []
         self._last: torch.cuda.Event | None = None

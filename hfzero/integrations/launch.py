@@ -336,10 +336,12 @@ def launch(argv: Sequence[str]) -> int:
     os.environ.update(launch_plan.env)  # the environment's HFZERO_* with the flags applied over them
     for name, value in RESTART_ENV.items():  # see [Note: restarts]; a user's own setting wins
         os.environ.setdefault(name, value)
-    if accelerator_count() == 0:
+    if accelerator_count() == 0 or _cpu_run(launch_plan.torchrun_args):
         # transformers/accelerate treat a torchrun worker on a host without an accelerator as a
         # single process unless told it is a CPU run: each rank would train alone on all the data.
-        # With ACCELERATE_USE_CPU they form a gloo data-parallel group.
+        # With ACCELERATE_USE_CPU they form a gloo data-parallel group. A CPU run on a host with GPUs
+        # (the script's --use_cpu) needs it too: the accelerator the Trainer builds reads no --use_cpu,
+        # and would refuse more ranks than GPUs (integrations/gpus.py).
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     if launch_plan.zero_options:
         logger.info("hfzero run: %s", " ".join(f"--zero_{k} {v}" for k, v in launch_plan.zero_options.items()))
@@ -381,8 +383,12 @@ def _check_devices(args: argparse.Namespace) -> None:
 
     nproc = str(args.nproc_per_node)
     if nproc.isdigit():
-        cpu = cpu_requested() or _flag_true(list(args.training_script_args), "--use_cpu")
-        check_ranks_fit_devices(int(nproc), what="hfzero run", cpu=cpu)
+        check_ranks_fit_devices(int(nproc), what="hfzero run", cpu=cpu_requested() or _cpu_run(args))
+
+
+def _cpu_run(args: argparse.Namespace) -> bool:
+    """The script is told to train on the CPU (``--use_cpu``, ``--use_cpu true``, ``--use_cpu=true``)."""
+    return _flag_true(list(args.training_script_args), "--use_cpu")
 
 
 def _flag_true(script_args: list[str], flag: str) -> bool:

@@ -12,9 +12,11 @@ STYLE.md, "side effects in observers"). Two costs:
   runs only when the profiler was asked for it, at most once per step. CPU has no equivalent: it
   returns None there.
 
-Fragmentation is computed by pure functions so it can be tested on recorded data:
-``cuda_snapshot_summary`` (1 - largest free block / total free, over the caching allocator's
-segments) and ``heap_fragmentation`` (free-but-held fraction of the malloc heap, fordblks / arena).
+Fragmentation is computed by pure functions so it can be tested on recorded data: at every sample,
+``split_fragmentation`` on CUDA (free blocks inside segments in use / reserved, from the counters) and
+``heap_fragmentation`` on CPU (free-but-held fraction of the malloc heap, fordblks / arena), both in
+profiler/fragmentation.py; with a snapshot, ``cuda_snapshot_summary`` (1 - largest free block / total free,
+over the caching allocator's segments).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from typing import Any
 
 import torch
 
+from hfzero.devices import with_index
 from hfzero.logging import get_logger
+from hfzero.profiler.fragmentation import heap_fragmentation, split_fragmentation
 
 logger = get_logger(__name__)
 
@@ -58,11 +62,6 @@ class _MallInfo2(ctypes.Structure):
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def heap_fragmentation(arena: int, fordblks: int) -> float | None:
-    """Free-but-held fraction of the malloc heap: ``fordblks / arena``; None for an empty heap."""
-    return fordblks / arena if arena > 0 else None
-
-
 def cpu_fields(rss: int | None, info: MallInfo | None, rss_peak: int | None = None) -> AllocatorSample:
     """The allocator record of a CPU rank from its RSS and mallinfo2 figures (None where unavailable).
 
@@ -87,7 +86,8 @@ def cpu_fields(rss: int | None, info: MallInfo | None, rss_peak: int | None = No
 
 
 def cuda_fields(stats: Mapping[str, Any], rss: int | None) -> AllocatorSample:
-    """The allocator record of a CUDA rank from ``torch.cuda.memory_stats_as_nested_dict()``.
+    """The allocator record of a CUDA rank from ``torch.cuda.memory_stats_as_nested_dict()``; ``fragmentation``
+    is ``split_fragmentation`` (inactive split bytes / reserved bytes).
 
     (The nested form is what ``torch.cuda.memory_stats()`` flattens into "allocated_bytes.all.current"
     keys; reading it directly skips that flattening of ~150 entries at every phase boundary.)
@@ -107,7 +107,7 @@ def cuda_fields(stats: Mapping[str, Any], rss: int | None) -> AllocatorSample:
         "num_ooms": int(stats.get("num_ooms", 0)),
         "peak_allocated": all_pools("allocated_bytes", "peak"),
         "peak_reserved": all_pools("reserved_bytes", "peak"),
-        "fragmentation": None,
+        "fragmentation": split_fragmentation(all_pools("inactive_split_bytes"), reserved),
     }
 
 
@@ -153,7 +153,7 @@ class AllocatorProbe:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
+        self.device = with_index(device)  # See [Note: device index] in hfzero/devices.py
         self._is_cuda = device.type == "cuda"
         self._page_size = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
         self._mallinfo2 = _load_mallinfo2() if not self._is_cuda else None
@@ -187,12 +187,11 @@ class AllocatorProbe:
         """Fragmentation from a full CUDA allocator snapshot (expensive); None on other devices."""
         if not self._is_cuda:
             return None
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         try:  # include_traces (torch >= 2.9) skips the stack traces we do not record
             segments = torch.cuda.memory_snapshot(include_traces=False)
         except TypeError:
             segments = torch.cuda.memory_snapshot()
-        return cuda_snapshot_summary(segments, index)
+        return cuda_snapshot_summary(segments, self.device.index)
 
     def _rss(self) -> int | None:
         if self._statm is not None:

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from hfzero.profiler.fragmentation import split_fragmentation
 from hfzero.profiler.stages import pp_rank_of, stage_table
 from hfzero.profiler.format import (
     COMM_FIELDS,
@@ -285,7 +286,18 @@ def _parse_record(path: Path, number: int, raw: bytes) -> Record:
     problem = _record_problem(record)
     if problem:
         raise ProfileFormatError(path, f"a record's {problem}", number)
+    _fill_cuda_fragmentation(record.get("allocator"))
     return record
+
+
+def _fill_cuda_fragmentation(sample: dict[str, Any] | None) -> None:
+    """A CUDA sample written before issue 33 has ``fragmentation`` null although it carries the two counters
+    the figure is made of: fill it from them, as the profiler now records it (profiler/fragmentation.py)."""
+    if not sample or sample.get("fragmentation") is not None or not str(sample.get("device", "")).startswith("cuda"):
+        return
+    inactive, reserved = sample.get("inactive_split"), sample.get("reserved")
+    if _is_number(inactive) and _is_number(reserved):
+        sample["fragmentation"] = split_fragmentation(inactive, reserved)
 
 
 def _record_problem(record: Record) -> str | None:

@@ -98,8 +98,11 @@ def _costed(hook: _Hook) -> _Hook:
     return eager_hook(timed)  # type: ignore[return-value]
 
 
-_SNAPSHOT_FIELDS = ("total_free", "largest_free_block", "reserved_unallocated", "fragmentation")
-"""Snapshot figures copied into the step record's allocator sample."""
+_SNAPSHOT_FIELDS = {"total_free": "total_free", "largest_free_block": "largest_free_block",
+                    "reserved_unallocated": "reserved_unallocated", "fragmentation": "snapshot_fragmentation"}
+"""Snapshot figures copied into the step record's allocator sample: {snapshot key: sample key}. The snapshot's
+fragmentation (1 - largest free block / total free) keeps a key of its own: ``fragmentation`` is the counters'
+figure in every sample (profiler/fragmentation.py), so one series never mixes the two."""
 
 
 class ZeroProfiler:
@@ -122,8 +125,9 @@ class ZeroProfiler:
             whole HF model; the stage modules are what runs).
         run_dir: the directory to write; created if missing; files of an earlier run are replaced.
         every_n_steps: record steps 0, n, 2n, ... only.
-        cuda_snapshot: on CUDA, take one allocator snapshot per recorded step (at its end) for
-            fragmentation figures. Expensive; off by default.
+        cuda_snapshot: on CUDA, take one allocator snapshot per recorded step (at its end) for the
+            largest free block and the free memory's scatter (``snapshot_fragmentation``); every sample
+            carries the counters' ``fragmentation`` without it. Expensive; off by default.
         activations: measure the bytes saved for backward (role ``activations``) with saved-tensor
             hooks (see [Note: activation accounting]); hfzero's checkpoint function, when the model
             uses it, reports ``act_checkpoint``. Costs one Python call per saved tensor.
@@ -418,7 +422,8 @@ class ZeroProfiler:
         if self.cuda_snapshot:
             snapshot = self.probe.snapshot()
             if snapshot is not None:
-                allocator.update({key: snapshot[key] for key in _SNAPSHOT_FIELDS}, segments=len(snapshot["segments"]))
+                allocator.update({to: snapshot[key] for key, to in _SNAPSHOT_FIELDS.items()},
+                                 segments=len(snapshot["segments"]))
                 self._emit(self._record("event", event=EVENT_CUDA_SNAPSHOT, snapshot=snapshot))
         extra = {}
         if self.pipeline is not None:

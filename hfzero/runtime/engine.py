@@ -70,7 +70,7 @@ from hfzero.runtime.layout import FlatLayout, Partition
 from hfzero.runtime.offload import HostOffload, offload_active
 from hfzero.runtime.precision import LossScaler, PrecisionPolicy
 from hfzero.runtime.reducer import GradientReducer, GradState
-from hfzero.runtime.tensors import is_replicated_over_tp, local_tensor
+from hfzero.runtime.tensors import is_replicated_over_tp, local_tensor, scale_
 
 logger = get_logger(__name__)
 
@@ -430,7 +430,8 @@ class ZeroEngine:
             self.replicate.all_reduce(self.reducer.grad_shard)
             return
         grads = [self.reducer.owned_grad(b) for b in self.layout.buckets]
-        if any(g.device != self.replicate.device for g in grads):
+        # on the model's device (which the group serves: gloo moves it itself) or on the scratch device: in place
+        if any(g.device not in (self.device, self.replicate.device) for g in grads):
             self._reduce_host_shard_over_replicas(grads)
             return
         handles = [self.replicate.all_reduce(g, async_op=True) for g in grads]
@@ -441,8 +442,8 @@ class ZeroEngine:
         """HSDP with the optimizer offloaded from an accelerator: the gradient sums live on the host (fp32), where
         the replicate group's backend (NCCL) cannot reduce them; each bucket's slice is copied to the device,
         all-reduced there and copied back, one at a time (a transient device buffer of one bucket's slice, fp32;
-        a communication buffer, not a model state). On a CPU device the sums are on the collective device already
-        and are reduced in place by the caller."""
+        a communication buffer, not a model state). On a CPU device, or under gloo (whose scratch device is the
+        CPU: See [Note: collective device] in hfzero/devices.py), the caller reduces the sums in place."""
         for grad in grads:
             staged = grad.to(self.replicate.device)  # (bucket chunk,) fp32
             self.replicate.all_reduce(staged)
@@ -566,9 +567,7 @@ class ZeroEngine:
             if outer is not None:
                 outer.all_reduce(total)
             total = total[0].pow(1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.device, g.dtype))
+        scale_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
     def _counted_grads(self) -> list[torch.Tensor]:

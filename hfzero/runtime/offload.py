@@ -67,6 +67,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from hfzero.devices import with_index
 from hfzero.logging import get_logger
 from hfzero.runtime.layout import Bucket, FlatLayout
 from hfzero.runtime.streams import Event, SideStream, pinned_empty, pinned_nbytes, wait_host
@@ -120,12 +121,13 @@ class HostOffload:
                  master_dtype: torch.dtype = torch.float32):
         """``accumulate``: True at stages 2-3 (host ADDs each reduction), False at stages 0-1 (REPLACE)."""
         self.layout = layout
-        self.device = device
-        self.pinned = device.type == "cuda"
+        self.device = with_index(device)
+        """The rank's device with its index (the fold thread sets it): See [Note: device index] in hfzero/devices.py."""
+        self.pinned = self.device.type == "cuda"
         """Whether buffers flagged in ``pin_plan`` are page-locked (CUDA devices)."""
         self.accumulate = accumulate
         self.pin_plan = {"staging": True, "master": master_dtype == param_dtype, "grad": False, "states": False}
-        self.copies = SideStream(device)
+        self.copies = SideStream(self.device)
         self.copy_stream = self.copies.stream
         self._pinned_bytes = 0
         self.grad = torch.empty(layout.shard_numel, dtype=torch.float32)
@@ -178,7 +180,9 @@ class HostOffload:
         return done
 
     def _fold_thread_device(self) -> None:
-        if self.device.type == "cuda":  # the events it waits for are this rank's device's
+        """The fold thread's initializer: make the rank's device current there (a new thread's is device 0), so
+        that waiting for its events touches no other device. ``self.device`` has an index: set_device needs one."""
+        if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
     def _fold(self, bucket: Bucket, done: Event | None) -> None:

@@ -1,6 +1,7 @@
 """The engine side of ``hfzero.prepare``: check the arguments, place and cast the model, read pending weights, build
-the communicators on the model's device, the engine and the sharded optimizer over the groups it is given
-(``EngineGroups``: resolved by ``hfzero.prepare`` in parallel/data_parallel.py, which builds meshes; nothing here does)."""
+the communicators (their scratch on the model's device, or on the CPU under gloo), the engine and the sharded
+optimizer over the groups it is given (``EngineGroups``: resolved by ``hfzero.prepare`` in
+parallel/data_parallel.py, which builds meshes; nothing here does)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from hfzero.comm.collectives import Communicator
 from hfzero.comm.hierarchy import node_comm, world_groups
 from hfzero.comm.quantized import build_quantized_reduce
 from hfzero.config import STAGE_AUTO, ConfigError, ZeroConfig
-from hfzero.devices import collective_device
+from hfzero.devices import backend_map, collective_device, scratch_device, with_index
 from hfzero.logging import get_logger
 from hfzero.runtime.activations.checkpoint import CheckpointPolicy, enable_checkpointing
 from hfzero.runtime.activations.tiled_mlp import enable_tiled_mlp, mlp_tiles_of
@@ -86,7 +87,8 @@ def prepare_engine(model: nn.Module, optimizer: torch.optim.Optimizer, config: Z
     params = _optimizer_groups(model, optimizer)
     # a model with nothing to train (a frozen reference model, stage 3): placed by its frozen parameters
     placed = params if any(params) or config.stage != 3 else [[p for p in model.parameters() if not p.requires_grad]]
-    device = _single_device(placed) if weights is None else _meta_device(placed, weights.device)
+    # See [Note: device index] in hfzero/devices.py: ``weights.device`` may be "cuda" without an index
+    device = with_index(_single_device(placed) if weights is None else _meta_device(placed, weights.device))
     check_placement(device, process_group)  # before any collective: a clear error, not an NCCL one
     if config.mixed_precision:
         model.to(config.torch_dtype)
@@ -97,7 +99,9 @@ def prepare_engine(model: nn.Module, optimizer: torch.optim.Optimizer, config: Z
         # glibc's own trim of the heap's top stays unless the growth-triggered trim replaces it.
         by_growth = config.host_trim and config.host_trim_slack > 0
         configure_host_allocator(config.host_mmap_threshold, top_trim=not by_growth)  # See [Note: host allocator]
-    comm = Communicator(process_group, config.reduce_scatter_impl, device=device, ranks_per_node=config.ranks_per_node)
+    # scratch on the CPU under gloo, on the model's device under NCCL: See [Note: collective device] in devices.py
+    scratch = scratch_device(device, backend_map(process_group))
+    comm = Communicator(process_group, config.reduce_scatter_impl, device=scratch, ranks_per_node=config.ranks_per_node)
     replicate = comm.on_group(groups.replicate) if groups.replicate is not None else None  # counted with comm's
     _check_ranks_agree(comm, config, model, optimizer, params)
     groups_kw = {"average_over": groups.average_over}
@@ -124,7 +128,7 @@ def prepare_engine(model: nn.Module, optimizer: torch.optim.Optimizer, config: Z
     else:
         engine = ZeroEngine(model, params, config, comm, device, bucket_units=units, replicate=replicate, **groups_kw)
     if groups.tensor is not None:
-        engine.norm_group = Communicator(groups.tensor, device=device)
+        engine.norm_group = Communicator(groups.tensor, device=scratch_device(device, backend_map(groups.tensor)))
     if config.mlp_tiles > 1 and mlp_tiles_of(model) == 1:  # See [Note: tiled MLP]
         enable_tiled_mlp(model, config.mlp_tiles)
     if hasattr(model, "_set_gradient_checkpointing"):

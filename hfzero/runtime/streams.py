@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from hfzero.devices import with_index
 from hfzero.logging import get_logger
 
 logger = get_logger(__name__)
@@ -44,8 +45,8 @@ class SideStream:
     """
 
     def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self.device = with_index(device)  # the compute stream is this device's on every thread: [Note: device index]
+        self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
 
     @property
     def asynchronous(self) -> bool:

@@ -1,9 +1,9 @@
-"""Walking nested module outputs (tensors inside tuples, lists and dicts such as ModelOutput), and the
-local tensor of a DTensor parameter (tensor parallelism)."""
+"""Walking nested module outputs (tensors inside tuples, lists and dicts such as ModelOutput), the local
+tensor of a DTensor parameter (tensor parallelism), and scaling tensors by a coefficient wherever it lives."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -40,3 +40,16 @@ def is_replicated_over_tp(param: torch.Tensor) -> bool:
     if isinstance(param, DTensor):
         return all(p.is_replicate() for p in param.placements)
     return True
+
+
+def scale_(tensors: Iterable[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply each of ``tensors`` in place by the 0-dim ``coef`` (a clip coefficient) with no copy per tensor.
+
+    A coefficient on the CPU (the scratch device under gloo: See [Note: collective device] in hfzero/devices.py)
+    scales tensors on any device as a kernel argument: no copy, no host synchronization. One on an accelerator
+    is moved once to the tensors' device when they are elsewhere (the host, with the optimizer offloaded).
+    """
+    for tensor in tensors:
+        if coef.device.type != "cpu" and coef.device != tensor.device:
+            coef = coef.to(tensor.device)
+        tensor.mul_(coef.to(dtype=tensor.dtype))

@@ -56,6 +56,7 @@ from hfzero.parallel.pipeline.timeline import StageClock
 from hfzero.runtime.optimizer import _rebuild
 from hfzero.runtime.pending import find_pending
 from hfzero.runtime.pending import release as release_pending
+from hfzero.runtime.tensors import scale_
 
 logger = get_logger(__name__)
 
@@ -503,9 +504,7 @@ class Pipeline:
             self.pp_comm.all_reduce(total)
             norm = total[0].pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for m in engine.master_views:
-            if m.grad is not None:
-                m.grad.mul_(coef.to(m.grad.device, m.grad.dtype))
+        scale_([m.grad for m in engine.master_views if m.grad is not None], coef)
         return norm
 
 

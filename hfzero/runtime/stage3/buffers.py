@@ -46,7 +46,11 @@ class GatherBufferPool:
         self._idle: dict[int, list[torch.UntypedStorage]] = {}
         self._lent = 0
         self.allocations = 0
-        """Buffers allocated since construction (steady state: constant; a test reads it)."""
+        """Buffers allocated since construction (steady state: constant)."""
+        self.served = 0
+        """Gathers given memory by the pool since construction, from an idle buffer or a new one. With
+        ``allocations``, the counters the GPU check reads (``hfzero.testing.fake_world.pool_counters``):
+        from the second step every gather is served, and after it (the first that prefetches) none allocates."""
 
     def borrow(self, nbytes: int) -> torch.UntypedStorage:
         """A storage of exactly ``nbytes`` bytes, idle or newly allocated (its content is undefined)."""
@@ -57,6 +61,7 @@ class GatherBufferPool:
             storage = torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
             self.allocations += 1
         self._lent += nbytes
+        self.served += 1
         return storage
 
     def give_back(self, storage: torch.UntypedStorage) -> None:

@@ -2,6 +2,7 @@
 
 Imports ``hfzero.testing.gpu_check.<NAME>``, calls its ``run(options, checks)`` and writes the outcome as
 JSON to RESULT: status ("pass", "fail" or "skip"), figures, checks and the error text of an exception.
+Each check is also appended to ``<out>/results.jsonl`` as the section records it (common.Checks).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hfzero.testing.gpu_check.common import Checks, Options, SectionSkip
 
 def main(argv: list[str]) -> int:
     name, options, result_path = argv[0], Options.from_json(argv[1]), argv[2]
-    checks = Checks()
+    checks = Checks(options.out, name)
     outcome: dict = {"figures": {}, "error": None}
     try:
         module = importlib.import_module(f"hfzero.testing.gpu_check.{name}")
@@ -28,6 +29,7 @@ def main(argv: list[str]) -> int:
         outcome.update(status="skip", error=str(skip))
     except BaseException:  # noqa: BLE001 - the runner reports it; other sections go on
         outcome.update(status="fail", error=traceback.format_exc()[-4000:])
+        print(outcome["error"], file=sys.stderr, flush=True)  # into logs.txt too
     outcome["checks"] = checks.items
     with open(result_path, "w", encoding="utf-8") as f:
         json.dump(outcome, f, default=str)

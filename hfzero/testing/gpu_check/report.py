@@ -1,4 +1,5 @@
-"""Writers of the check's outcome: ``gpu_check.json`` (everything) and ``gpu_check.md`` (a summary)."""
+"""Writers of the check's outcome: ``gpu_check.json`` (everything) and ``gpu_check.md`` (a summary), rewritten
+by the runner after every section."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from hfzero.testing.gpu_check.common import SECTIONS, Options
-from hfzero.testing.gpu_check.runner import SectionResult
+from hfzero.testing.gpu_check.common import SECTIONS, Options, SectionResult
 
 
 def environment() -> dict[str, Any]:
@@ -60,5 +60,5 @@ def write_markdown(path: Path, options: Options, results: list[SectionResult], e
         summary = r.figures.get("summary")
         if summary:
             lines += ["", "```", json.dumps(summary, indent=1, default=str)[:4000], "```"]
-    lines += ["", "Full figures: gpu_check.json; section logs: logs/."]
+    lines += ["", "Full figures: gpu_check.json; every check as it was recorded: results.jsonl; output: logs.txt."]
     path.write_text("\n".join(lines) + "\n")

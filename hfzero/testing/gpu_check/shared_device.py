@@ -3,8 +3,13 @@ CUDA tensors for the data-parallel collectives).
 
 - parity: stages 1-3 (fp32, one and two micro-batches) against the float64 run of matrix.py's plain AdamW
   loop, within its derived rounding bounds;
-- host syncs (CUDA): ``torch.cuda.set_sync_debug_mode("warn")`` over steady-state steps, warnings counted
-  here; stage 1 with 2 and 4 micro-batches per step (no_sync): more micro-batches must add no sync;
+- host syncs by owner (hfzero/testing/host_syncs.py): stages 1-3 with 1 and 4 micro-batches per step
+  (--quick: stage 3 with 1 and 2; no_sync), each synchronization charged to the Python frame that made it ([Note: host-sync
+  attribution]); on CUDA torch's own reports under ``torch.cuda.set_sync_debug_mode("warn")`` decide, on
+  CPU the census (the proxy). hfzero's own: at most one per step, none in the micro-batches before the
+  last, none added by more micro-batches; a planted ``.item()`` must be counted once per step and charged
+  to its caller (the counting is not blind). The model's (transformers' masking_utils, once per forward
+  without a mask), the loop's and gloo's C++ threads' (stderr lines) are reported, not charged;
 - prefetch trace: stage 3 with a prefetch budget below one decoder block (the next unit is prefetched
   whatever its size: units - 1 gathers ahead per pass, forward and backward, once the first step has
   recorded the order) and one of four blocks (prefetch happens), the same gathers per step;
@@ -14,9 +19,7 @@ CUDA tensors for the data-parallel collectives).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import warnings
 from typing import Any
 
 import torch
@@ -25,13 +28,20 @@ import hfzero
 from hfzero.testing import run_distributed
 from hfzero.testing.gpu_check.common import Checks, Options
 from hfzero.testing.gpu_check.matrix import Case, compare, reference64, train
+from hfzero.testing.host_syncs import budget, measure_cases
 from hfzero.testing.models import micro_batches, tiny_causal_lm, token_batches
 from hfzero.testing.offload import OffloadCase, train_case
-from hfzero.testing.workloads import param_groups
 
 SIZE = {"hidden": 32, "layers": 4, "vocab": 128}
 STEPS, BATCH, SEQ = 3, 8, 16
 PARITY = [Case(stage, "fp32", False, acc) for stage in (1, 2, 3) for acc in (1, 2)]
+SYNC_STEPS = 2
+
+
+def sync_cases(quick: bool) -> list[tuple[int, int]]:
+    """(stage, micro-batches per step) of the host-sync count: 1 and 4 (--quick: 2) micro-batches, so a
+    per-micro-batch sync shows as a difference."""
+    return [(stage, acc) for stage in ((3,) if quick else (1, 2, 3)) for acc in ((1, 2) if quick else (1, 4))]
 
 
 def _device(device: str) -> str:
@@ -41,15 +51,16 @@ def _device(device: str) -> str:
     return device
 
 
-def parity_rank(rank: int, world: int, device: str, with_extras: bool, todo: list[Case]) -> dict[str, Any]:
+def parity_rank(rank: int, world: int, device: str, with_extras: bool, todo: list[Case],
+                syncs: list[tuple[int, int]]) -> dict[str, Any]:
     device = _device(device)
     out: dict[str, Any] = {}
     for case in todo:
         out[case.name] = train(case, SIZE, device, STEPS, BATCH, SEQ, rank, world)
     if with_extras:
         out["trace"] = {budget: trace(rank, world, device, budget) for budget in ("below_block", "four_blocks")}
-        if device.startswith("cuda"):
-            out["syncs"] = {micro: count_syncs(rank, world, device, micro) for micro in (2, 4)}
+        out["syncs"] = measure_cases(rank, world, syncs, SYNC_STEPS, 1, device,
+                                     {"model_kind": "gpt2", "model_size": SIZE})
     return out
 
 
@@ -80,52 +91,50 @@ def trace(rank: int, world: int, device: str, budget: str) -> dict[str, Any]:
     return {"block_numel": block, "budget_numel": numel, "units": len(engine.units), "steps": steps}
 
 
-def count_syncs(rank: int, world: int, device: str, micro: int) -> list[int]:
-    """Host syncs per steady-state step (after one warm-up step): stage 1 fp32, ``micro`` micro-batches."""
-    model = tiny_causal_lm("gpt2", **SIZE).to(device)
-    model, optimizer = hfzero.prepare(model, torch.optim.AdamW(param_groups(model), lr=1e-3),
-                                      hfzero.ZeroConfig(stage=1))
-    per_step = []
-    batches = [t.to(device) for t in token_batches(3, BATCH * micro // 2, SEQ, vocab=SIZE["vocab"])]
-    for step, tokens in enumerate(batches):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if step > 0:
-                torch.cuda.set_sync_debug_mode("warn")
-            try:
-                parts = micro_batches(tokens, rank, world, micro)
-                for index, mb in enumerate(parts):
-                    deferred = optimizer.no_sync() if index < micro - 1 else contextlib.nullcontext()
-                    with deferred:
-                        optimizer.backward(model(input_ids=mb, labels=mb).loss / micro)
-                optimizer.clip_grad_norm_(1.0)
-                optimizer.step()
-                optimizer.zero_grad()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        if step > 0:
-            per_step.append(sum(1 for w in caught if "synchroniz" in str(w.message)))
-    return per_step
-
-
 def sanitized_offload(rank: int, world: int) -> dict[str, Any]:
     torch.cuda.set_device(0)
     result = train_case(rank, world, OffloadCase(2, accumulation=2, offload=True), "cuda:0")
     return {"losses": result["losses"], "offloaded": result["offloaded"], "copy_stream": result["copy_stream"]}
 
 
+def _sync_checks(checks: Checks, cases: list[tuple[int, int]], outs: list[dict[str, Any]], cuda: bool) -> dict:
+    """The host-sync verdicts of every rank (torch's reports on CUDA, the census on CPU) and their figures."""
+    counted = "cuda" if cuda else "proxy"
+    figures: dict[str, Any] = {}
+    for index, (stage, acc) in enumerate(cases):
+        results = [o["syncs"][index] for o in outs]
+        verdicts = [budget(r[counted], SYNC_STEPS) for r in results]
+        checks.add(f"host syncs, stage {stage}, {acc} micro-batch(es): hfzero's <= 1 per step, none before the "
+                   "last micro-batch, the planted probe charged to its caller",
+                   all(ok for ok, _ in verdicts), next((d for ok, d in verdicts if not ok), verdicts[0][1]))
+        row = {"by_owner_per_step": results[0][counted]["per_step_by_owner"],
+               "hfzero_per_step": [r[counted]["hfzero_per_step"] for r in results],
+               "proxy_hfzero_per_step": [r["proxy"]["hfzero_per_step"] for r in results]}
+        if cuda:
+            row["cpp_thread_lines_per_step"] = [r["cuda"]["cpp_thread_lines_per_step"] for r in results]
+        figures[f"stage{stage}-acc{acc}"] = checks.figure(f"host syncs stage {stage} acc {acc}", row)
+    for stage in sorted({s for s, _ in cases}):
+        per = {acc: figures[f"stage{stage}-acc{acc}"]["hfzero_per_step"] for s, acc in cases if s == stage}
+        most = max(per)
+        checks.add(f"host syncs, stage {stage}: {most} micro-batches add none of hfzero's over 1", per[most] == per[1],
+                   per)
+    return figures
+
+
 def run(options: Options, checks: Checks) -> dict[str, Any]:
     cuda = options.device == "cuda"
     worlds = (2,) if options.quick else (2, 4)
     todo = [c for c in PARITY if c.accumulation == 2] if options.quick else PARITY
-    figures: dict[str, Any] = {"not_run": [] if cuda else ["host syncs (needs CUDA)", "CUDA sanitizer (needs CUDA)"]}
+    syncs = sync_cases(options.quick)
+    figures: dict[str, Any] = {"not_run": [] if cuda else ["CUDA sanitizer (needs CUDA)"]}
     ref64 = reference64(SIZE, _device(options.device), STEPS, BATCH, SEQ)  # here: spawned ranks return plain data
     for world in worlds:
+        cases = todo if world == 2 else [c for c in todo if c.accumulation == 2]
         outs = checks.run(f"world {world}: ranks ran", run_distributed, parity_rank, world, options.device,
-                          world == 2, todo, timeout=600)
+                          world == 2, cases, syncs, timeout=900 if options.quick else 600)
         if outs is None:
             continue
-        for case in todo:
+        for case in cases:
             ok, detail = compare(case, outs[0][case.name], {}, ref64)  # fp32 cases: the float64 bounds only
             same = all(o[case.name]["losses"] == outs[0][case.name]["losses"] for o in outs)
             checks.add(f"world {world} {case.name} matches plain AdamW", ok and same, detail)
@@ -141,11 +150,7 @@ def run(options: Options, checks: Checks) -> dict[str, Any]:
                    [s["gathers"] for s in below["steps"][1:]] == [s["gathers"] for s in ahead["steps"][1:]]
                    and [s["all_gather_calls"] for s in below["steps"][1:]] == [s["all_gather_calls"] for s in ahead["steps"][1:]],
                    {"below": below["steps"], "ahead": ahead["steps"]})
-        if cuda:
-            syncs = {micro: [o["syncs"][micro] for o in outs] for micro in (2, 4)}
-            figures["host_syncs_per_step"] = syncs
-            checks.add("host syncs: 4 micro-batches per step add none over 2 (none per micro-batch)",
-                       all(a == b for r2, r4 in zip(syncs[2], syncs[4]) for a, b in zip(r2, r4)), syncs)
+        figures["host_syncs"] = _sync_checks(checks, syncs, outs, cuda)
     if cuda:
         os.environ["TORCH_CUDA_SANITIZER"] = "1"  # read by torch at import in the spawned ranks
         try:
