@@ -5,8 +5,9 @@ rank's fp32 master slices: it holds the optimizer states for the shard only (OPT
 object's ``param_groups`` list the model's parameters and are live: their hyper-parameters (a
 scheduler's learning rate, say) are copied to the inner optimizer before every step. Where the inner
 optimizer steps on the host (a CPU engine, or the optimizer offloaded) it uses torch's fused CPU kernel
-where the class has one, else foreach (runtime/host_step.py); with the optimizer offloaded it runs on
-the rank's share of the node's cores (runtime/offload.py).
+where the class has one, else foreach; on an accelerator, Adam and AdamW step fused unless the user chose an
+implementation (runtime/host_step.py); with the optimizer offloaded it runs on the rank's share of the node's
+cores (runtime/offload.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from hfzero.config import ConfigError
 from hfzero.logging import get_logger
 from hfzero.runtime.engine import ZeroEngine
-from hfzero.runtime.host_step import host_step_overrides
+from hfzero.runtime.host_step import device_step_overrides, host_step_overrides
 from hfzero.runtime.hostmem import HeapTrimmer
 from hfzero.runtime.legacy_state import upgrade_v1
 
@@ -76,7 +77,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._source = base
         inner_groups = []
         on_host = engine.offload is not None or engine.device.type == "cpu"
-        self._overrides = host_step_overrides(type(base), base.defaults) if on_host else {}
+        self._overrides = (host_step_overrides(type(base), base.defaults) if on_host
+                           else device_step_overrides(type(base), base.defaults))
         """Implementation options of an optimizer stepping on the host (CPU engine or offload): they win over
         the user's group values, which are synced into the inner groups before every step (a loaded state
         dict's too)."""

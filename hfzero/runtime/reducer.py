@@ -18,8 +18,34 @@ unscaling) happens once, when the owned slice is converted to fp32 for the step.
 backward passes without ``zero_grad`` exact:
 - stage 0 all-reduces in place, so every rank holds the full sum S; before the next backward adds to
   it, every rank but rank 0 zeroes its buffer, and the next all-reduce gives exactly S + sum(new).
-- stage 1 reduce-scatters in place and zeroes the slices it does not own, so only the owner keeps S.
+- stage 1 reduce-scatters in place; before the next backward adds to it (without a zero_grad between), every
+  rank zeroes the slices it does not own, so only the owner keeps S. (Zeroing them at that point rather than
+  after every reduction spares a pass over (N - 1) / N of the gradients per step: only the owned slices are
+  read until then.)
 - stages 2-3 reduce fresh staging buffers and add the owned slice into the shard.
+
+[Note: gradient stores]
+``zero()`` does not zero the store (``grad_full`` at stages 0-1, ``grad_shard`` at stages 2-3): that was a pass
+over it every step which the plain loop does not make (it sets ``.grad`` to None). Each bucket carries a flag
+instead, ``_valid``: its region of the store holds sums (or zeros) everywhere. ``zero()`` clears the flags;
+while a bucket's flag is clear:
+- the hooks write a parameter's first gradient since ``zero()`` with ``copy_`` (the store is not read), later
+  ones with ``add_``, straight into the store (``_direct`` buckets): every bucket at stages 0-1, and at stages
+  2-3 a bucket its group does not split (one rank: world 1), whose shard slice is the whole bucket, so it
+  needs neither a staging buffer nor a copy out of one;
+- at stages 2-3 a bucket's first reduction since ``zero()`` reduce-scatters straight into its shard slice
+  (the collective's output), instead of into the staging buffer and then an add into the shard;
+- before a region is read (its reduction, ``owned_grad``, HSDP's all-reduce of the shard: ``_settle``) what
+  nothing wrote is zeroed: the slots of parameters no backward reached (rare: unused parameters), or the
+  whole region when nothing reached it (a step without backward). Padding is never written by a hook and
+  stays zero (collectives sum zeros into it).
+A region settled or written whole is valid and everything adds into it, as before: repeated backward passes
+without ``zero_grad``, stage 0's zeroing off rank 0 and stage 1's zeroing of the slices a rank does not own
+([Note: gradient sums]) keep their meaning. Staging buffers and the "local" accumulator are still zeroed
+when taken (a pooled buffer's padding and unused slots hold another bucket's values). Device work this saves
+per step (16-bit gradients, Ψ elements, N ranks): the store's zero pass (2Ψ bytes at stages 0-1, 2Ψ/N at
+2-3) and the first gradient's read of the store (2Ψ); at stages 2-3 the add of each reduced slice into the
+shard (6Ψ/N); at world 1 also the staging buffer's zeroing and the copy out of it (stage 2: 8Ψ more).
 
 [Note: staging pool]
 Staging buffers are reused, never allocated per bucket per pass: a buffer given back after its
@@ -83,6 +109,11 @@ from hfzero.runtime.offload import HostOffload
 
 logger = get_logger(__name__)
 
+_ADD, _DIRECT, _STORE = "add", "direct", "store"
+"""Where a stage-2/3 bucket's reduced slice goes (``_launch`` / ``_complete``): added into the shard from the
+reduced buffer, reduced straight into the shard (its first sums since ``zero()``), or already in it (a direct
+bucket filled in place). See [Note: gradient stores]."""
+
 _MAX_GRAPH_ROOTS = 64
 """Forward outputs remembered for the unused-parameter lookup before the graphs are let go."""
 
@@ -95,7 +126,8 @@ FAILED_PASS_MESSAGE = (
 class GradState(enum.Enum):
     """What the gradient store holds.
 
-    EMPTY: zeros (after zero_grad).
+    EMPTY: nothing accumulated (after zero_grad; the store's old values are stale until written or settled:
+        See [Note: gradient stores]).
     LOCAL: unreduced local contributions (a backward ran under no_sync); reduced before the step.
     REDUCED: sums over all ranks of everything accumulated since zero_grad.
     """
@@ -147,13 +179,21 @@ class GradientReducer:
         self._staging: dict[int, torch.Tensor] = {}
         self._late: dict[int, torch.Tensor] = {}
         self._pool: list[torch.Tensor] = []
+        """Pooled staging buffers, largest first (See [Note: staging pool])."""
+        self._pooled = 0
+        """Elements of the pooled buffers."""
+        self._live = 0
+        """Elements of the open staging and late buffers (their whole allocations): every one was taken by
+        ``_take_buffer`` and leaves through ``_give_back``, which keep this count."""
         self._reuse_after: dict[int, torch.cuda.Event] = {}  # id(pooled buffer) -> its offload copy done
         self._pending: list[int] = []
         self._forced: list[bool] = []
-        self._fired: set[nn.Parameter] = set()
-        self._assumed_unused: set[nn.Parameter] = set()
-        self.used: set[nn.Parameter] = set()
-        """Parameters that received a gradient on this rank since the last zero()."""
+        self._fired: set[ParamSlot] = set()
+        self._assumed_unused: set[ParamSlot] = set()
+        self.used: set[ParamSlot] = set()
+        """The slots of the parameters that received a gradient on this rank since the last zero(). Sets of slots,
+        not parameters: a slot hashes by identity in C, a tensor through ``Tensor.__hash__`` in Python, several
+        times per parameter per backward."""
         self._dirty = False
         self._next_launch = 0
         self.active: frozenset[int] | None = None
@@ -182,6 +222,24 @@ class GradientReducer:
         """Called at the first backward after the gradients were zeroed, before any reduction."""
         # keyed by RemovableHandle id (an OrderedDict: the handle keeps a weak reference to it)
         self.backward_end_hooks: collections.OrderedDict[int, Callable[[], None]] = collections.OrderedDict()
+        self._direct = [self.grad_full is not None or (self.grad_shard is not None and b.shard_world == 1)
+                        for b in layout.buckets]
+        """Buckets whose gradients the hooks write straight into the store: every bucket at stages 0-1
+        (``grad_full``); at stages 2-3 a bucket its group does not split (one rank: world 1), whose shard
+        slice is the whole bucket, so it needs no staging buffer. See [Note: gradient stores]."""
+        self._valid = [True] * len(layout.buckets)
+        """Per bucket: its region of the store holds gradient sums (or zeros) everywhere; False after ``zero()``
+        until it is written whole or settled. See [Note: gradient stores]."""
+        self._hooked: dict[int, tuple[ParamSlot, torch.Tensor | None]] = {}
+        """``id(param)`` -> its slot and, in a direct bucket, its view of the store shaped like it (a view: no
+        memory), so the hook finds both without hashing a tensor and writes without slicing. The layout holds
+        every parameter, so no id is reused while this lives."""
+        for param, slot in layout.slots.items():
+            bucket = layout.buckets[slot.bucket]
+            view = None
+            if self._direct[bucket.index]:
+                view = self._store_region(bucket)[slot.offset: slot.offset + slot.numel].view(slot.shape)
+            self._hooked[id(param)] = (slot, view)
         # torch holds these in C++, out of the garbage collector's sight: weak (See [Note: engine lifetime])
         self._hook_handles = [slot.param.register_post_accumulate_grad_hook(WeakHook(self._on_grad))
                               for slot in layout.slots.values()]
@@ -235,21 +293,23 @@ class GradientReducer:
             raise RuntimeError(FAILED_PASS_MESSAGE)
         if not self._in_backward:
             self._begin_backward()
-        counted = param in self._assumed_unused  # the graph lookup missed it: its bucket did not wait
+        slot, view = self._hooked[id(param)]
+        counted = slot in self._assumed_unused  # the graph lookup missed it: its bucket did not wait
         if counted:
-            self._assumed_unused.discard(param)
-        elif param in self._fired:
+            self._assumed_unused.discard(slot)
+        elif slot in self._fired:
             raise RuntimeError(
                 "hfzero: a parameter received two gradients in one backward pass. Reentrant activation "
                 "checkpointing (torch.utils.checkpoint with use_reentrant=True) does this; use "
                 "use_reentrant=False (e.g. model.gradient_checkpointing_enable("
                 "gradient_checkpointing_kwargs={'use_reentrant': False})).")
-        self._fired.add(param)
-        self.used.add(param)
+        self._fired.add(slot)
+        first = slot not in self.used  # its first gradient since zero(): See [Note: gradient stores]
+        self.used.add(slot)
         self._dirty = True
-        slot = self.layout.slots[param]
-        bucket = self.layout.buckets[slot.bucket]
-        if self.sync and bucket.index < self._next_launch:  # its reduction already left: a late gradient
+        index = slot.bucket
+        if self.sync and index < self._next_launch:  # its reduction already left: a late gradient
+            bucket = self.layout.buckets[index]
             if self.launch_on_fill:
                 raise RuntimeError(
                     f"hfzero: parameter {slot.name!r} received its gradient after its bucket was reduced: it was "
@@ -260,15 +320,21 @@ class GradientReducer:
                 late = self._late[bucket.index] = self._take_buffer(bucket.padded)
             late[slot.offset: slot.offset + slot.numel].add_(grad.reshape(-1))
             return
-        dest = self._fill_target(bucket)
-        dest[slot.offset: slot.offset + slot.numel].add_(grad.reshape(-1))
+        if view is not None and (self.grad_full is not None or (self.sync and self.accumulator is None)):
+            if first and not self._valid[index]:
+                view.copy_(grad)
+            else:
+                view.add_(grad)
+        else:
+            dest = self._fill_target(self.layout.buckets[index])[slot.offset: slot.offset + slot.numel]
+            if self.grad_full is None and self.accumulator is None and self.sync:
+                dest.copy_(grad.reshape(-1))  # a staging buffer, zeroed when taken: each slot is written once a pass
+            else:
+                dest.add_(grad.reshape(-1))  # the "local" accumulator: sums over backward passes
         if not counted:
-            self._mark_filled(bucket.index, 1)
-
-    def _mark_filled(self, index: int, count: int) -> None:
-        self._pending[index] -= count
-        if self._pending[index] == 0 and self.sync and self.overlap and self.launch_on_fill:
-            self._launch_ready()
+            self._pending[index] -= 1
+            if self._pending[index] == 0 and self.sync and self.overlap and self.launch_on_fill:
+                self._launch_ready()
 
     def _begin_backward(self) -> None:
         if self.before_first_grad is not None:
@@ -290,16 +356,29 @@ class GradientReducer:
             reachable = _reachable_params(roots)
             for param, slot in self.layout.slots.items():
                 if param not in reachable:  # this backward cannot produce it: do not wait for it
-                    self._assumed_unused.add(param)
+                    self._assumed_unused.add(slot)
                     self._pending[slot.bucket] -= 1
             if self.sync and self.overlap and self.launch_on_fill:
                 self._launch_ready()
 
-    def _zero_before_new_sums(self) -> None:
-        """Stage 0, after a reduction: every rank but rank 0 zeroes the buckets about to be reduced again, so
-        only rank 0 keeps the sum S (see [Note: gradient sums]); the other buckets keep S on every rank."""
-        if self.state is GradState.REDUCED and self.stage == 0:
-            self._zero_off_root(self.active)
+    def _zero_before_new_sums(self, every_bucket: bool = False) -> None:
+        """After a reduction, before new gradients are added to the store of the active buckets (``every_bucket``:
+        all of them): at stage 0 every rank but rank 0 zeroes them, so only rank 0 keeps the sum S;
+        at stage 1 every rank zeroes the slices it does not own, so only the owner keeps S (See [Note: gradient
+        sums]); the other buckets keep S."""
+        if self.state is not GradState.REDUCED:
+            return
+        indices = None if every_bucket else self.active
+        if self.stage == 0:
+            self._zero_off_root(indices)
+        elif self.stage == 1:
+            for index in range(len(self.layout.buckets)) if indices is None else indices:
+                bucket = self.layout.buckets[index]
+                lo, hi = bucket.mine()
+                if lo:
+                    self.grad_full[bucket.offset: bucket.offset + lo].zero_()
+                if hi < bucket.padded:
+                    self.grad_full[bucket.offset + hi: bucket.offset + bucket.padded].zero_()
 
     def _zero_off_root(self, indices: Iterable[int] | None) -> None:
         """Stage 0: zero buckets ``indices`` (None: all) where this rank is not rank 0 of the bucket's partition
@@ -309,11 +388,13 @@ class GradientReducer:
             return
         if indices is None and all(off_root):
             self.grad_full.zero_()
+            self._valid = [True] * len(self.layout.buckets)
             return
         for index in range(len(self.layout.buckets)) if indices is None else indices:
             bucket = self.layout.buckets[index]
             if off_root[bucket.partition]:
                 self.grad_full[bucket.offset: bucket.offset + bucket.padded].zero_()
+                self._valid[index] = True
 
     def _is_active(self, index: int) -> bool:
         return self.active is None or index in self.active
@@ -351,27 +432,35 @@ class GradientReducer:
     def _take_buffer(self, numel: int) -> torch.Tensor:
         """A zeroed staging buffer of ``numel`` elements, from the pool when one fits (the same size
         first, else the smallest larger one). See [Note: staging pool]."""
-        fitting = [i for i, t in enumerate(self._pool) if t.numel() >= numel]
-        if fitting:
-            flat = self._pool.pop(min(fitting, key=lambda i: (self._pool[i].numel() != numel, self._pool[i].numel())))
+        fit = -1  # the smallest pooled buffer that fits: the pool is sorted largest first
+        for i, t in enumerate(self._pool):
+            if t.numel() < numel:
+                break
+            fit = i
+        if fit >= 0:
+            flat = self._pool.pop(fit)
+            self._pooled -= flat.numel()
             if self.sink is not None:  # See [Note: offload copies]
                 self.sink.order_after(self._reuse_after.pop(id(flat), None))
         else:  # none fits: free pooled ones (smallest first) that the high-water mark cannot also hold
-            self._pool.sort(key=torch.Tensor.numel, reverse=True)
-            live = self._live_numel() + numel
-            while self._pool and live + sum(t.numel() for t in self._pool) > self._live_high:
-                self._pool.pop()
+            while self._pool and self._live + numel + self._pooled > self._live_high:
+                self._pooled -= self._pool.pop().numel()
             flat = torch.empty(numel, dtype=self.dtype, device=self.device)
             self.allocations += 1
-        self._live_high = max(self._live_high, self._live_numel() + flat.numel())
         self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes() + flat.numel() * self._element)
+        self._live += flat.numel()
+        self._live_high = max(self._live_high, self._live)
         return flat[:numel].zero_()
 
     def _give_back(self, buffer: torch.Tensor, copied: torch.cuda.Event | None = None) -> None:
         """Return a staging buffer to the pool, within the high-water mark (see [Note: staging pool]);
         ``copied``: the offload copy still reading it, which its next user must wait for."""
         base = buffer._base if buffer._base is not None else buffer
+        self._live -= base.numel()
+        self._pooled += base.numel()
         self._pool.append(base)
+        if len(self._pool) > 1 and self._pool[-2].numel() < base.numel():
+            self._pool.sort(key=torch.Tensor.numel, reverse=True)
         if copied is not None:
             self._reuse_after[id(base)] = copied
         self._trim_pool()
@@ -384,29 +473,65 @@ class GradientReducer:
             if self.accumulator is None:
                 self.accumulator = torch.zeros(self.layout.total_padded, dtype=self.dtype, device=self.device)
             return self.accumulator[bucket.offset: bucket.offset + bucket.padded]
+        if self._direct[bucket.index]:  # the shard slice is the whole bucket: See [Note: gradient stores]
+            return self._store_region(bucket)
         staging = self._staging.get(bucket.index)
         if staging is None:
             staging = self._staging[bucket.index] = self._take_buffer(bucket.padded)
         return staging
 
+    def _fills_store(self, bucket: Bucket) -> bool:
+        """Whether this backward's gradients for ``bucket`` go straight into the store (``_fill_target``)."""
+        return self.grad_full is not None or (self._direct[bucket.index] and self.sync and self.accumulator is None)
+
+    def _store_region(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's region of the gradient store: the whole bucket in ``grad_full`` (stages 0-1), this rank's
+        slice in ``grad_shard`` (stages 2-3)."""
+        if self.grad_full is not None:
+            return self.grad_full[bucket.offset: bucket.offset + bucket.padded]
+        return self.grad_shard[bucket.shard_offset: bucket.shard_offset + bucket.chunk]
+
+    def _settle(self, index: int) -> None:
+        """Make bucket ``index``'s region of the store hold sums everywhere before it is read: zero what no
+        gradient wrote since ``zero()`` (the slots of parameters no backward reached, in a bucket the hooks
+        fill; the whole region otherwise). See [Note: gradient stores]."""
+        if self._valid[index]:
+            return
+        bucket = self.layout.buckets[index]
+        region = self._store_region(bucket)
+        if self._direct[index] and any(slot in self.used for slot in bucket.slots):
+            for slot in bucket.slots:
+                if slot not in self.used:
+                    region[slot.offset: slot.offset + slot.numel].zero_()
+        else:
+            region.zero_()
+        self._valid[index] = True
+
+    def settle_store(self) -> None:
+        """Every bucket's region of the store holds sums (or zeros): before the store is read whole (HSDP's
+        all-reduce of the shard)."""
+        for index in range(len(self.layout.buckets)):
+            self._settle(index)
+
     def _trim_pool(self) -> None:
         """Keep pooled buffers while pooled + open + late elements stay within the high-water mark of open
         + late elements (the largest pooled first). See [Note: staging pool]."""
-        self._pool.sort(key=torch.Tensor.numel, reverse=True)
-        room = self._live_high - self._live_numel()
-        kept = 0
-        for index, buffer in enumerate(self._pool):
-            if kept + buffer.numel() > room:
-                del self._pool[index:]
-                break
-            kept += buffer.numel()
+        room = self._live_high - self._live
+        if self._pooled > room:  # else every pooled buffer is kept
+            kept = 0
+            for index, buffer in enumerate(self._pool):
+                if kept + buffer.numel() > room:
+                    del self._pool[index:]
+                    break
+                kept += buffer.numel()
+            self._pooled = kept
         if self._reuse_after:
             pooled = {id(t) for t in self._pool}
             self._reuse_after = {k: v for k, v in self._reuse_after.items() if k in pooled}
 
     def _live_numel(self) -> int:
         """Elements of the open staging and late buffers (their whole allocations)."""
-        return sum((t._base if t._base is not None else t).numel() for t in (*self._staging.values(), *self._late.values()))
+        return self._live
 
     # ---- reduction ------------------------------------------------------------------------------
     def _launch_ready(self) -> None:
@@ -428,29 +553,35 @@ class GradientReducer:
     def _launch(self, bucket: Bucket, source: torch.Tensor | None = None) -> None:
         while len(self._inflight) >= self.max_inflight:
             self._complete(*self._inflight.popleft())
-        source = self._fill_target(bucket) if source is None else source
+        into = _ADD  # what the owned slice becomes at stages 2-3: See [Note: gradient stores]
+        if source is None:
+            source = self._fill_target(bucket)
+            if self._fills_store(bucket):
+                self._settle(bucket.index)
+                into = _STORE
         comm = self.comms[bucket.partition]  # See [Note: bucket partitions] in layout.py
         if self.stage == 0:
             handle = comm.all_reduce(source, async_op=True)
         else:
             lo, hi = bucket.mine()
+            output = source[lo:hi]
+            if self.grad_shard is not None and into == _ADD and not self._valid[bucket.index]:
+                output, into = self._store_region(bucket), _DIRECT  # the first sums since zero(): no add
+                self._valid[bucket.index] = True
             scatter = self.scatter if bucket.partition == 0 else comm  # qgZ covers partition 0 (EP refuses qgZ)
             keyed = {} if scatter is comm else {"key": bucket.index}  # qgZ's error feedback
-            handle = scatter.reduce_scatter(source[lo:hi], source, async_op=True, **keyed)
-        self._inflight.append((bucket, handle, source))
+            handle = scatter.reduce_scatter(output, source, async_op=True, **keyed)
+        self._inflight.append((bucket, handle, source, into))
 
-    def _complete(self, bucket: Bucket, handle: Handle, source: torch.Tensor) -> None:
+    def _complete(self, bucket: Bucket, handle: Handle, source: torch.Tensor, into: str = _ADD) -> None:
         handle.wait()
         lo, hi = bucket.mine()
-        if self.stage == 1:
-            source[:lo].zero_()  # See [Note: gradient sums]
-            source[hi:].zero_()
         if self.replicate is not None and self._late.get(bucket.index) is source:
             self.replicate.all_reduce(source[lo:hi])
         copied = self.sink.push(bucket, source[lo:hi]) if self.sink is not None else None
         if self.stage < 2:
             return
-        if self.sink is None:
+        if self.sink is None and into == _ADD:
             self.grad_shard[bucket.shard_offset: bucket.shard_offset + bucket.chunk].add_(source[lo:hi])
         staging = self._staging.get(bucket.index)
         if staging is not None and staging.data_ptr() == source.data_ptr():
@@ -504,15 +635,13 @@ class GradientReducer:
         local store, to be reduced by the next ``reduce_pending()``. See [Note: gradient sums]."""
         if self._in_backward:
             raise RuntimeError("hfzero: gradients can be added by hand only between backward passes")
-        if self.state is GradState.REDUCED and self.stage == 0:
-            self._zero_off_root(None)
+        self._zero_before_new_sums(every_bucket=True)
         if self.grad_full is None and self.accumulator is None:
             self.accumulator = torch.zeros(self.layout.total_padded, dtype=self.dtype, device=self.device)
         store = self.grad_full if self.grad_full is not None else self.accumulator
         for slot, grad in grads:
             start = self.layout.buckets[slot.bucket].offset + slot.offset
-            store[start: start + slot.numel].add_(grad.reshape(-1))
-            self.used.add(slot.param)
+            self._write(store[start: start + slot.numel], grad, slot, store is self.grad_full)
         self._dirty = True
         self.state = GradState.LOCAL
 
@@ -539,9 +668,9 @@ class GradientReducer:
             if not self._is_active(bucket.index):
                 continue
             dest = self._fill_target(bucket)
+            store = self._fills_store(bucket)
             for slot, grad in by_bucket.get(bucket.index, ()):
-                dest[slot.offset: slot.offset + slot.numel].add_(grad.reshape(-1))
-                self.used.add(slot.param)
+                self._write(dest[slot.offset: slot.offset + slot.numel], grad, slot, store)
             self._launch(bucket)
         self._wait_all()
         if self.sink is not None:
@@ -549,6 +678,15 @@ class GradientReducer:
         self._trim_pool()
         self._dirty = True
         self.state = GradState.REDUCED
+
+    def _write(self, dest: torch.Tensor, grad: torch.Tensor, slot: ParamSlot, store: bool) -> None:
+        """Add a gradient computed by hand into its flat slot ``dest`` (copy it where ``dest`` is in the store
+        and holds nothing of this step yet: See [Note: gradient stores])."""
+        if store and slot not in self.used and not self._valid[slot.bucket]:
+            dest.copy_(grad.reshape(-1))
+        else:
+            dest.add_(grad.reshape(-1))
+        self.used.add(slot)
 
     # ---- recovery -------------------------------------------------------------------------------
     def abort_pass(self) -> None:
@@ -572,6 +710,7 @@ class GradientReducer:
         host, in fp32, when offloaded (the device keeps no copy at stages 2-3)."""
         if self.sink is not None:
             return self.sink.gradient(bucket)
+        self._settle(bucket.index)
         if self.grad_shard is not None:
             return self.grad_shard[bucket.shard_offset: bucket.shard_offset + bucket.chunk]
         lo, hi = bucket.mine()
@@ -598,15 +737,14 @@ class GradientReducer:
         if not self._dirty:  # already zero (e.g. zero_grad() right after step(), which zeroed)
             return
         self._dirty = False
-        for store in (self.grad_full, self.grad_shard):
-            if store is not None:
-                store.zero_()
+        if self.grad_full is not None or self.grad_shard is not None:  # no pass: See [Note: gradient stores]
+            self._valid = [False] * len(self.layout.buckets)
         self.accumulator = None
         self.state = GradState.EMPTY
 
     def staging_bytes(self) -> int:
         """Bytes of staging buffers: pooled, open and late (GRAD_BUCKET)."""
-        return (sum(t.numel() for t in self._pool) + self._live_numel()) * self._element
+        return (self._pooled + self._live) * self._element
 
     def accumulator_bytes(self) -> int:
         """Bytes of the full local accumulator held across micro-batches (GRAD_ACCUM), if any."""
