@@ -44,6 +44,7 @@ either. Nothing here keeps a model alive: a parameter reaches its ``PendingWeigh
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import weakref
@@ -98,7 +99,8 @@ def _pending_error(exc: Exception, args: tuple) -> Exception:
 
 
 def _guarded(out):
-    if isinstance(out, torch.Tensor) and out.device.type == "meta" and not isinstance(out, (PendingTensor, nn.Parameter)):
+    guarded = isinstance(out, (PendingTensor, nn.Parameter))  # already, or a weight itself (``w.float()`` is ``w``)
+    if isinstance(out, torch.Tensor) and out.device.type == "meta" and not guarded:
         return out.as_subclass(PendingTensor)
     return out
 
@@ -196,19 +198,19 @@ class PendingParameter(nn.Parameter):
         with _quietly():
             if self.device.type != "meta":  # read in already: an ordinary copy
                 return nn.Parameter.__deepcopy__(self, memo)
-            copy = nn.Parameter(torch.empty(self.shape, dtype=self.dtype, device="meta"),
+            twin = nn.Parameter(torch.empty(self.shape, dtype=self.dtype, device="meta"),
                                 requires_grad=self.requires_grad)
-        copy.__class__ = PendingParameter
+        twin.__class__ = PendingParameter
         owner_ref = self.__dict__.get(_OWNER)
         owner = owner_ref() if owner_ref is not None else None
         where = owner.where(self) if owner is not None else None
         for attr in (_KEY, _OWNER, _DEVICE):
             if attr in self.__dict__:
-                copy.__dict__[attr] = self.__dict__[attr]
+                twin.__dict__[attr] = self.__dict__[attr]
         if where is not None:
-            copy.__dict__[_SOURCE] = where
-        memo[id(self)] = copy
-        return copy
+            twin.__dict__[_SOURCE] = where
+        memo[id(self)] = twin
+        return twin
 
 
 class PendingTensor(torch.Tensor):
@@ -300,12 +302,10 @@ class PendingWeights:
     def __deepcopy__(self, memo: dict) -> PendingWeights:
         """``copy.deepcopy`` of a pending model: the copy is pending over the same files (the parameters' own
         copies come from ``memo``; see ``PendingParameter.__deepcopy__``)."""
-        import copy as _copy
-
         clone = PendingWeights({}, self.device)
         memo[id(self)] = clone
         for param, where in self.keys.items():
-            new = _copy.deepcopy(param, memo)
+            new = copy.deepcopy(param, memo)
             clone.keys[new] = where
             if isinstance(new, PendingParameter):
                 new.__dict__[_OWNER] = weakref.ref(clone)
@@ -487,8 +487,8 @@ def _follow_peft_copies(model: nn.Module, keys: dict[nn.Parameter, tuple[str, st
         if not isinstance(original, nn.Module) or not isinstance(copies, nn.ModuleDict):
             continue
         base = dict(original.named_parameters())
-        for copy in copies.values():
-            for name, p in copy.named_parameters():
+        for duplicate in copies.values():
+            for name, p in duplicate.named_parameters():
                 if p not in keys and base.get(name) in keys:
                     keys[p] = keys[base[name]]
 
