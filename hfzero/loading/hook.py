@@ -161,9 +161,9 @@ def _install_device_report() -> None:
     transformers reads them."""
     from transformers.modeling_utils import ModuleUtilsMixin
 
-    original = ModuleUtilsMixin.__dict__["device"]
-    if getattr(original.fget, "_hfzero_reports_pending", False):
-        return
+    original = ModuleUtilsMixin.__dict__.get("device")
+    if not isinstance(original, property) or getattr(original.fget, "_hfzero_reports_pending", False):
+        return  # another transformers layout: model.device stays transformers' own (meta while pending)
 
     def device(self) -> torch.device:
         first = next(self.parameters())  # as transformers: StopIteration for a model without parameters
