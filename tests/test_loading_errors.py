@@ -1,7 +1,8 @@
 """Sharded loading (``hfzero.sharded_init`` around ``from_pretrained``) refuses bad checkpoints with one
 error naming the tensor and the file, raised inside ``from_pretrained`` (before any training), leaving no
 pending model behind. Single process: every rank reads the headers itself, so every rank raises the same.
-Also: what from_pretrained leaves (meta parameters, ties, refused reads) and ``hfzero run``'s stage-3 switch."""
+Also: what from_pretrained leaves (meta parameters, ties), reads refused once prepare has claimed the weights,
+and ``hfzero run``'s stage-3 switch."""
 
 from __future__ import annotations
 
@@ -58,18 +59,20 @@ def test_loads_sharded_and_leaves_weights_in_the_checkpoint(single):
     assert all(p.device.type == "meta" for p in model.parameters())
     assert pending.find_pending(model) is not None
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    with pytest.raises(NotImplementedError, match="before hfzero.prepare"):  # reading values before prepare
-        model.lm_head.weight.cpu()
     model.to("cpu")  # a move keeps them pending
     assert model.model.embed_tokens.weight.device.type == "meta"
+    assert model.device == torch.device("cpu")  # where the weights go (see [Note: pending weights])
 
 
-def test_reading_weights_before_prepare_says_why_and_what_to_do(single):
-    """Every way of reading a pending weight's values raises hfzero's message (naming the weight where it
-    can), never torch's bare meta-tensor error nor empty values; after prepare the parameters are plain
-    ``nn.Parameter`` again (training pays nothing for the guard)."""
+def test_claimed_weights_refuse_reads_saying_why(single):
+    """Once prepare has claimed a pending model's weights (``source``), no read loads them: every way of reading
+    raises hfzero's message (naming the weight where it can), never torch's bare meta-tensor error nor empty
+    values; after prepare the parameters are plain ``nn.Parameter`` again (training pays nothing for the guard).
+    Before prepare the same reads load the model whole: tests/test_loading_lazy.py."""
     model = _load(str(single))
     weight = model.model.layers[0].self_attn.q_proj.weight
+    claimed = pending.find_pending(model)
+    claimed.source(model, torch.device("cpu")).close()  # what prepare does first
     reads = {
         "cpu": lambda: weight.cpu(),
         "item": lambda: weight[0, 0].item(),
@@ -88,12 +91,20 @@ def test_reading_weights_before_prepare_says_why_and_what_to_do(single):
     with pytest.raises(NotImplementedError, match="'model.layers.0.self_attn.q_proj.weight'"):
         weight.cpu()
     assert weight.shape == (32, 32) or weight.dim() == 2  # metadata still reads
-    model.half()  # dtype casts still work and keep the guard
+    assert all(p.device.type == "meta" for p in model.parameters())  # nothing was loaded
+    pending.release(model)
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert not any(h is pending._load_before_forward for m in model.modules() for h in m._forward_pre_hooks.values())
+
+
+def test_prepare_leaves_plain_parameters_and_no_hooks(single):
+    model = _load(str(single))
+    model.half()  # dtype casts work and keep the weights pending
     assert isinstance(model.model.norm.weight, pending.PendingParameter)
     model.float()
     model, _ = hfzero.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), hfzero.ZeroConfig(stage=2))
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
-    assert not any(h is pending._refuse_forward for m in model.modules() for h in m._forward_pre_hooks.values())
+    assert not any(h is pending._load_before_forward for m in model.modules() for h in m._forward_pre_hooks.values())
     assert torch.isfinite(model(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
 
 

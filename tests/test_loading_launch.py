@@ -73,6 +73,12 @@ def test_no_rank_holds_parameters_after_from_pretrained(runs: dict[str, Path], r
         assert ddp["held"] == ddp["whole"] == zero["whole"], ddp
 
 
+def test_the_trained_model_is_never_read_whole_before_prepare(runs: dict[str, Path]) -> None:
+    """Nothing the Trainer does between from_pretrained and prepare needs values: no load on first use (its log
+    line; see [Note: pending weights] in hfzero/runtime/pending.py), so the memory win holds through prepare."""
+    assert "before hfzero prepared it" not in runs["log"].read_text()
+
+
 def test_async_trainer_checkpoints_are_complete(runs: dict[str, Path]) -> None:
     from hfzero.checkpoint.format import read_manifest
 

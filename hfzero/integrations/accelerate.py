@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -67,6 +68,7 @@ from hfzero.parallel.tensor import check_tp_size, prepare_tensor_parallel
 from hfzero.runtime.lifetime import Installed
 from hfzero.runtime.optimizer import ZeroOptimizer
 from hfzero.runtime.engine import get_engine
+from hfzero.runtime.pending import find_pending
 from hfzero.parallel.data_parallel import prepare as zero_prepare
 from hfzero.runtime.stage3 import full_state_dict
 
@@ -225,8 +227,13 @@ class ZeroAccelerator(Accelerator):
         ``evaluation_mode=True`` at stage 3 (a model that is never trained, e.g. TRL's DPO reference model,
         prepared as ``accelerator.prepare_model(ref_model, evaluation_mode=True)``): its parameters are
         frozen and partitioned like a LoRA base, as DeepSpeed's ZeRO-3 shards it, instead of kept whole on
-        every rank."""
+        every rank. At stages 0-2 such a model is whole on every rank: one loaded under sharded loading is read
+        here (see [Note: pending weights] in runtime/pending.py)."""
         model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        pending = find_pending(model) if evaluation_mode and not self._partitions_frozen_models() else None
+        if pending is not None:  # whole on every rank, as under DDP: read now, not at its first forward
+            pending.load(f"was prepared for evaluation at stage {self.zero_config.stage}, which keeps it whole",
+                         level=logging.INFO)
         if evaluation_mode and self._partitions_frozen_models() and not _is_zero_model(model):
             model.requires_grad_(False)
             nothing = torch.optim.SGD([{"params": []}], lr=0.0)  # no state, no step: the engine needs no optimizer

@@ -11,7 +11,9 @@ replaces only the second one, while sharded loading is enabled:
   the ``base_model_prefix``), checks shapes and dtypes, loads persistent buffers (small), and leaves
   the parameters on meta with a ``PendingWeights`` attached (see [Note: pending weights] in
   runtime/pending.py). It returns transformers' ``LoadStateDictInfo``, so missing and unexpected keys
-  are reported, initialized and tied by transformers' ``_finalize_model_loading`` as usual.
+  are reported, initialized and tied by transformers' ``_finalize_model_loading`` as usual. A model that
+  ``prepare`` never reads (a reference, reward, teacher or evaluation model; one run before its Trainer) is
+  read whole on its first use (see [Note: pending weights]); ``model.device`` reports where that puts it.
 
 Everything else in ``from_pretrained`` (config, dtype, ``_keep_in_fp32_modules``, tying, generation
 config, ``eval()``) is transformers' own code.
@@ -31,7 +33,7 @@ import torch
 from torch import nn
 
 from hfzero.logging import get_logger
-from hfzero.runtime.pending import PendingWeights, find_pending
+from hfzero.runtime.pending import PendingParameter, PendingWeights, find_pending, intended_device
 from hfzero.runtime.stage3.weights import SafetensorsFile, WeightLoadError
 
 logger = get_logger(__name__)
@@ -59,6 +61,7 @@ def enable(*, explicit: bool = False) -> None:
 
     with _lock:
         _install_resize_reads(PreTrainedModel)
+        _install_device_report()
         if _depth == 0:
             _original = PreTrainedModel.__dict__["_load_pretrained_model"]
             PreTrainedModel._load_pretrained_model = staticmethod(_load_pending)
@@ -120,7 +123,8 @@ def sharded_init() -> Iterator[None]:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
         model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=3))
 
-    Between the two, weights have no values (see docs/loading.md for what works and what is refused).
+    Between the two, weights have no values; a model used before (or without) ``prepare`` is read whole on its
+    first use, as ``from_pretrained`` would have read it (see docs/loading.md, "Every model a script loads").
     """
     enable(explicit=True)
     try:
@@ -149,6 +153,35 @@ def _install_resize_reads(cls) -> None:
         setattr(cls, attr, functools.wraps(original)(resized))
 
 
+def _install_device_report() -> None:
+    """transformers' ``model.device`` is its first parameter's device, meta for a pending model; scripts put
+    their inputs there (``inputs.to(model.device)``). For a pending model it reports where the weights go
+    instead (``intended_device``: where ``.to()`` sent them, else the CPU), so such inputs are real when the
+    first forward loads the weights (see [Note: pending weights]). Installed once; ordinary models read as
+    transformers reads them."""
+    from transformers.modeling_utils import ModuleUtilsMixin
+
+    original = ModuleUtilsMixin.__dict__.get("device")
+    if not isinstance(original, property) or getattr(original.fget, "_hfzero_reports_pending", False):
+        return  # another transformers layout: model.device stays transformers' own (meta while pending)
+
+    def device(self) -> torch.device:
+        first = next(self.parameters())  # as transformers: StopIteration for a model without parameters
+        if isinstance(first, PendingParameter) and first.device.type == "meta":
+            return intended_device(first)
+        return first.device
+
+    device._hfzero_reports_pending = True
+    ModuleUtilsMixin.device = property(functools.wraps(original.fget)(device))
+
+
+def _default_device(load_config) -> torch.device | None:
+    """The one device ``device_map`` names (a load of a model hfzero never prepares puts the values there)."""
+    devices = {str(d) if not isinstance(d, int) else f"cuda:{d}" for d in (load_config.device_map or {}).values()}
+    devices -= {"disk", "meta"}
+    return torch.device(devices.pop()) if len(devices) == 1 else None
+
+
 def _load_pending(model, state_dict, checkpoint_files, load_config, expected_keys=None):
     """``PreTrainedModel._load_pretrained_model`` under sharded loading; see the module docstring."""
     if not is_enabled():  # a run-wide switch after the run's first prepare: load as usual
@@ -171,10 +204,11 @@ def _load_pending(model, state_dict, checkpoint_files, load_config, expected_key
     finally:
         for handle in files.values():
             handle.close()
-    PendingWeights(keys).attach(model)
+    PendingWeights(keys, _default_device(load_config)).attach(model)
     logger.info("hfzero: %s: %d parameter tensor(s) left in the checkpoint (sharded loading): hfzero.prepare "
                 "(or ZeroTrainer / ZeroAccelerator) reads each rank's part; until then the parameters are on the "
-                "meta device and reading their values fails (see docs/loading.md)", type(model).__name__, len(keys))
+                "meta device, and a use that needs values first loads the model whole (see docs/loading.md)",
+                type(model).__name__, len(keys))
     return info, None
 
 

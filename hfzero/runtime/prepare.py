@@ -249,10 +249,11 @@ def _single_device(groups: list[list[nn.Parameter]]) -> torch.device:
 
 
 def _meta_device(groups: list[list[nn.Parameter]], device: torch.device) -> torch.device:
-    """Sharded construction: the trainable parameters are on meta; the shard goes to ``device``."""
+    """Sharded construction: the trainable parameters are on meta; the shard goes to ``device``. Frozen ones may
+    be real: those the engine keeps whole (a frozen model's small ones, read whole by ``_read_pending``)."""
     if not any(groups):
         raise ConfigError("hfzero.prepare: the optimizer holds no parameters")
-    real = sorted({str(p.device) for group in groups for p in group if p.device.type != "meta"})
+    real = sorted({str(p.device) for group in groups for p in group if p.device.type != "meta" and p.requires_grad})
     if real:
         raise ConfigError(f"hfzero.prepare: with weights= every trainable parameter must be on the meta device; "
                           f"some are on {real}")
