@@ -188,7 +188,7 @@ class AllocatorProbe:
         if not self._is_cuda:
             return None
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        try:  # include_traces (torch >= 2.9) skips the stack traces we do not record
+        try:  # include_traces (torch >= 2.11) skips the stack traces we do not record
             segments = torch.cuda.memory_snapshot(include_traces=False)
         except TypeError:
             segments = torch.cuda.memory_snapshot()
