@@ -1,7 +1,8 @@
 """hfzero: ZeRO (Rajbhandari et al.) for Hugging Face models.
 
 Public names load on first use, so ``import hfzero`` (and the torch-free profile reader the
-dashboard uses) does not import torch.distributed, transformers or accelerate until needed.
+dashboard uses) does not import torch.distributed, transformers or accelerate until needed. Importing it with a
+torch older than the floor (``hfzero.version.TORCH_FLOOR``) raises ImportError at once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from hfzero.version import __version__ as __version__
+from hfzero.version import check_torch as _check_torch
+
+_check_torch()  # below the torch floor, fail here with a message that names it (hfzero/version.py)
 
 _EXPORTS = {
     "ZeroConfig": "hfzero.config",

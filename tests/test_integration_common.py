@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 
@@ -66,14 +67,46 @@ def hfzero_run(nproc: int, args: list[str]) -> str:
     return launch([sys.executable, "-m", "hfzero", "run", *_torchrun_options(nproc), *args])
 
 
-def run_variants(root: Path, variants: dict[str, list[str]], nproc: int = 2, extra: list[str] = ()) -> dict[str, Path]:
+class Runs(Mapping[str, Path]):
+    """Output directory by run name ("ddp" and each variant); a run is launched the first time it is looked up,
+    so a selection of the tests (``-k``, the floor subset in tests/floor/) launches only the runs it reads. A
+    launch that failed fails every later lookup of it with the same error, without launching again."""
+
+    def __init__(self, root: Path, variants: dict[str, list[str]], nproc: int, extra: Sequence[str]) -> None:
+        self.root, self.variants, self.nproc, self.extra = root, variants, nproc, list(extra)
+        self._done: dict[str, Path | Exception] = {}
+
+    def __getitem__(self, name: str) -> Path:
+        if name != "ddp" and name not in self.variants:
+            raise KeyError(name)
+        if name not in self._done:
+            out = self.root / name
+            try:
+                if name == "ddp":
+                    torchrun(2, clm_args(out))
+                else:
+                    log = hfzero_run(self.nproc, [*clm_args(out), *self.variants[name], *self.extra])
+                    (self.root / f"{name}.log").write_text(log)
+                self._done[name] = out
+            except Exception as error:  # remembered: re-raised below and at every later lookup
+                self._done[name] = error
+        done = self._done[name]
+        if isinstance(done, Exception):
+            raise done
+        return done
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(["ddp", *self.variants])
+
+    def __len__(self) -> int:
+        return 1 + len(self.variants)
+
+
+def run_variants(root: Path, variants: dict[str, list[str]], nproc: int = 2, extra: Sequence[str] = ()) -> Runs:
     """train_clm.py under plain torchrun DDP on 2 ranks ("ddp") and each variant's options (plus ``extra``)
-    under `hfzero run` on ``nproc`` ranks; output directories by name, each launch's log in ``root/<name>.log``."""
-    outs = {"ddp": root / "ddp", **{name: root / name for name in variants}}
-    torchrun(2, clm_args(outs["ddp"]))
-    for name, options in variants.items():
-        (root / f"{name}.log").write_text(hfzero_run(nproc, [*clm_args(outs[name]), *options, *extra]))
-    return outs
+    under `hfzero run` on ``nproc`` ranks, each launched when first read (``Runs``); output directories by
+    name, each `hfzero run` launch's log in ``root/<name>.log``."""
+    return Runs(root, variants, nproc, extra)
 
 
 def log_history(out: Path) -> list[dict]:

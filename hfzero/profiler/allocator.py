@@ -192,7 +192,7 @@ class AllocatorProbe:
         """Fragmentation from a full CUDA allocator snapshot (expensive); None on other devices."""
         if not self._is_cuda:
             return None
-        try:  # include_traces (torch >= 2.9) skips the stack traces we do not record
+        try:  # include_traces (torch >= 2.11) skips the stack traces we do not record
             segments = torch.cuda.memory_snapshot(include_traces=False)
         except TypeError:
             segments = torch.cuda.memory_snapshot()

@@ -36,6 +36,7 @@ from torch import nn
 
 from hfzero.config import ConfigError
 from hfzero.logging import get_logger
+from hfzero.runtime.torch_api import is_compile_wrapper
 
 logger = get_logger(__name__)
 
@@ -121,9 +122,7 @@ def check_no_tensor_parallel(model: nn.Module, names: list[str]) -> None:
 
 def is_compiled(model: nn.Module) -> bool:
     """True when ``model`` is a ``torch.compile`` wrapper or holds blocks ``compile_regions`` compiled."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    return any(isinstance(m, OptimizedModule) or getattr(m, _COMPILED_ATTR, None) is not None
+    return any(is_compile_wrapper(m) or getattr(m, _COMPILED_ATTR, None) is not None
                for m in model.modules())
 
 

@@ -106,6 +106,7 @@ from hfzero.runtime.tensors import iter_tensors, local_tensor
 from hfzero.runtime.layout import Bucket, FlatLayout, ParamSlot
 from hfzero.runtime.lifetime import WeakHook
 from hfzero.runtime.offload import HostOffload
+from hfzero.runtime.torch_api import graph_task_id, queue_backward_callback, view_base
 
 logger = get_logger(__name__)
 
@@ -289,7 +290,7 @@ class GradientReducer:
         param.grad = None
         if grad is None:
             return
-        if self._in_backward and torch._C._current_graph_task_id() != self._graph_task:
+        if self._in_backward and graph_task_id() != self._graph_task:
             raise RuntimeError(FAILED_PASS_MESSAGE)
         if not self._in_backward:
             self._begin_backward()
@@ -343,13 +344,13 @@ class GradientReducer:
         if self.state is GradState.EMPTY and self.on_step_begin is not None:
             self.on_step_begin()  # before any bucket of the step: See [Note: step agreement]
         self._in_backward = True
-        self._graph_task = torch._C._current_graph_task_id()
+        self._graph_task = graph_task_id()
         self._pending = [len(b.slots) for b in self.layout.buckets]
         self._forced = [False] * len(self.layout.buckets)
         self._fired.clear()
         self._assumed_unused.clear()
         self._next_launch = 0
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        queue_backward_callback(self._end_backward)
         roots, self._graph_roots = self._graph_roots, []
         complete, self._roots_complete = self._roots_complete, True
         if self.find_unused and roots and complete:
@@ -455,7 +456,7 @@ class GradientReducer:
     def _give_back(self, buffer: torch.Tensor, copied: torch.cuda.Event | None = None) -> None:
         """Return a staging buffer to the pool, within the high-water mark (see [Note: staging pool]);
         ``copied``: the offload copy still reading it, which its next user must wait for."""
-        base = buffer._base if buffer._base is not None else buffer
+        base = view_base(buffer)
         self._live -= base.numel()
         self._pooled += base.numel()
         self._pool.append(base)
@@ -723,7 +724,7 @@ class GradientReducer:
         exception), it first aborts that pass, so training can go on with the next batch.
         """
         if self._in_backward:
-            if torch._C._current_graph_task_id() != -1:
+            if graph_task_id() != -1:
                 raise RuntimeError("hfzero: zero_grad() called during backward")
             self.abort_pass()
             return

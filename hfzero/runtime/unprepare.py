@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from hfzero.logging import get_logger
 from hfzero.runtime.engine import ZeroEngine, get_engine
+from hfzero.runtime.torch_api import graph_task_id
 
 logger = get_logger(__name__)
 
@@ -45,7 +45,7 @@ def unprepare(model: nn.Module, optimizer: Any = None) -> nn.Module:
     if getattr(model, "hfzero_engine", None) is not engine:
         raise ValueError("hfzero.unprepare: pass the model hfzero.prepare returned (its optimizer is not enough)")
     zero = _zero_optimizer(engine, optimizer)
-    if torch._C._current_graph_task_id() != -1:
+    if graph_task_id() != -1:
         raise RuntimeError("hfzero.unprepare: called inside a backward pass; call it between steps")
     engine.finish_step()  # drops this step's gradients and forgets a pass that raised
     engine.wait_checkpoint_copy()

@@ -51,6 +51,7 @@ from hfzero.runtime.stage3.unit import GatherUnit, UnitState
 from hfzero.runtime.stage3.units import UnitSpec, resolve_units
 from hfzero.runtime.stage3.weights import WeightSource
 from hfzero.runtime.tensors import local_tensor
+from hfzero.runtime.torch_api import graph_task_id
 
 logger = get_logger(__name__)
 
@@ -262,7 +263,7 @@ class Stage3Engine(ZeroEngine):
 
     def finish_step(self) -> None:
         """As at stages 0-2; a forward or backward pass that raised is forgotten (units released) too."""
-        if self.scheduler.phase is not Phase.IDLE and torch._C._current_graph_task_id() == -1:
+        if self.scheduler.phase is not Phase.IDLE and graph_task_id() == -1:
             self.scheduler.abort_pass()
         super().finish_step()
 

@@ -66,6 +66,7 @@ from hfzero.runtime.lifetime import WeakHook
 from hfzero.runtime.tensors import iter_tensors
 from hfzero.runtime.reducer import FAILED_PASS_MESSAGE
 from hfzero.runtime.stage3.unit import GatherUnit, UnitState
+from hfzero.runtime.torch_api import graph_task_id, queue_backward_callback
 
 logger = get_logger(__name__)
 
@@ -293,7 +294,7 @@ class UnitScheduler:
     def _hook_pre_backward(self, index: int, grad: torch.Tensor) -> None:
         """A gradient hook on unit ``index``'s forward outputs: the backward pass reached the unit, gather it."""
         unit = self.units[index]
-        if self.phase is Phase.BACKWARD and torch._C._current_graph_task_id() != self._graph_task:
+        if self.phase is Phase.BACKWARD and graph_task_id() != self._graph_task:
             raise RuntimeError(FAILED_PASS_MESSAGE)
         if self.phase is not Phase.BACKWARD:
             self._begin_backward()
@@ -333,13 +334,13 @@ class UnitScheduler:
             self._end_pass(Phase.FORWARD, _END_FORWARD)
         self._secondary_window = False  # backward releases drop the secondary partitions
         self.phase = Phase.BACKWARD
-        self._graph_task = torch._C._current_graph_task_id()
+        self._graph_task = graph_task_id()
         self._pass = _Pass(self.orders[Phase.BACKWARD], True)
         self._carry = set()  # units carried into this pass are its own now
         self._backward_seen = set()
         self._finished = set()
         self._finish_from = 0
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        queue_backward_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         self._finish_earlier_units()
