@@ -91,7 +91,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.cpu_ranks < 1:
         parser.error("--cpu-ranks must be a positive number of processes")
     devices = accelerator_count()
-    kind = torch.accelerator.current_accelerator().type if devices else "cuda"
+    accelerator = torch.accelerator.current_accelerator() if devices else None  # None on a CPU-only torch build
+    kind = accelerator.type if accelerator is not None else "cuda"
     where = job_placement(devices, cpu_ranks=args.cpu_ranks, kind=kind, cpu=cpu_requested())
     sys.stdout.write(f"{where.nproc} {'cpu' if where.cpu else 'gpu'} {where.sentence}\n")
 
