@@ -3,7 +3,7 @@
 ``python -m hfzero.testing.gpu_check --device cpu --quick`` runs every section's code on CPU / gloo with
 tiny sizes: the world-1 matrix (12 of its 48 cases) against plain AdamW, 2 gloo ranks (parity, prefetch
 trace, host syncs charged to their owners by the CPU census), the fake-world memory check (each stage in its
-own process, the gather pool serving every gather, the engine freed), a Trainer script under ``hfzero run
+own process, stage 3 gathering every step with its unit buffers empty after it, the engine freed), a Trainer script under ``hfzero run
 --zero_profile_dir`` with the dashboard rendering its profile, and the step-time table (each system in its
 own process); the CUDA-only section skips with its reason. The runner records a section that fails, hangs
 past its limit, cannot start before the run's deadline or does not exist, writes every check to
@@ -47,8 +47,8 @@ def test_quick_cpu_run_passes_every_cpu_section(tmp_path: Path) -> None:
     names = {name: [c["name"] for c in status[name]["checks"]] for name in status}
     assert status["fake_memory"]["figures"]["summary"]["stage 3"]["num_params"] > 0
     assert sum("the engine is freed" in n for n in names["fake_memory"]) == 3
-    assert any("gather pool served every gather" in n for n in names["fake_memory"])
-    assert status["fake_memory"]["figures"]["summary"]["stage 3"]["pool_served_per_step"] > 0
+    assert any("every step gathers and the unit buffers" in n for n in names["fake_memory"])
+    assert status["fake_memory"]["figures"]["summary"]["stage 3"]["gathers_per_step"] > 0
     syncs = status["shared_device"]["figures"]["host_syncs"]
     assert set(syncs) == {"stage3-acc1", "stage3-acc2"}
     assert syncs["stage3-acc2"]["by_owner_per_step"].get("transformers", 0) >= 2  # the model's, charged to it
