@@ -10,7 +10,7 @@ What the returned module is (the same object ``prepare`` returned, its class and
   get back the function the user enabled), the tiled MLP, the engine's and stage 3's hooks, and what the
   wrappers recorded (sequence parallelism's attention and hooks);
 - the engine lets go of everything it held (flat buffers, master weights, optimizer states, offload host
-  buffers, the gather pool, quantized collectives' buffers): once the caller's last reference to it goes, so
+  buffers, stage 3's unit buffers, quantized collectives' buffers): once the caller's last reference to it goes, so
   does its memory. The ZeroOptimizer stays an object but raises ``UNPREPARED`` at any use.
 Not undone: what is the model's parallel layout rather than ZeRO's (tensor or expert parallelism's DTensor
 parameters, each rank its shard, as transformers' own tp_plan loading leaves them) and ``compile_regions``.

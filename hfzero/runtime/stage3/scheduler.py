@@ -13,7 +13,7 @@ size (a decoder block of a 1B-parameter model, ~61M elements, is larger than any
 it on demand would serialize every gather with compute), and the units after it within
 ``allgather_bucket_size`` elements of not-yet-used gathered units. So at most the root, the unit in use
 and max(the next unit, the budget) are gathered at once: root + the two largest other units when every
-unit is larger than the budget (the gather pool's limit, the estimator's and the profile's transient).
+unit is larger than the budget (the estimator's and the profile's transient).
 A pass that departs from the recorded order stops prefetching (the rest is gathered on demand) and
 becomes the new recorded order; prefetched units it did not use are released when the pass ends.
 A submodule of a unit called on its own (``model.get_encoder()(...)``, ``lm_head(h)``, an embedding

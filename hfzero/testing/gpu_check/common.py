@@ -60,7 +60,7 @@ SECTIONS: tuple[SectionSpec, ...] = (
                                    "against plain AdamW"),
     SectionSpec("fake_memory", 90, 600, "rank 0 of a fake world of 8, ~350M parameters, each stage in its own "
                                         "process: model states vs the formula, peaks falling with the stage, the "
-                                        "gather pool serving every gather, the engine freed"),
+                                        "stage 3 gathering every step with its unit buffers empty after it, the engine freed"),
     SectionSpec("trainer_profile", 60, 600, "an unmodified Trainer script under `hfzero run --zero_profile_dir`: "
                                             "profile fields, dashboard renders (where streamlit is installed)"),
     SectionSpec("step_time", 100, 900, "step time at world 1, each system in its own process: hfzero stages 0-3, "
