@@ -286,10 +286,13 @@ class GradientReducer:
 
     # ---- hooks ----------------------------------------------------------------------------------
     def _on_grad(self, param: nn.Parameter) -> None:
-        grad = None if param.grad is None else local_tensor(param.grad)
-        param.grad = None
+        # the hot path: one call per parameter per backward, so no work here that a parameter does not need
+        grad = param.grad
         if grad is None:
             return
+        param.grad = None
+        if type(grad) is not torch.Tensor:  # a DTensor's gradient (tensor parallelism): its local shard
+            grad = local_tensor(grad)
         if self._in_backward and graph_task_id() != self._graph_task:
             raise RuntimeError(FAILED_PASS_MESSAGE)
         if not self._in_backward:
@@ -326,12 +329,16 @@ class GradientReducer:
                 view.copy_(grad)
             else:
                 view.add_(grad)
+        elif self.grad_full is None and self.accumulator is None and self.sync:
+            # a staging buffer, zeroed when taken: each slot is written once a pass; one view op (``as_strided``,
+            # shaped like the gradient) instead of two slices and a reshape
+            staging = self._staging.get(index)
+            if staging is None:
+                staging = self._fill_target(self.layout.buckets[index])
+            staging.as_strided(slot.shape, slot.stride, staging.storage_offset() + slot.offset).copy_(grad)
         else:
             dest = self._fill_target(self.layout.buckets[index])[slot.offset: slot.offset + slot.numel]
-            if self.grad_full is None and self.accumulator is None and self.sync:
-                dest.copy_(grad.reshape(-1))  # a staging buffer, zeroed when taken: each slot is written once a pass
-            else:
-                dest.add_(grad.reshape(-1))  # the "local" accumulator: sums over backward passes
+            dest.add_(grad.reshape(-1))  # the "local" accumulator: sums over backward passes
         if not counted:
             self._pending[index] -= 1
             if self._pending[index] == 0 and self.sync and self.overlap and self.launch_on_fill:
