@@ -245,10 +245,14 @@ class UnitScheduler:
         [Note: compiled regions] in runtime/compile.py."""
         enter = WeakHook(self._enter_submodule, unit.index)  # See [Note: engine lifetime]
         eager_enter = eager_hook(enter)
+        # the scheduler's stack of units in use (one list object for its lifetime; ints only, so the hook holds
+        # nothing of the engine): inside the unit's own forward, the common case, the hook returns at once
+        in_use, index = self._in_use, unit.index
 
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             if not torch.compiler.is_compiling():
-                enter(module)
+                if index not in in_use:
+                    enter(module)
             elif probe.numel() == 0:
                 eager_enter(module)
         return hook
