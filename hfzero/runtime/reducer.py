@@ -228,6 +228,8 @@ class GradientReducer:
         """Buckets whose gradients the hooks write straight into the store: every bucket at stages 0-1
         (``grad_full``); at stages 2-3 a bucket its group does not split (one rank: world 1), whose shard
         slice is the whole bucket, so it needs no staging buffer. See [Note: gradient stores]."""
+        self._regions: list[torch.Tensor | None] = [None] * len(layout.buckets)
+        """Each bucket's region of the store, made when first asked for (``_store_region``)."""
         self._valid = [True] * len(layout.buckets)
         """Per bucket: its region of the store holds gradient sums (or zeros) everywhere; False after ``zero()``
         until it is written whole or settled. See [Note: gradient stores]."""
@@ -458,7 +460,7 @@ class GradientReducer:
         self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes() + flat.numel() * self._element)
         self._live += flat.numel()
         self._live_high = max(self._live_high, self._live)
-        return flat[:numel].zero_()
+        return (flat if flat.numel() == numel else flat[:numel]).zero_()  # a pooled buffer of the size: no view
 
     def _give_back(self, buffer: torch.Tensor, copied: torch.cuda.Event | None = None) -> None:
         """Return a staging buffer to the pool, within the high-water mark (see [Note: staging pool]);
@@ -494,7 +496,14 @@ class GradientReducer:
 
     def _store_region(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's region of the gradient store: the whole bucket in ``grad_full`` (stages 0-1), this rank's
-        slice in ``grad_shard`` (stages 2-3)."""
+        slice in ``grad_shard`` (stages 2-3). A view made once per bucket (no memory; the stores are never
+        replaced): a slice op saved per reduction and per settle."""
+        region = self._regions[bucket.index]
+        if region is None:
+            region = self._regions[bucket.index] = self._region_of(bucket)
+        return region
+
+    def _region_of(self, bucket: Bucket) -> torch.Tensor:
         if self.grad_full is not None:
             return self.grad_full[bucket.offset: bucket.offset + bucket.padded]
         return self.grad_shard[bucket.shard_offset: bucket.shard_offset + bucket.chunk]
@@ -571,11 +580,12 @@ class GradientReducer:
         if self.stage == 0:
             handle = comm.all_reduce(source, async_op=True)
         else:
-            lo, hi = bucket.mine()
-            output = source[lo:hi]
             if self.grad_shard is not None and into == _ADD and not self._valid[bucket.index]:
                 output, into = self._store_region(bucket), _DIRECT  # the first sums since zero(): no add
                 self._valid[bucket.index] = True
+            else:
+                lo, hi = bucket.mine()
+                output = source[lo:hi]
             scatter = self.scatter if bucket.partition == 0 else comm  # qgZ covers partition 0 (EP refuses qgZ)
             keyed = {} if scatter is comm else {"key": bucket.index}  # qgZ's error feedback
             handle = scatter.reduce_scatter(output, source, async_op=True, **keyed)
@@ -590,7 +600,7 @@ class GradientReducer:
         if self.stage < 2:
             return
         if self.sink is None and into == _ADD:
-            self.grad_shard[bucket.shard_offset: bucket.shard_offset + bucket.chunk].add_(source[lo:hi])
+            self._store_region(bucket).add_(source[lo:hi])
         staging = self._staging.get(bucket.index)
         if staging is not None and staging.data_ptr() == source.data_ptr():
             self._give_back(self._staging.pop(bucket.index), copied)
