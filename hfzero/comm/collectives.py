@@ -60,7 +60,7 @@ _ALL_GATHER_IMPL = {"gloo": "broadcast", "nccl": "all_gather"}
 
 def _process_group_method(group: Any, name: str) -> Callable[[torch.Tensor, torch.Tensor], Any] | None:
     """``group.<name>`` (the ProcessGroup's own ``all_gather_single`` / ``reduce_scatter_single``, public methods
-    since torch 2.13) when ``group`` has it, else None (the ``torch.distributed`` function is called instead).
+    of the torches that have them: 2.14.1 here) when ``group`` has it, else None (the ``torch.distributed`` function is called instead).
 
     [Note: direct collectives]
     ``dist.all_gather_single`` and ``dist.reduce_scatter_single`` are Python wrappers around the process group's
@@ -71,7 +71,7 @@ def _process_group_method(group: Any, name: str) -> Callable[[torch.Tensor, torc
     plain, real and contiguous, its rank is in its group (``rank >= 0``), and hfzero opens no coalescing context.
     So an asynchronous gather or reduce-scatter calls the group's method with its default options (``asyncOp``
     true, a SUM reduction): the work the wrapper would have launched with ``async_op=True``. Blocking calls and
-    torches without the methods (before 2.13) take the ``torch.distributed`` function; tests/test_collectives_direct.py
+    torches without the methods take the ``torch.distributed`` function; tests/test_collectives_direct.py
     runs both paths on gloo and compares the results."""
     method = getattr(group, name, None) if group is not None else None
     return method if callable(method) else None
