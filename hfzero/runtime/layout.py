@@ -78,6 +78,16 @@ class ParamSlot:
     offset: int
     numel: int
     shape: torch.Size
+    stride: tuple[int, ...] = dataclasses.field(init=False, repr=False)
+    """The contiguous strides of ``shape``: the gradient hook views its flat slot shaped like the parameter in one
+    op (``as_strided``)."""
+
+    def __post_init__(self) -> None:
+        stride, step = [], 1
+        for size in reversed(self.shape):
+            stride.append(step)
+            step *= max(size, 1)
+        self.stride = tuple(reversed(stride))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,7 +56,9 @@ class WeakHook:
         owner = self._owner()
         if owner is None:
             return None
-        return self._function(owner, *self._bound, *args, **kwargs)
+        if self._bound:
+            return self._function(owner, *self._bound, *args, **kwargs)
+        return self._function(owner, *args, **kwargs)  # a gradient hook per parameter: no tuple joined per call
 
     @property
     def alive(self) -> bool:

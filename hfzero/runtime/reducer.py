@@ -228,6 +228,8 @@ class GradientReducer:
         """Buckets whose gradients the hooks write straight into the store: every bucket at stages 0-1
         (``grad_full``); at stages 2-3 a bucket its group does not split (one rank: world 1), whose shard
         slice is the whole bucket, so it needs no staging buffer. See [Note: gradient stores]."""
+        self._regions: list[torch.Tensor | None] = [None] * len(layout.buckets)
+        """Each bucket's region of the store, made when first asked for (``_store_region``)."""
         self._valid = [True] * len(layout.buckets)
         """Per bucket: its region of the store holds gradient sums (or zeros) everywhere; False after ``zero()``
         until it is written whole or settled. See [Note: gradient stores]."""
@@ -286,10 +288,13 @@ class GradientReducer:
 
     # ---- hooks ----------------------------------------------------------------------------------
     def _on_grad(self, param: nn.Parameter) -> None:
-        grad = None if param.grad is None else local_tensor(param.grad)
-        param.grad = None
+        # the hot path: one call per parameter per backward, so no work here that a parameter does not need
+        grad = param.grad
         if grad is None:
             return
+        param.grad = None
+        if type(grad) is not torch.Tensor:  # a DTensor's gradient (tensor parallelism): its local shard
+            grad = local_tensor(grad)
         if self._in_backward and graph_task_id() != self._graph_task:
             raise RuntimeError(FAILED_PASS_MESSAGE)
         if not self._in_backward:
@@ -326,12 +331,16 @@ class GradientReducer:
                 view.copy_(grad)
             else:
                 view.add_(grad)
+        elif self.grad_full is None and self.accumulator is None and self.sync:
+            # a staging buffer, zeroed when taken: each slot is written once a pass; one view op (``as_strided``,
+            # shaped like the gradient) instead of two slices and a reshape
+            staging = self._staging.get(index)
+            if staging is None:
+                staging = self._fill_target(self.layout.buckets[index])
+            staging.as_strided(slot.shape, slot.stride, staging.storage_offset() + slot.offset).copy_(grad)
         else:
             dest = self._fill_target(self.layout.buckets[index])[slot.offset: slot.offset + slot.numel]
-            if self.grad_full is None and self.accumulator is None and self.sync:
-                dest.copy_(grad.reshape(-1))  # a staging buffer, zeroed when taken: each slot is written once a pass
-            else:
-                dest.add_(grad.reshape(-1))  # the "local" accumulator: sums over backward passes
+            dest.add_(grad.reshape(-1))  # the "local" accumulator: sums over backward passes
         if not counted:
             self._pending[index] -= 1
             if self._pending[index] == 0 and self.sync and self.overlap and self.launch_on_fill:
@@ -451,7 +460,7 @@ class GradientReducer:
         self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes() + flat.numel() * self._element)
         self._live += flat.numel()
         self._live_high = max(self._live_high, self._live)
-        return flat[:numel].zero_()
+        return (flat if flat.numel() == numel else flat[:numel]).zero_()  # a pooled buffer of the size: no view
 
     def _give_back(self, buffer: torch.Tensor, copied: torch.cuda.Event | None = None) -> None:
         """Return a staging buffer to the pool, within the high-water mark (see [Note: staging pool]);
@@ -487,7 +496,14 @@ class GradientReducer:
 
     def _store_region(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's region of the gradient store: the whole bucket in ``grad_full`` (stages 0-1), this rank's
-        slice in ``grad_shard`` (stages 2-3)."""
+        slice in ``grad_shard`` (stages 2-3). A view made once per bucket (no memory; the stores are never
+        replaced): a slice op saved per reduction and per settle."""
+        region = self._regions[bucket.index]
+        if region is None:
+            region = self._regions[bucket.index] = self._region_of(bucket)
+        return region
+
+    def _region_of(self, bucket: Bucket) -> torch.Tensor:
         if self.grad_full is not None:
             return self.grad_full[bucket.offset: bucket.offset + bucket.padded]
         return self.grad_shard[bucket.shard_offset: bucket.shard_offset + bucket.chunk]
@@ -564,11 +580,12 @@ class GradientReducer:
         if self.stage == 0:
             handle = comm.all_reduce(source, async_op=True)
         else:
-            lo, hi = bucket.mine()
-            output = source[lo:hi]
             if self.grad_shard is not None and into == _ADD and not self._valid[bucket.index]:
                 output, into = self._store_region(bucket), _DIRECT  # the first sums since zero(): no add
                 self._valid[bucket.index] = True
+            else:
+                lo, hi = bucket.mine()
+                output = source[lo:hi]
             scatter = self.scatter if bucket.partition == 0 else comm  # qgZ covers partition 0 (EP refuses qgZ)
             keyed = {} if scatter is comm else {"key": bucket.index}  # qgZ's error feedback
             handle = scatter.reduce_scatter(output, source, async_op=True, **keyed)
@@ -583,7 +600,7 @@ class GradientReducer:
         if self.stage < 2:
             return
         if self.sink is None and into == _ADD:
-            self.grad_shard[bucket.shard_offset: bucket.shard_offset + bucket.chunk].add_(source[lo:hi])
+            self._store_region(bucket).add_(source[lo:hi])
         staging = self._staging.get(bucket.index)
         if staging is not None and staging.data_ptr() == source.data_ptr():
             self._give_back(self._staging.pop(bucket.index), copied)

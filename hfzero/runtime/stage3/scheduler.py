@@ -245,10 +245,14 @@ class UnitScheduler:
         [Note: compiled regions] in runtime/compile.py."""
         enter = WeakHook(self._enter_submodule, unit.index)  # See [Note: engine lifetime]
         eager_enter = eager_hook(enter)
+        # the scheduler's stack of units in use (one list object for its lifetime; ints only, so the hook holds
+        # nothing of the engine): inside the unit's own forward, the common case, the hook returns at once
+        in_use, index = self._in_use, unit.index
 
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             if not torch.compiler.is_compiling():
-                enter(module)
+                if index not in in_use:
+                    enter(module)
             elif probe.numel() == 0:
                 eager_enter(module)
         return hook
@@ -270,7 +274,8 @@ class UnitScheduler:
         handles.append(module.register_forward_hook(eager_hook(leave), always_call=True))
 
     def _enter(self, unit: GatherUnit) -> None:
-        self._log("forward", unit)
+        if self.events is not None:
+            self._log("forward", unit)
         self._use(unit, forward=True)
         self._in_use.append(unit.index)
 
@@ -284,10 +289,11 @@ class UnitScheduler:
             if hook is None:
                 # See [Note: engine lifetime]: the hook reaches the scheduler weakly
                 hook = self._backward_hooks[unit.index] = WeakHook(self._hook_pre_backward, unit.index)
-            for t in iter_tensors(output):
+            for t in (output,) if isinstance(output, torch.Tensor) else iter_tensors(output):
                 if t.requires_grad:
                     t.register_hook(hook)
-        self._log("forward_end", unit)
+        if self.events is not None:
+            self._log("forward_end", unit)
         if unit.index not in self._in_use and not self.keep_gathered:
             self._release(unit)
 
@@ -306,7 +312,8 @@ class UnitScheduler:
         if unit is not self.root:  # the root's output hooks may sit on a block's output tensor too
             self._finish_earlier_units()
         self._backward_seen.add(unit.index)
-        self._log("backward", unit)
+        if self.events is not None:
+            self._log("backward", unit)
         self._use(unit, forward=False)
 
     def _finish_earlier_units(self) -> None:
@@ -325,7 +332,8 @@ class UnitScheduler:
             if self.on_unit_done is not None:
                 self.on_unit_done(unit)
             if not self.keep_gathered:
-                self._log("release", unit)
+                if self.events is not None:
+                    self._log("release", unit)
                 self._release(unit)
 
     # ---- passes ---------------------------------------------------------------------------------
@@ -389,11 +397,15 @@ class UnitScheduler:
             current.diverged = True
             return
         budget = self.prefetch_numel  # less the gathered units this pass has not used yet
-        for index, other in list(self._gathered.items()):
+        released = None  # entries found sharded: dropped after the scan (no copy of the dict per use)
+        for index, other in self._gathered.items():
             if other.state is UnitState.SHARDED:
-                del self._gathered[index]
+                released = [index] if released is None else released + [index]
             elif index not in current.seen_set:
                 budget -= other.numel
+        if released is not None:
+            for index in released:
+                del self._gathered[index]
         units = self.units
         for ahead in range(len(recorded) - position - 1):
             nxt = units[recorded[position + 1 + ahead]]
