@@ -13,9 +13,12 @@ import torch
 from hfzero.testing import run_distributed
 from hfzero.testing.offload import OffloadCase, train_cases
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA device (pinned memory, copy streams, NCCL); the offload "
-                                       "path itself is tested on CPU in tests/test_offload.py")
+pytestmark = [
+    pytest.mark.cuda,  # run by the GPU check's cuda_tests section (docs/gpu.md)
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs a CUDA device (pinned memory, copy streams, NCCL); the offload "
+                              "path itself is tested on CPU in tests/test_offload.py"),
+]
 
 CASES = [OffloadCase(stage, accumulation, policy, offload=True)
          for stage in (1, 2, 3) for accumulation, policy in ((1, "sharded"), (2, "sharded"), (2, "local"))]
