@@ -24,7 +24,7 @@ backings serves it (``GatherBuffers.kind``):
   allocation can land in it, and the host's peak counts gathered units only (nothing idle stays
   resident). A view kept past release reads zeros until the next gather refills it, never another
   unit's values or freed memory. The cost is the page faults of each gather (one per 4 KiB page touched;
-  docs/stage3.md has the measured figures).
+  docs/stage3.md has measured figures: benchmarks/stage3_buffers.py).
 - "resized" (CUDA, and CPU elsewhere): release resizes the storage to 0 bytes and a gather resizes it
   back (FSDP1's and FSDP2's technique); saved views then see a 0-byte storage (any read raises) until the
   gather refills it. On CUDA the memory comes from the caching allocator, which is the pool: a block
