@@ -207,8 +207,9 @@ class Communicator:
         self.node_crossings = topology.ring_crossings(self.global_ranks, self.ranks_per_node)
         """Ring hops of this group that cross nodes, out of ``world_size``: See [Note: node traffic]."""
         self.backend = str(dist.get_backend(group)) if self.distributed else "none"
-        if "gloo" in self.backend:
-            gloo_exit.install()  # See [Note: gloo teardown abort]
+        if "gloo" in self.backend:  # See [Note: gloo teardown abort]
+            gloo_exit.install()
+            gloo_exit.keep(group if group is not None else dist.group.WORLD)
         if reduce_scatter_impl == "auto":
             via_ar = _REDUCE_SCATTER_VIA_ALL_REDUCE.get(self.backend.split(":")[0], False)
         else:
