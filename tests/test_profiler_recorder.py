@@ -19,6 +19,7 @@ from hfzero.config import ZeroConfig
 from hfzero.planning.estimate import model_states_bytes
 from hfzero.profiler import ZeroProfiler, load_run, summarize
 from hfzero.roles import MemoryRole
+from hfzero.runtime.lifetime import Installed
 from hfzero.testing.spawn import run_distributed
 
 
@@ -67,6 +68,7 @@ class FakeEngine:
         self.held = {MemoryRole.PARAM_FULL: 2 * self.num_params, MemoryRole.MASTER_SHARD: 4 * self.shard,
                      MemoryRole.GRAD_SHARD: 0, MemoryRole.OPTIM_STATE: 0, MemoryRole.GRAD_BUCKET: 0}
         self._backward_end_hooks: list[Callable[[], None]] = []
+        self.installed = Installed()  # what unprepare undoes: the profiler records its stop there
 
     def memory_by_role(self) -> dict[MemoryRole, int]:
         return dict(self.held)
