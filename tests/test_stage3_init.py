@@ -69,11 +69,13 @@ def _rss_case(rank, world, path, warmup):
     model, opt = from_pretrained_sharded(path, _adamw, _config())
     sharded_peak = status("VmHWM") - base
     roles = hfzero.get_engine(model).memory_by_role()
-    del model, opt
+    # the sharded model stays alive meanwhile: freed, its memory would be reused by the whole-model path without
+    # raising the peak (engines are collected since issue 33), and the contrast would measure nothing
     base = reset_peak()
     full = AutoModelForCausalLM.from_pretrained(path)
-    model, opt = hfzero.prepare(full, _adamw(full), _config())
+    whole, whole_opt = hfzero.prepare(full, _adamw(full), _config())
     full_peak = status("VmHWM") - base
+    del whole, whole_opt, model, opt
     return {"sharded_peak": sharded_peak, "full_peak": full_peak,
             "param_shard": roles.get(MemoryRole.PARAM_SHARD, 0), "grad_shard": roles.get(MemoryRole.GRAD_SHARD, 0)}
 
