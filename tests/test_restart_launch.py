@@ -23,7 +23,6 @@ running one launcher per host do not meet this; several launchers starting toget
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
