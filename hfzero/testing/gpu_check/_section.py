@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import sys
 import traceback
 
+from hfzero.logging import get_logger
 from hfzero.testing.gpu_check.common import Checks, Options, SectionSkip
+
+logger = get_logger(__name__)
 
 
 def main(argv: list[str]) -> int:
     name, options, result_path = argv[0], Options.from_json(argv[1]), argv[2]
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # to stderr: the runner keeps it in logs.txt
     checks = Checks(options.out, name)
     outcome: dict = {"figures": {}, "error": None}
     try:
@@ -29,7 +34,7 @@ def main(argv: list[str]) -> int:
         outcome.update(status="skip", error=str(skip))
     except BaseException:  # noqa: BLE001 - the runner reports it; other sections go on
         outcome.update(status="fail", error=traceback.format_exc()[-4000:])
-        print(outcome["error"], file=sys.stderr, flush=True)  # into logs.txt too
+        logger.error("gpu_check section %s failed:\n%s", name, outcome["error"])  # into logs.txt too
     outcome["checks"] = checks.items
     with open(result_path, "w", encoding="utf-8") as f:
         json.dump(outcome, f, default=str)

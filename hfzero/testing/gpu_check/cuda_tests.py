@@ -13,10 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hfzero.logging import get_logger
 from hfzero.testing.gpu_check.common import Checks, Options, SectionSkip
 
 _COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
 MARKER = "pytest.mark.cuda"
+
+logger = get_logger(__name__)
 
 
 def marked_files(tests: Path) -> list[Path]:
@@ -35,7 +38,7 @@ def run(options: Options, checks: Checks) -> dict[str, Any]:
         return {}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfEs",
                            *map(str, files)], capture_output=True, text=True, cwd=tests.parent)
-    print(proc.stdout[-20000:], proc.stderr[-5000:], sep="\n", flush=True)  # into the section's log
+    logger.info("%s\n%s", proc.stdout[-20000:], proc.stderr[-5000:])  # into the section's log
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     counts = {kind.rstrip("s"): int(n) for n, kind in _COUNTS.findall(tail)}
     failed = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]

@@ -34,7 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from hfzero.logging import get_logger
-from hfzero.testing.gpu_check.common import SECTIONS, Options, SectionResult, SectionSpec, append_event
+from hfzero.testing.gpu_check.common import (
+    SECTIONS,
+    Options,
+    SectionResult,
+    SectionSpec,
+    append_event,
+)
 from hfzero.testing.gpu_check.report import write_json, write_markdown
 
 logger = get_logger(__name__)

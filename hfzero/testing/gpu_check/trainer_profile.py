@@ -16,9 +16,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from hfzero.logging import get_logger
 from hfzero.testing.gpu_check.common import Checks, Options, SectionSkip
 
 CUDA_FIELDS = ("allocated", "reserved", "peak_allocated", "peak_reserved")
+
+logger = get_logger(__name__)
 
 
 def run(options: Options, checks: Checks) -> dict[str, Any]:
@@ -39,7 +42,7 @@ def run(options: Options, checks: Checks) -> dict[str, Any]:
         if options.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
         proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=root)
-    print(proc.stdout[-20000:], proc.stderr[-20000:], sep="\n", flush=True)  # into the section's log
+    logger.info("%s\n%s", proc.stdout[-20000:], proc.stderr[-20000:])  # into the section's log
     if not checks.add("hfzero run exits 0", proc.returncode == 0, proc.stderr[-1500:]):
         return {}
     from hfzero.profiler.reader import load_run
