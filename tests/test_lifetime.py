@@ -44,20 +44,11 @@ _device = torch.device("cpu")
 
 # ---- the cases: each builds, trains and deletes, tracking its engine(s) in ``watch`` ------------------------------
 def _train(model, optimizer, rank: int, world: int, steps: int = STEPS) -> list[float]:
-    """``steps`` steps of the causal LM on ``token_batches`` (2 rows per rank); this rank's losses."""
-    from hfzero.testing.models import micro_batches, token_batches
+    """``steps`` steps of the causal LM (``train_causal_lm``: 2 rows per rank); this rank's losses."""
+    from hfzero.testing.models import train_causal_lm
 
     model.train()
-    device = next(model.parameters()).device
-    losses = []
-    for batch in token_batches(steps, 2 * world, SEQ):
-        (ids,) = micro_batches(batch.to(device), rank, world, 1)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_causal_lm(model, optimizer, rank, world, steps, SEQ)
 
 
 def _plain_case(stage: int, kind: str = "gpt2", **config: Any) -> Callable[..., None]:

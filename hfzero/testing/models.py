@@ -86,10 +86,11 @@ def micro_batches(batch: torch.Tensor, rank: int, world_size: int, accumulation:
 def train_causal_lm(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world_size: int,
                     steps: int, seq_len: int) -> list[float]:
     """``steps`` plain steps of a causal LM on ``token_batches`` (2 rows per rank, labels = inputs, no
-    accumulation); this rank's losses."""
+    accumulation) on the device of the model's first parameter; this rank's losses."""
+    device = next(model.parameters()).device
     losses = []
     for batch in token_batches(steps, 2 * world_size, seq_len):
-        (ids,) = micro_batches(batch, rank, world_size, 1)
+        (ids,) = micro_batches(batch.to(device), rank, world_size, 1)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
