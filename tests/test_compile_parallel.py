@@ -9,9 +9,12 @@ trained once eagerly and once compiled, every loss and every final (whole) param
 backend is "aot_eager" (dynamo + AOTAutograd: the layers where guards, graph breaks and the pipeline's
 autograd matter), wrapped to count compiled forward runs so the case cannot pass by compiling nothing;
 inductor's code generation is not what is tested and would cost minutes of compilation on 2 CPU cores.
-TP: tp=2 x dp=1 at stage 1, ``compile_regions`` after ``prepare_tensor_parallel`` and before it, and a
-ZeroAccelerator with tp_size=2 and a dynamo backend (the Trainer's `--torch_compile`): all refused (dynamo
-fails on the DTensor parameters whose local shards live in hfzero's flat buffer; see TP_REFUSAL).
+TP (tp=2 x dp=1), which depends on torch (``TP_COMPILE_TORCH``): from torch 2.14, ``compile_regions`` after
+``prepare_tensor_parallel`` and before it, and ``torch.compile`` of the whole prepared model (stage 1; stage 3:
+whole, and regions compiled before), train as eagerly (every loss and every parameter within 1e-6, compiled code counted as run); a ZeroAccelerator
+with tp_size=2 and a dynamo backend (the Trainer's `--torch_compile`) is refused (not tested yet). Before 2.14 all
+of these are refused, and torch itself still fails on the prepared model compiled anyway (dynamo cannot fake
+DTensor parameters whose local shards live in hfzero's flat buffer; see TP_REFUSAL).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hfzero.runtime.compile import tensor_parallel_compiles
 from hfzero.testing import run_distributed
 from hfzero.testing.compiled import counted_aot_eager
 
@@ -29,6 +33,9 @@ WARMUP = 2
 CLIP = 0.5
 CASES = {"pp2-stage1": 1, "pp2-stage3": 3}  # name: ZeRO stage
 TP_ORDERS = ["after", "before"]
+TP_CASES = {"tp-after": (1, "after"), "tp-before": (1, "before"), "tp-whole": (1, "whole"),
+            "tp-stage3-whole": (3, "whole"), "tp-stage3-before": (3, "before")}  # name: (ZeRO stage, how the model is compiled)
+TP_COMPILES = tensor_parallel_compiles()
 
 
 def _tp_refusal(order: str) -> dict:
@@ -54,6 +61,37 @@ def _tp_refusal(order: str) -> dict:
         except Exception as error:  # noqa: BLE001 - recorded: the test checks it is dynamo's fake-tensor failure
             torch_error = str(error)
     return {"refusal": refusal, "torch_error": torch_error}
+
+
+def _tp_train(stage: int, how: str, backend) -> dict:
+    """A tp=2 model trained STEPS steps: eagerly (``backend`` None), or compiled ``how``: "after" / "before"
+    (``compile_regions`` after or before ``prepare_tensor_parallel``), "whole" (``torch.compile`` of the prepared
+    model). Returns the losses and every parameter whole (gathered over tp, and over dp at stage 3)."""
+    import hfzero
+    from hfzero.parallel.tensor import prepare_tensor_parallel
+    from hfzero.testing.models import tiny_causal_lm, token_batches
+
+    model = tiny_causal_lm("llama")
+    if backend is not None and how == "before":
+        hfzero.compile_regions(model, backend=backend)
+    model, optimizer, _ = prepare_tensor_parallel(
+        model, lambda params: torch.optim.AdamW(params, lr=1e-2),
+        hfzero.ZeroConfig(stage=stage, tp_size=2, dtype="fp32", param_persistence_threshold=0))
+    forward = model
+    if backend is not None and how == "after":
+        hfzero.compile_regions(model, backend=backend)
+    elif backend is not None and how == "whole":
+        forward = torch.compile(model, backend=backend)
+    losses = []
+    for batch in token_batches(STEPS, 4, 16):
+        loss = forward(input_ids=batch, labels=batch).loss
+        optimizer.backward(loss)
+        optimizer.clip_grad_norm_(CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    params = {k: v.clone() for k, v in hfzero.full_state_dict(model, rank0_only=False).items()}
+    return {"losses": losses, "params": params}
 
 
 def _pp(rank: int, stage: int, backend):
@@ -115,8 +153,16 @@ def _cases(rank: int, world: int) -> dict:
         compiled["graph_calls"] = calls["graphs"] - before
         compiled["breaks"] = [reason.split("\n")[0] for reason, n in counters["graph_break"].items() for _ in range(n)]
         out[name] = {"eager": eager, "compiled": compiled}
-    for order in TP_ORDERS:
-        out[f"tp-{order}"] = _tp_refusal(order)
+    if TP_COMPILES:
+        for name, (stage, how) in TP_CASES.items():
+            eager = _tp_train(stage, how, None)
+            before = calls["graphs"]
+            compiled = _tp_train(stage, how, backend)
+            compiled["graph_calls"] = calls["graphs"] - before
+            out[name] = {"eager": eager, "compiled": compiled}
+    else:
+        for order in TP_ORDERS:
+            out[f"tp-{order}"] = _tp_refusal(order)
     out["tp-accelerate"] = _accelerate_refusal()  # last: it creates accelerate's process-wide state
     return out
 
@@ -138,19 +184,22 @@ def results() -> list[dict]:
     return run_distributed(_cases, 2, timeout=600)
 
 
+def _assert_trains_as_eagerly(rank: int, eager: dict, compiled: dict, min_graph_calls: int) -> None:
+    assert compiled["graph_calls"] >= min_graph_calls, f"rank {rank}: compiled code did not run"
+    assert len(eager["losses"]) == STEPS
+    torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), atol=1e-6,
+                               rtol=0, msg=lambda m: f"rank {rank} losses: {m}")
+    assert sorted(compiled["params"]) == sorted(eager["params"])
+    for key, value in eager["params"].items():
+        torch.testing.assert_close(compiled["params"][key], value, atol=1e-6, rtol=0,
+                                   msg=lambda m: f"rank {rank} parameter {key}: {m}")
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_compiled_training_equals_eager(results: list[dict], name: str) -> None:
     for rank, out in enumerate(results):
-        eager, compiled = out[name]["eager"], out[name]["compiled"]
         # per step: this rank's 1 block, once per micro-batch (pp=2, 2 micro-batches)
-        assert compiled["graph_calls"] >= 2 * STEPS, f"rank {rank}: compiled code did not run"
-        assert len(eager["losses"]) == STEPS
-        torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), atol=1e-6,
-                                   rtol=0, msg=lambda m: f"rank {rank} losses: {m}")
-        assert sorted(compiled["params"]) == sorted(eager["params"])
-        for key, value in eager["params"].items():
-            torch.testing.assert_close(compiled["params"][key], value, atol=1e-6, rtol=0,
-                                       msg=lambda m: f"rank {rank} parameter {key}: {m}")
+        _assert_trains_as_eagerly(rank, out[name]["eager"], out[name]["compiled"], 2 * STEPS)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -163,17 +212,35 @@ def test_no_graph_break_and_no_recompile_after_warmup(results: list[dict], name:
         assert compiled["new_graphs_after_warmup"] == 0, f"rank {rank}: new graphs after step {WARMUP}"
 
 
-@pytest.mark.parametrize("order", [*TP_ORDERS, "accelerate"])
+@pytest.mark.skipif(not TP_COMPILES, reason=f"torch {torch.__version__} cannot compile hfzero's tensor-parallel "
+                    "blocks (TP_COMPILE_TORCH); the refusal is tested instead")
+@pytest.mark.parametrize("name", list(TP_CASES))
+def test_compiled_tensor_parallel_equals_eager(results: list[dict], name: str) -> None:
+    for rank, out in enumerate(results):
+        _assert_trains_as_eagerly(rank, out[name]["eager"], out[name]["compiled"], STEPS)
+
+
+@pytest.mark.skipif(TP_COMPILES, reason=f"torch {torch.__version__} compiles hfzero's tensor-parallel blocks: "
+                    "parity is tested instead")
+@pytest.mark.parametrize("order", TP_ORDERS)
 def test_compiling_tensor_parallel_blocks_is_refused(results: list[dict], order: str) -> None:
     for rank, out in enumerate(results):
         error = out[f"tp-{order}"]["refusal"]
         assert error is not None, f"rank {rank}: compiling TP blocks {order} prepare was not refused"
-        assert "tensor-parallel blocks" in error and "Train tensor parallelism eagerly" in error, error
+        assert "needs torch>=2.14" in error and "train tensor parallelism eagerly" in error, error
 
 
-def test_torch_still_fails_on_hfzero_dtensor_parameters(results: list[dict]) -> None:
-    """Why TP is refused: the prepared TP model compiled anyway fails in dynamo. When a torch release makes
-    this pass, lift the refusal (hfzero.runtime.compile.check_no_tensor_parallel) and test parity instead."""
+def test_the_accelerator_refuses_tensor_parallel_with_a_dynamo_backend(results: list[dict]) -> None:
+    """The Trainer's `--torch_compile` with tp_size > 1: refused on every torch, saying what to do instead."""
+    wanted = "compile_regions(model) after prepare_tensor_parallel" if TP_COMPILES else "needs torch>=2.14"
+    for rank, out in enumerate(results):
+        error = out["tp-accelerate"]["refusal"]
+        assert error is not None and wanted in error, f"rank {rank}: {error}"
+
+
+@pytest.mark.skipif(TP_COMPILES, reason=f"torch {torch.__version__} compiles hfzero's tensor-parallel blocks")
+def test_torch_before_2_14_fails_on_hfzero_dtensor_parameters(results: list[dict]) -> None:
+    """Why TP is refused before torch 2.14: the prepared TP model compiled anyway fails in dynamo."""
     for rank, out in enumerate(results):
         error = out["tp-after"]["torch_error"]
         assert error is not None and "different device" in error, f"rank {rank}: {error}"

@@ -177,10 +177,14 @@ class ZeroAccelerator(Accelerator):
                               "launch with `hfzero run` or plain torchrun instead")
         dynamo = getattr(getattr(self.state.dynamo_plugin, "backend", None), "value", "NO")
         if self.zero_config.tp_size > 1 and str(dynamo).upper() != "NO":
-            from hfzero.runtime.compile import TP_REFUSAL
+            from hfzero.runtime.compile import TP_REFUSAL, tensor_parallel_compiles
 
+            why = ("the accelerator's whole-model compile of a tensor-parallel model is not tested yet; compile "
+                   "through the API instead (hfzero.compile_regions(model) after prepare_tensor_parallel, "
+                   "docs/compile.md), or train without --torch_compile") if tensor_parallel_compiles() \
+                else TP_REFUSAL.format(version=torch.__version__)
             raise ConfigError(f"ZeroAccelerator: tp_size={self.zero_config.tp_size} with torch.compile (dynamo "
-                              f"backend {dynamo}; --torch_compile): " + TP_REFUSAL.format(version=torch.__version__))
+                              f"backend {dynamo}; --torch_compile): {why}")
         self.pipeline_config = pipeline_config if pipeline_config is not None and pipeline_config.pp_size > 1 \
             else None
         if self.pipeline_config is not None and self.zero_config.tp_size > 1:

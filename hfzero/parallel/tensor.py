@@ -115,9 +115,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: TensorMesh) -> nn.Module:
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from hfzero.runtime.compile import TP_REFUSAL, is_compiled
+    from hfzero.runtime.compile import TP_REFUSAL, is_compiled, tensor_parallel_compiles
 
-    if is_compiled(model):  # every rank holds the same model: all raise together
+    if not tensor_parallel_compiles() and is_compiled(model):  # every rank holds the same model: all raise together
         raise ConfigError("hfzero tensor parallelism: the model is compiled (torch.compile or "
                           "hfzero.compile_regions); " + TP_REFUSAL.format(version=torch.__version__))
     planned = tp_plan(model)

@@ -104,17 +104,36 @@ def compile_regions(model: nn.Module, names: list[str] | None = None, **compile_
     return model
 
 
-TP_REFUSAL = ("torch.compile of tensor-parallel blocks under hfzero is not supported: hfzero keeps each DTensor "
-              "parameter's local shard in its flat buffer, and dynamo (torch {version}) fails to fake such a DTensor "
-              "('Attempted to set the storage of a tensor on device \"cpu\" to a storage on different device "
-              "\"meta\"'). Train tensor parallelism eagerly (tp_size=1 to compile, or do not compile), or use "
-              "pipeline parallelism with compile_regions(pipe.module)")
+TP_COMPILE_TORCH = (2, 14)
+"""The first torch release whose dynamo compiles blocks with hfzero's DTensor (tensor-parallel) parameters.
+hfzero keeps each DTensor parameter's local shard in its flat buffer; dynamo in torch 2.11 and 2.13 fails to fake
+such a DTensor ('Attempted to set the storage of a tensor on device "cpu" to a storage on different device
+"meta"'), torch 2.14.1 compiles it and trains as eagerly (tests/test_compile_parallel.py checks both sides)."""
+
+TP_REFUSAL = ("torch.compile of tensor-parallel blocks under hfzero needs torch>=2.14, found torch {version}: "
+              "hfzero keeps each DTensor parameter's local shard in its flat buffer, and dynamo before 2.14 fails "
+              "to fake such a DTensor ('Attempted to set the storage of a tensor on device \"cpu\" to a storage on "
+              "different device \"meta\"'). Upgrade torch (pip install 'torch>=2.14'), train tensor parallelism "
+              "eagerly (tp_size=1 to compile, or do not compile), or use pipeline parallelism with "
+              "compile_regions(pipe.module)")
+
+
+def tensor_parallel_compiles(version: str | None = None) -> bool:
+    """Whether torch ``version`` (default: the one imported) compiles hfzero's tensor-parallel blocks
+    (``TP_COMPILE_TORCH``); an unreadable version is taken as new enough."""
+    from hfzero.version import torch_release
+
+    release = torch_release(torch.__version__ if version is None else version)
+    return release is None or release >= TP_COMPILE_TORCH
 
 
 def check_no_tensor_parallel(model: nn.Module, names: list[str]) -> None:
-    """Refuse compiling blocks with DTensor (tensor-parallel) parameters; see docs/compile.md."""
+    """Refuse compiling blocks with DTensor (tensor-parallel) parameters on a torch that cannot
+    (``tensor_parallel_compiles``); see docs/compile.md."""
     from torch.distributed.tensor import DTensor
 
+    if tensor_parallel_compiles():
+        return
     modules = dict(model.named_modules())
     if any(isinstance(p, DTensor) for name in names for p in modules[name].parameters()):
         raise ConfigError("hfzero.compile_regions: " + TP_REFUSAL.format(version=torch.__version__))
