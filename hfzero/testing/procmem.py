@@ -2,11 +2,14 @@
 
 ``status("VmHWM")`` is the peak resident set since the process started or since the last
 ``reset_peak()`` (which writes 5 to /proc/self/clear_refs: VmHWM := VmRSS now). Linux only; callers
-skip where /proc is missing. Holds nothing.
+skip where /proc is missing. ``heap_in_use()`` is what the C heap holds live (glibc's ``mallinfo2``): unlike
+the resident set it drops when memory is freed, so two runs' live bytes can be set against their role bytes.
+Holds nothing.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import struct
@@ -40,3 +43,20 @@ def resident_in_range(address: int, nbytes: int) -> int:
         raw = f.read((last - first + 1) * 8)
     present = sum(1 for (entry,) in struct.iter_unpack("<Q", raw) if entry >> 63)
     return present * page
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_in_use() -> int | None:
+    """Bytes the C heap holds for live allocations now, over every arena: chunks in use plus mmapped blocks
+    (glibc's ``mallinfo2``: uordblks + hblkhd); None where it is missing (not glibc, or glibc < 2.33)."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd)
