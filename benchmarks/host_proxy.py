@@ -22,10 +22,10 @@ steps of every system in turn, the order rotated from round to round, so machine
   the two param groups a Trainer builds (the CPU engine steps it with torch's fused kernel,
   runtime/host_step.py). Stage 3 keeps parameters below ``--persistence`` elements whole: the default 1000
   gathers every matrix (wte and wpe included) and keeps every vector whole, the split the default
-  threshold (100k) makes on GPT-2 124M, whose step the first GPU run timed. ``--stage3-buffers`` picks the
-  unit buffers' backing ([Note: stage-3 gather buffers]): "auto" (system ``zero3``) is "mapped" on this
-  Linux CPU (a ``madvise`` per release, page faults per gather), "resized" (``zero3-resized``) is the path a
-  CUDA rank takes (``resize_`` through the allocator), the one whose host cost a GPU step pays.
+  threshold (100k) makes on GPT-2 124M, whose step the first GPU run timed. ``--stage3-buffers`` lists the
+  unit buffers' backings to run ([Note: stage-3 gather buffers]; ``ZeroConfig.stage3_buffers``): "default"
+  (system ``zero3``: "resized", a CUDA rank's path too) and "mapped" (``zero3-mapped``, opt-in on Linux CPU
+  ranks: a ``madvise`` per release, a page fault per page per gather).
 
 Every system runs ``loss.backward()`` as an ordinary script does. Reported per system: the median over
 rounds of the round's median step (wall ms and process CPU ms), and the median over rounds of the ratio
@@ -36,7 +36,7 @@ wall time; the CPU time of a one-thread process (``--threads 1``, default) is st
 
     python benchmarks/host_proxy.py [--rounds 7] [--steps 5] [--warmup 3] [--stages 0,1,2,3]
         [--baselines plain,fsdp2] [--world 8] [--dtype bf16] [--layers 24] [--hidden 32] [--tokens 8]
-        [--persistence 1000] [--stage3-buffers auto,resized] [--compile none|regional] [--threads 1] [--json OUT]
+        [--persistence 1000] [--stage3-buffers default,mapped] [--compile none|regional] [--threads 1] [--json OUT]
 """
 
 from __future__ import annotations
@@ -73,25 +73,6 @@ def _compile(model: torch.nn.Module, args: argparse.Namespace) -> None:
         hfzero.compile_regions(model)
 
 
-@contextlib.contextmanager
-def _buffer_kind(kind: str | None):
-    """Stage 3's unit buffers made with backing ``kind`` while this is open (None: the engine's choice)."""
-    from hfzero.runtime.stage3 import buffers
-
-    if kind is None:
-        yield
-        return
-    if kind not in (buffers.MAPPED, buffers.RESIZED):
-        raise ValueError(f"unknown stage-3 buffer kind {kind!r}")
-    saved = buffers.mapped_supported
-    if kind == buffers.RESIZED:
-        buffers.mapped_supported = lambda device: False  # GatherBuffers then picks "resized"
-    try:
-        yield
-    finally:
-        buffers.mapped_supported = saved
-
-
 def build(system: str, args: argparse.Namespace) -> Callable[[torch.Tensor], None]:
     """One training step of ``system`` on a batch of token ids: forward, backward, step, zero_grad."""
     dtype = DTYPES[args.dtype]
@@ -122,11 +103,10 @@ def build(system: str, args: argparse.Namespace) -> Callable[[torch.Tensor], Non
         stage, _, kind = system.removeprefix("zero").partition("-")
         stage = int(stage)
         extra = {"param_persistence_threshold": args.persistence} if stage == 3 else {}
-        config = hfzero.ZeroConfig(stage=stage, dtype=args.dtype, **extra)
-        with _buffer_kind(kind or None):
-            model, optimizer = hfzero.prepare(model, torch.optim.AdamW(param_groups(model), lr=1e-4), config)
         if kind:
-            assert hfzero.get_engine(model).gather_buffers.kind == kind, system
+            extra["stage3_buffers"] = kind
+        config = hfzero.ZeroConfig(stage=stage, dtype=args.dtype, **extra)
+        model, optimizer = hfzero.prepare(model, torch.optim.AdamW(param_groups(model), lr=1e-4), config)
         _compile(model, args)
     else:
         raise ValueError(f"unknown system {system!r}")
@@ -148,7 +128,7 @@ def systems_of(args: argparse.Namespace) -> list[str]:
         if stage != "3":
             names.append(f"zero{stage}")
             continue
-        names += [f"zero3-{kind}" if kind != "auto" else "zero3" for kind in args.stage3_buffers.split(",")]
+        names += [f"zero3-{kind}" if kind != "default" else "zero3" for kind in args.stage3_buffers.split(",")]
     return names
 
 
@@ -205,9 +185,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=8, help="sequence length (batch 1)")
     parser.add_argument("--persistence", type=int, default=1000, help="stage 3's param_persistence_threshold")
-    parser.add_argument("--stage3-buffers", default="auto",
-                        help="stage 3's unit-buffer backings, comma-separated, of auto, mapped, resized (one system "
-                             "each: zero3, zero3-mapped, zero3-resized)")
+    parser.add_argument("--stage3-buffers", default="default",
+                        help="stage 3's unit-buffer backings, comma-separated, of default, mapped, resized (one "
+                             "system each: zero3, zero3-mapped, zero3-resized)")
     parser.add_argument("--compile", choices=["none", "regional"], default="none")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--json", help="write the report here")
@@ -215,9 +195,9 @@ def main() -> None:
     unknown = [b for b in args.baselines.split(",") if b and b not in BASELINES]
     if unknown:
         parser.error(f"unknown baselines {unknown}; choose from {', '.join(BASELINES)}")
-    kinds = [k for k in args.stage3_buffers.split(",") if k not in ("auto", "mapped", "resized")]
+    kinds = [k for k in args.stage3_buffers.split(",") if k not in ("default", "mapped", "resized")]
     if kinds:
-        parser.error(f"unknown --stage3-buffers {kinds}; choose from auto, mapped, resized")
+        parser.error(f"unknown --stage3-buffers {kinds}; choose from default, mapped, resized")
     if args.backend == "gloo" and args.world != 1:
         parser.error("--backend gloo runs one process: use --world 1")
     if args.compile == "regional" and args.warmup < 2:

@@ -1,9 +1,10 @@
 """Stage 3's two unit-buffer backings side by side: step time and host peak (issue 33 item 1).
 
 [Note: stage-3 gather buffers] (hfzero/runtime/stage3/buffers.py) gives each unit one storage for the engine's
-lifetime, with memory only while gathered: "mapped" (CPU ranks on Linux: an anonymous private mapping whose pages
-go back to the kernel with madvise at release, so no allocator call per gather; each gather faults its pages in)
-or "resized" (CUDA, and the host fallback: the storage resized to 0 bytes and back, through the allocator). This
+lifetime, with memory only while gathered (``ZeroConfig.stage3_buffers``): "resized" (the default, on CUDA and the
+host: the storage resized to 0 bytes and back, through the allocator) or "mapped" (opt-in on Linux CPU ranks: an
+anonymous private mapping whose pages go back to the kernel with madvise at release, so no allocator call per
+gather; each gather faults its pages in). This
 runs the same stage-3 job with each, 2 gloo ranks, GPT-2 of 5.3M parameters (as tests/test_memory_flat.py),
 every parameter partitioned (``param_persistence_threshold=0``), AdamW, ``--steps`` steps, each backing in a
 fresh 2-rank spawn, in alternating order over ``--rounds`` rounds. Per rank 0 and run: the median step time after
@@ -34,10 +35,8 @@ VOCAB = 8192
 
 
 def _rank(rank: int, world: int, kind: str, steps: int, warm: int) -> dict[str, Any]:
-    if kind == buffers.RESIZED:
-        buffers.mapped_supported = lambda device: False  # this spawned process only: the fallback
     model = tiny_causal_lm("gpt2", hidden=256, layers=4, vocab=VOCAB, positions=128)  # 5.3M parameters
-    config = hfzero.ZeroConfig(stage=3, param_persistence_threshold=0)
+    config = hfzero.ZeroConfig(stage=3, param_persistence_threshold=0, stage3_buffers=kind)
     model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
     engine = hfzero.get_engine(model)
     with open("/proc/self/clear_refs", "w", encoding="ascii") as f:

@@ -43,8 +43,7 @@ def test_mapped_unit_buffer_hands_pages_back_and_keeps_saved_views():
     """[Note: stage-3 gather buffers], "mapped": the storage never changes; release hands every page back
     (a view autograd would keep reads zeros, never freed or foreign memory) and the next gather refills the
     same storage, which the view sees."""
-    buffers = GatherBuffers(torch.float32, torch.device("cpu"))
-    assert buffers.kind == "mapped"
+    buffers = GatherBuffers(torch.float32, torch.device("cpu"), kind="mapped")  # ZeroConfig.stage3_buffers
     buffer = buffers.make(1 << 20)  # 4 MiB
     buffer.release()
     full, address = buffer.tensor, buffer.tensor.data_ptr()
@@ -60,10 +59,10 @@ def test_mapped_unit_buffer_hands_pages_back_and_keeps_saved_views():
     assert full.data_ptr() == address and saved[1].tolist() == [10.0, 50.0]
 
 
-def test_resized_unit_buffer_fallback():
-    """"resized" (CUDA, and the host where mapped buffers are unsupported): release leaves the storage, and
-    every view of it, at 0 bytes; the next gather refills the same storage."""
-    buffer = GatherBuffers(torch.float32, torch.device("cpu"), kind="resized").make(8)
+def test_resized_unit_buffer_is_the_default():
+    """"resized" (the default, on CUDA and the host): release leaves the storage, and every view of it, at 0
+    bytes; the next gather refills the same storage."""
+    buffer = GatherBuffers(torch.float32, torch.device("cpu")).make(8)
     buffer.release()
     full = buffer.tensor
     assert buffer.kind == "resized" and full.untyped_storage().nbytes() == 0

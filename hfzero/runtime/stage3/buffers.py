@@ -14,9 +14,9 @@ training forward (``weight.t()`` in a linear layer). Those saved views hold the 
 Only the storage's own memory can change under a live storage object: publicly by ``resize_`` (through
 the allocator the storage was made with) or, for memory hfzero maps itself, by handing its pages back to
 the kernel. So a unit's storage is made once, at construction, and never replaced, and one of two
-backings serves it (``GatherBuffers.kind``):
+backings serves it (``GatherBuffers.kind``, ``ZeroConfig.stage3_buffers``):
 
-- "mapped" (CPU ranks on Linux): the storage wraps an anonymous private mapping of the unit's size that
+- "mapped" (opt-in, CPU ranks on Linux): the storage wraps an anonymous private mapping of the unit's size that
   hfzero owns (``mmap``, ``torch.frombuffer``). Release is ``madvise(MADV_DONTNEED)``: the kernel takes
   the physical pages back at once (the process's resident memory drops by the unit) and the address
   range stays the unit's; the next gather's writes fault zero-filled pages in. No allocator is ever
@@ -25,12 +25,21 @@ backings serves it (``GatherBuffers.kind``):
   resident). A view kept past release reads zeros until the next gather refills it, never another
   unit's values or freed memory. The cost is the page faults of each gather (one per 4 KiB page touched;
   docs/stage3.md has measured figures: benchmarks/stage3_buffers.py).
-- "resized" (CUDA, and CPU elsewhere): release resizes the storage to 0 bytes and a gather resizes it
+- "resized" (the default, every device): release resizes the storage to 0 bytes and a gather resizes it
   back (FSDP1's and FSDP2's technique); saved views then see a 0-byte storage (any read raises) until the
   gather refills it. On CUDA the memory comes from the caching allocator, which is the pool: a block
   freed by a release is reused by the next allocation of its size on the same stream, with no
-  ``cudaMalloc`` after the first step. On the host it is glibc (the fallback where there is no
-  ``madvise``): correct, but item 3 does not hold there (tests/test_stage3_gather_buffers.py runs both).
+  ``cudaMalloc`` after the first step. On the host it is glibc: item 3 holds only as far as glibc reuses
+  the freed block (tests/test_memory_flat.py checks the peak stays flat over 12 steps; it does, within 2%).
+
+Why "resized" is the default on the host too (wave 4): measured side by side, it is the faster backing
+and the host peak it gives is within 2% of the mapped one's. On 2 CPU ranks with a 5.3M GPT-2, every
+parameter partitioned (benchmarks/stage3_buffers.py), "mapped" took a third more step time than
+"resized" for a peak 1-2% lower; on the host-overhead proxy (benchmarks/host_proxy.py, rank 0 of a fake
+world of 8) stage 3 cost about 1.4 x a plain loop's host time with "mapped" and 1.05 x with "resized".
+A mapped gather faults in every page of the unit (the kernel zeroes each), and each release is a
+``madvise`` system call; ``resize_`` hands glibc a block it reuses warm. "resized" is also the path of a
+CUDA rank, so the CPU figures speak for the GPU's. tests/test_stage3_gather_buffers.py trains both.
 
 Stream order on CUDA ("resized"): the hooks run on the compute stream, so a gather's ``resize_`` takes a
 block of the compute stream's pool, and ProcessGroupNCCL makes its stream wait for the compute stream
@@ -49,6 +58,7 @@ import sys
 
 import torch
 
+from hfzero.config import ConfigError
 from hfzero.logging import get_logger
 
 logger = get_logger(__name__)
@@ -112,12 +122,15 @@ class GatherBuffers:
     ``kind``: "mapped" or "resized" (see [Note: stage-3 gather buffers]). Holds no memory itself.
     """
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, kind: str | None = None):
+    def __init__(self, dtype: torch.dtype, device: torch.device, kind: str = RESIZED):
         self.dtype = dtype
         self.device = device
-        self.kind = kind or (MAPPED if mapped_supported(device) else RESIZED)
-        if self.kind == MAPPED and not mapped_supported(device):
-            raise ValueError(f"stage 3: mapped gather buffers need a CPU device on Linux, not {device}")
+        self.kind = kind
+        if kind not in (MAPPED, RESIZED):
+            raise ConfigError(f'stage 3: unit buffers are "{RESIZED}" or "{MAPPED}", not {kind!r}')
+        if kind == MAPPED and not mapped_supported(device):
+            raise ConfigError(f'stage3_buffers="mapped" needs a CPU device on Linux (madvise), not {device} on '
+                              f'{sys.platform}; use stage3_buffers="resized" (the default)')
         logger.debug("stage 3: %s gather buffers on %s", self.kind, device)
 
     def make(self, numel: int) -> UnitBuffer:

@@ -111,7 +111,7 @@ class Stage3Engine(ZeroEngine):
         self._verify_gather_order = verify_gather_order
         super().__init__(model, param_groups, config, comm, device, average_over=average_over,
                          expert_comm=expert_comm, replicate=replicate, grad_reduce=grad_reduce)
-        self.gather_buffers = GatherBuffers(self.policy.param_dtype, device)
+        self.gather_buffers = GatherBuffers(self.policy.param_dtype, device, config.stage3_buffers)
         """Makes the units' full buffers; ``kind`` says their backing (See [Note: stage-3 gather buffers])."""
         self.units = [self._make_unit(spec) for spec in self.unit_specs]
         partitioned_frozen = set(self.frozen_layout.slots)

@@ -6,8 +6,8 @@ every figure is the process's own allocator's), so no stage's figures carry anot
 Checks, per stage: the engine's model-state bytes equal the paper's formula on the padded count
 (hfzero/testing/fake_world.py); the engine is garbage-collected once the model and optimizer are dropped
 (a weak reference: [Note: engine lifetime]); stage 3: every step gathers units (not vacuous) and after each
-step the unit buffers hold nothing (CUDA: "resized" storages at 0 bytes, the caching allocator their pool;
-CPU on Linux: "mapped" buffers with no resident page; See [Note: stage-3 gather buffers]). Across stages:
+step the unit buffers hold nothing ("resized" storages at 0 bytes; on CUDA the caching allocator is their
+pool; See [Note: stage-3 gather buffers]). Across stages:
 model states fall with the stage. On CUDA also: after a step the allocator holds at least the model states
 and at most all the engine's roles plus 256 MiB; the peak reserved is flat from step 2 (no allocator churn
 from the gathers); each stage's peak allocated is below the stage before's; once the engine is freed,
