@@ -33,13 +33,14 @@ backings serves it (``GatherBuffers.kind``, ``ZeroConfig.stage3_buffers``):
   the freed block (tests/test_memory_flat.py checks the peak stays flat over 12 steps; it does, within 2%).
 
 Why "resized" is the default on the host too (wave 4): measured side by side, it is the faster backing
-and the host peak it gives is within 2% of the mapped one's. On 2 CPU ranks with a 5.3M GPT-2, every
-parameter partitioned (benchmarks/stage3_buffers.py), "mapped" took a third more step time than
-"resized" for a peak 1-2% lower; on the host-overhead proxy (benchmarks/host_proxy.py, rank 0 of a fake
-world of 8) stage 3 cost about 1.4 x a plain loop's host time with "mapped" and 1.05 x with "resized".
-A mapped gather faults in every page of the unit (the kernel zeroes each), and each release is a
-``madvise`` system call; ``resize_`` hands glibc a block it reuses warm. "resized" is also the path of a
-CUDA rank, so the CPU figures speak for the GPU's. tests/test_stage3_gather_buffers.py trains both.
+and its host peak is no higher. On 2 CPU ranks with a 5.3M GPT-2, every parameter partitioned
+(benchmarks/stage3_buffers.py), "mapped" took 13% more step time than "resized" for the same peak (953 against
+949 MB); on the host-overhead proxy (benchmarks/host_proxy.py, rank 0 of a fake world of 8) stage 3 cost
+1.20-1.31 x a plain loop's host time with "mapped" and 1.07-1.27 x with "resized". A mapped gather faults in
+every page of the unit (the kernel zeroes each) and each release is a ``madvise`` system call; ``resize_``
+hands glibc a block it reuses warm. "resized" is also a CUDA rank's path, so the CPU figures speak for the
+GPU's. What "mapped" still gives: resident memory between steps lower by the released units (glibc keeps
+freed blocks resident for reuse). tests/test_stage3_gather_buffers.py trains both identically.
 
 Stream order on CUDA ("resized"): the hooks run on the compute stream, so a gather's ``resize_`` takes a
 block of the compute stream's pool, and ProcessGroupNCCL makes its stream wait for the compute stream
