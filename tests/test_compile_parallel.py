@@ -25,7 +25,7 @@ import torch
 
 from hfzero.runtime.compile import tensor_parallel_compiles
 from hfzero.testing import run_distributed
-from hfzero.testing.compiled import counted_aot_eager
+from hfzero.testing.compiled import assert_trains_as_eagerly, counted_aot_eager
 
 pytestmark = pytest.mark.slow
 
@@ -193,22 +193,12 @@ def results() -> list[dict]:
     return run_distributed(_cases, 2, timeout=600)
 
 
-def _assert_trains_as_eagerly(rank: int, eager: dict, compiled: dict, min_graph_calls: int) -> None:
-    assert compiled["graph_calls"] >= min_graph_calls, f"rank {rank}: compiled code did not run"
-    assert len(eager["losses"]) == STEPS
-    torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), atol=1e-6,
-                               rtol=0, msg=lambda m: f"rank {rank} losses: {m}")
-    assert sorted(compiled["params"]) == sorted(eager["params"])
-    for key, value in eager["params"].items():
-        torch.testing.assert_close(compiled["params"][key], value, atol=1e-6, rtol=0,
-                                   msg=lambda m: f"rank {rank} parameter {key}: {m}")
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_compiled_training_equals_eager(results: list[dict], name: str) -> None:
     for rank, out in enumerate(results):
         # per step: this rank's 1 block, once per micro-batch (pp=2, 2 micro-batches)
-        _assert_trains_as_eagerly(rank, out[name]["eager"], out[name]["compiled"], 2 * STEPS)
+        assert len(out[name]["eager"]["losses"]) == STEPS
+        assert_trains_as_eagerly(rank, out[name]["eager"], out[name]["compiled"], 2 * STEPS)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -226,7 +216,8 @@ def test_no_graph_break_and_no_recompile_after_warmup(results: list[dict], name:
 @pytest.mark.parametrize("name", list(TP_CASES))
 def test_compiled_tensor_parallel_equals_eager(results: list[dict], name: str) -> None:
     for rank, out in enumerate(results):
-        _assert_trains_as_eagerly(rank, out[name]["eager"], out[name]["compiled"], STEPS)
+        assert len(out[name]["eager"]["losses"]) == STEPS
+        assert_trains_as_eagerly(rank, out[name]["eager"], out[name]["compiled"], STEPS)
 
 
 @pytest.mark.parametrize("order", TP_ORDERS)
