@@ -97,7 +97,8 @@ class ZeroConfig:
     and a gather resizes it back through the allocator (CUDA's caching allocator is the pool; on the host,
     glibc). "mapped" (CPU ranks on Linux only): the storage wraps a private mapping whose pages go back to
     the kernel at every release, so the process's resident memory drops by the unit at once; it pays a
-    page fault per 4 KiB page on every gather (a third more step time on a 5.3M GPT-2 on 2 CPU ranks)."""
+    page fault per 4 KiB page on every gather (13% more step time on a 5.3M GPT-2 on 2 CPU ranks, for the same
+    peak; docs/stage3.md)."""
 
     find_unused_parameters: bool = False
     """As in DDP: before each step, agree across ranks (one all-reduce of a flag per parameter) on which

@@ -146,7 +146,7 @@ def test_real_memory_with_accumulation_follows_the_policy():
     run exceed the "sharded" run's by what their role bytes say (within 2 MB), and that difference is real: the
     local accumulator (4Ψ) less what "sharded" holds instead (its pooled GRAD_BUCKET staging; both hold the
     GRAD_SHARD). The resident peaks alone cannot say this: glibc keeps freed pages, and CI once saw local's
-    peak 8.5 MB above sharded's with a 21.2 MB accumulator (sharded held 12.7 MB of staging)."""
+    peak 8.5 MB above sharded's with a 21.2 MB accumulator (sharded holds 14.7 MB of staging here)."""
     for key in ACCUMULATION_CASES[:2]:
         _assert_flat(key)
     for rank, result in enumerate(_results()):

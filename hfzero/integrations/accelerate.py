@@ -180,7 +180,7 @@ class ZeroAccelerator(Accelerator):
             from hfzero.runtime.compile import TP_REFUSAL, tensor_parallel_compiles
 
             why = ("the accelerator's whole-model compile of a tensor-parallel model is not tested yet; compile "
-                   "through the API instead (hfzero.compile_regions(model) after prepare_tensor_parallel, "
+                   "through the API instead (hfzero.compile_regions(model) before prepare_tensor_parallel, "
                    "docs/compile.md), or train without --torch_compile") if tensor_parallel_compiles() \
                 else TP_REFUSAL.format(version=torch.__version__)
             raise ConfigError(f"ZeroAccelerator: tp_size={self.zero_config.tp_size} with torch.compile (dynamo "

@@ -116,10 +116,16 @@ def apply_tensor_parallel(model: nn.Module, mesh: TensorMesh) -> nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from hfzero.runtime.compile import TP_REFUSAL, is_compiled, tensor_parallel_compiles
+    from hfzero.runtime.torch_api import is_compile_wrapper
 
-    if not tensor_parallel_compiles() and is_compiled(model):  # every rank holds the same model: all raise together
-        raise ConfigError("hfzero tensor parallelism: the model is compiled (torch.compile or "
-                          "hfzero.compile_regions); " + TP_REFUSAL.format(version=torch.__version__))
+    # every rank holds the same model: all raise together
+    if any(is_compile_wrapper(m) for m in model.modules()):  # its children sit under `_orig_mod`: no plan matches
+        raise ConfigError("hfzero tensor parallelism: the model is a torch.compile wrapper, whose layers the "
+                          "model's TP plan does not name; pass the model itself and compile after "
+                          "prepare_tensor_parallel (torch>=2.14), or use hfzero.compile_regions(model) before it")
+    if not tensor_parallel_compiles() and is_compiled(model):
+        raise ConfigError("hfzero tensor parallelism: the model's blocks are compiled (hfzero.compile_regions); "
+                          + TP_REFUSAL.format(version=torch.__version__))
     planned = tp_plan(model)
     check_heads(model, mesh.tp_size)
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}

@@ -82,7 +82,9 @@ def compile_regions(model: nn.Module, names: list[str] | None = None, **compile_
     names = region_names(model) if names is None else list(names)
     if not names:
         raise ConfigError("hfzero.compile_regions: the model has no stack of repeated blocks (no nn.ModuleList of "
-                          "layers); compile the whole model instead (torch.compile(model)) or pass names=[...]")
+                          "layers holding parameters here; after a tensor-parallel prepare at stage 3 the blocks' "
+                          "shards count as empty: compile before prepare_tensor_parallel); compile the whole model "
+                          "instead (torch.compile(model)) or pass names=[...]")
     modules = dict(model.named_modules())
     unknown = [n for n in names if n not in modules]
     if unknown:
@@ -108,7 +110,9 @@ TP_COMPILE_TORCH = (2, 14)
 """The first torch release whose dynamo compiles blocks with hfzero's DTensor (tensor-parallel) parameters.
 hfzero keeps each DTensor parameter's local shard in its flat buffer; dynamo in torch 2.11 and 2.13 fails to fake
 such a DTensor ('Attempted to set the storage of a tensor on device "cpu" to a storage on different device
-"meta"'), torch 2.14.1 compiles it and trains as eagerly (tests/test_compile_parallel.py checks both sides)."""
+"meta"'), torch 2.14.1 compiles it and trains as eagerly (tests/test_compile_parallel.py: parity where torch
+compiles; hfzero's refusals on every torch, with this gate forced off on a newer one; torch's own failure where it
+still fails, which CI's torch does not reach: it ran by hand on 2.11 and 2.13). 2.14.0 is assumed like 2.14.1."""
 
 TP_REFUSAL = ("torch.compile of tensor-parallel blocks under hfzero needs torch>=2.14, found torch {version}: "
               "hfzero keeps each DTensor parameter's local shard in its flat buffer, and dynamo before 2.14 fails "

@@ -9,7 +9,6 @@ Holds nothing.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import struct
@@ -45,18 +44,14 @@ def resident_in_range(address: int, nbytes: int) -> int:
     return present * page
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
-
 
 def heap_in_use() -> int | None:
     """Bytes the C heap holds for live allocations now, over every arena: chunks in use plus mmapped blocks
     (glibc's ``mallinfo2``: uordblks + hblkhd); None where it is missing (not glibc, or glibc < 2.33)."""
-    try:
-        mallinfo2 = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
+    from hfzero.profiler.allocator import _load_mallinfo2
+
+    mallinfo2 = _load_mallinfo2()
+    if mallinfo2 is None:
         return None
-    mallinfo2.restype = _MallInfo2
     info = mallinfo2()
     return int(info.uordblks + info.hblkhd)
