@@ -112,7 +112,7 @@ hfzero keeps each DTensor parameter's local shard in its flat buffer; dynamo in 
 such a DTensor ('Attempted to set the storage of a tensor on device "cpu" to a storage on different device
 "meta"'), torch 2.14.1 compiles it and trains as eagerly (tests/test_compile_parallel.py: parity where torch
 compiles; hfzero's refusals on every torch, with this gate forced off on a newer one; torch's own failure where it
-still fails, which CI's torch does not reach: it ran by hand on 2.11 and 2.13). 2.14.0 is assumed like 2.14.1."""
+still fails, which CI's torch does not reach: seen by hand on 2.11 and 2.13). 2.14.0 is assumed like 2.14.1."""
 
 TP_REFUSAL = ("torch.compile of tensor-parallel blocks under hfzero needs torch>=2.14, found torch {version}: "
               "hfzero keeps each DTensor parameter's local shard in its flat buffer, and dynamo before 2.14 fails "
