@@ -9,7 +9,8 @@ rounds of (step time / DDP's), of the per-rank peak RSS (VmHWM of the whole proc
 divided by DDP's, and the peak's growth from step 2 to the last step (flatness).
 
 A variant is ``ddp`` or ``zeroS`` (hfzero stage S, default config), optionally followed by
-``:field=value,...`` ZeroConfig overrides, e.g. ``zero1:host_mmap_threshold=1048576,host_trim=True``. Shapes: ``bars`` (GPT-2
+``:field=value,...`` ZeroConfig overrides, e.g. ``zero1:host_mmap_threshold=1048576,host_trim=True`` or
+``zero3:stage3_buffers=mapped``. Shapes: ``bars`` (GPT-2
 4 x 256, vocab 8192, batch 8 x 128 per rank, one backward per step: the side-by-side benchmark's) and
 ``accum`` (the same model, batch 2 x 64, 4 micro-batches per step under no_sync: the case that
 motivated the trim).
@@ -54,8 +55,13 @@ def _overrides(spec: str) -> dict[str, Any]:
         key, value = item.split("=", 1)
         if value in ("True", "False"):
             out[key] = value == "True"
+        elif value.lstrip("-").isdigit():
+            out[key] = int(value)
         else:
-            out[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+            try:
+                out[key] = float(value)
+            except ValueError:
+                out[key] = value  # a string field, e.g. stage3_buffers=mapped
     return out
 
 

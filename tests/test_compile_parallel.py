@@ -42,20 +42,30 @@ TP_CASES = {"tp-after": (1, "after"), "tp-before": (1, "before"), "tp-whole": (1
 TP_COMPILES = tensor_parallel_compiles()
 
 
+def _prepare_tp(model: torch.nn.Module, stage: int = 1):
+    """``prepare_tensor_parallel`` of ``model`` at tp=2 x dp=1, ZeRO ``stage``, fp32, every parameter partitioned
+    at stage 3; returns (model, optimizer)."""
+    import hfzero
+    from hfzero.parallel.tensor import prepare_tensor_parallel
+
+    model, optimizer, _ = prepare_tensor_parallel(
+        model, lambda params: torch.optim.AdamW(params, lr=1e-2),
+        hfzero.ZeroConfig(stage=stage, tp_size=2, dtype="fp32", param_persistence_threshold=0))
+    return model, optimizer
+
+
 def _tp_refusal(order: str, torch_too: bool) -> dict:
     """The ConfigError of compiling a tp=2 model's blocks ``order`` prepare_tensor_parallel (or None); "after"
     with ``torch_too``, also what torch itself does with the prepared model compiled anyway (why hfzero refuses
     before torch 2.14: None if it ran)."""
     import hfzero
-    from hfzero.parallel.tensor import prepare_tensor_parallel
     from hfzero.testing.models import tiny_causal_lm
 
     model, refusal, torch_error = tiny_causal_lm("llama"), None, None
     try:
         if order == "before":
             hfzero.compile_regions(model, backend="aot_eager")
-        model, _, _ = prepare_tensor_parallel(model, lambda params: torch.optim.AdamW(params, lr=1e-2),
-                                              hfzero.ZeroConfig(stage=1, tp_size=2, dtype="fp32"))
+        model, _ = _prepare_tp(model)
         hfzero.compile_regions(model, backend="aot_eager")
     except hfzero.ConfigError as error:
         refusal = str(error)
@@ -73,15 +83,12 @@ def _tp_train(stage: int, how: str, backend) -> dict:
     (``compile_regions`` after or before ``prepare_tensor_parallel``), "whole" (``torch.compile`` of the prepared
     model). Returns the losses and every parameter whole (gathered over tp, and over dp at stage 3)."""
     import hfzero
-    from hfzero.parallel.tensor import prepare_tensor_parallel
     from hfzero.testing.models import tiny_causal_lm, token_batches
 
     model = tiny_causal_lm("llama")
     if backend is not None and how == "before":
         hfzero.compile_regions(model, backend=backend)
-    model, optimizer, _ = prepare_tensor_parallel(
-        model, lambda params: torch.optim.AdamW(params, lr=1e-2),
-        hfzero.ZeroConfig(stage=stage, tp_size=2, dtype="fp32", param_persistence_threshold=0))
+    model, optimizer = _prepare_tp(model, stage)
     forward = model
     if backend is not None and how == "after":
         hfzero.compile_regions(model, backend=backend)
@@ -184,13 +191,10 @@ def _wrapper_refusal() -> dict:
     """``prepare_tensor_parallel`` given a ``torch.compile`` wrapper (whose layers the TP plan cannot name: torch
     would skip every plan entry with a warning and the model would train unsharded): refused on every torch."""
     import hfzero
-    from hfzero.parallel.tensor import prepare_tensor_parallel
     from hfzero.testing.models import tiny_causal_lm
 
     try:
-        prepare_tensor_parallel(torch.compile(tiny_causal_lm("llama"), backend="aot_eager"),
-                                lambda params: torch.optim.AdamW(params, lr=1e-2),
-                                hfzero.ZeroConfig(stage=1, tp_size=2, dtype="fp32"))
+        _prepare_tp(torch.compile(tiny_causal_lm("llama"), backend="aot_eager"))
     except hfzero.ConfigError as error:
         return {"refusal": str(error)}
     return {"refusal": None}

@@ -14,7 +14,7 @@ import torch
 from hfzero.profiler.allocator import (
     AllocatorProbe,
     MallInfo,
-    _load_mallinfo2,
+    load_mallinfo2,
     cpu_fields,
     cuda_fields,
     cuda_snapshot_summary,
@@ -104,7 +104,7 @@ def test_heap_fragmentation_on_a_synthetic_pattern() -> None:
     assert nulls["rss"] == 7 and nulls["fragmentation"] is None and nulls["heap_free"] is None
 
 
-@pytest.mark.skipif(_load_mallinfo2() is None, reason="glibc mallinfo2 is not available")
+@pytest.mark.skipif(load_mallinfo2() is None, reason="glibc mallinfo2 is not available")
 def test_mallinfo_sees_freed_heap_chunks() -> None:
     """Allocate 2000 x 4 KiB from the heap (below the mmap threshold), free every other one: the
     free-but-held bytes grow by about the freed total, which cannot coalesce with its neighbours."""

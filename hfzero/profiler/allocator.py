@@ -163,7 +163,7 @@ class AllocatorProbe:
         self.device = with_index(device)  # See [Note: device index] in hfzero/devices.py
         self._is_cuda = device.type == "cuda"
         self._page_size = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-        self._mallinfo2 = _load_mallinfo2() if not self._is_cuda else None
+        self._mallinfo2 = load_mallinfo2() if not self._is_cuda else None
         try:  # kept open: one pread per sample instead of open/read/close
             self._statm: int | None = os.open("/proc/self/statm", os.O_RDONLY)
         except OSError:
@@ -228,7 +228,7 @@ class AllocatorProbe:
                         keepcost=raw.keepcost)
 
 
-def _load_mallinfo2() -> Any:
+def load_mallinfo2() -> Any:
     """glibc's ``mallinfo2`` (glibc >= 2.33) as a ctypes function, or None where it is missing."""
     try:
         libc = ctypes.CDLL(None)

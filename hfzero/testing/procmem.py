@@ -48,9 +48,9 @@ def resident_in_range(address: int, nbytes: int) -> int:
 def heap_in_use() -> int | None:
     """Bytes the C heap holds for live allocations now, over every arena: chunks in use plus mmapped blocks
     (glibc's ``mallinfo2``: uordblks + hblkhd); None where it is missing (not glibc, or glibc < 2.33)."""
-    from hfzero.profiler.allocator import _load_mallinfo2
+    from hfzero.profiler.allocator import load_mallinfo2
 
-    mallinfo2 = _load_mallinfo2()
+    mallinfo2 = load_mallinfo2()
     if mallinfo2 is None:
         return None
     info = mallinfo2()
