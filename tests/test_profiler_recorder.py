@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -129,13 +130,17 @@ def _phases(records: list[dict]) -> list[tuple]:
 
 def test_records_every_phase_with_exact_figures(tmp_path: Path) -> None:
     model, optimizer, engine = _setup()
+    wall = time.perf_counter()
     with ZeroProfiler(model, optimizer, tmp_path / "run"):
         _train(model, optimizer, engine, steps=2)
+    wall = time.perf_counter() - wall
     run = load_run(tmp_path / "run")
     assert run.warnings == []
     records = run.ranks[0].records
     assert records[0]["event"] == "start" and records[-1]["event"] == "stop" and "exception" not in records[-1]
-    assert 0 < records[-1]["overhead_seconds"] < sum(r["seconds"] for r in records if r["kind"] == "step")
+    # The hooks' time lies inside the profiled region (it is a sum of disjoint intervals of it); it is not bounded
+    # by the steps' time: with a model this small, writing a step's records can take longer than the step.
+    assert 0 < records[-1]["overhead_seconds"] < wall
     assert 0 < records[-1]["overhead_cpu_seconds"] <= records[-1]["overhead_seconds"] + 1e-3
     assert _phases(records) == [
         (s, *p) for s in (0, 1) for p in (("forward", "begin"), ("forward", "end"), ("backward", "begin"),
