@@ -66,6 +66,23 @@ def test_dashboard_and_test_hook_variables_are_not_taken_for_options():
         config_strings_from_env({"HFZERO_STAEG": "1"})
 
 
+def test_every_variable_the_library_reads_is_known():
+    """Each ``HFZERO_*`` name the library or dashboard spells out is an option's or on the list of the others, so
+    setting it never makes `hfzero run` refuse it as a typo."""
+    import re
+    from pathlib import Path
+
+    import hfzero
+    from hfzero.integrations.env import NOT_CONFIG
+
+    root = Path(hfzero.__file__).parent
+    spelled = {name for path in [*root.rglob("*.py"), *(root.parent / "dashboard").rglob("*.py")]
+               for name in re.findall(r"[\"'](HFZERO_[A-Z0-9_]+)[\"']", path.read_text())}
+    assert {"HFZERO_WORKER_START", "HFZERO_FORCE_HOST_OFFLOAD"} <= spelled
+    assert config_strings_from_env({name: "1" for name in spelled & NOT_CONFIG}) == {}
+    assert spelled - NOT_CONFIG == set(), "add these to NOT_CONFIG in hfzero/integrations/env.py"
+
+
 # ---- finding 2: `hfzero run` honours HFZERO_* from the environment; flags win ------------------------
 def test_environment_options_are_honoured_and_flags_win():
     from_env = _plan(environ={"HFZERO_STAGE": "3", "HFZERO_DTYPE": "bf16"})

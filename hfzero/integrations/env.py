@@ -21,6 +21,8 @@ NOT_CONFIG = frozenset({
     PROFILE_DIR_ENV,
     "HFZERO_DASHBOARD_RUNS",  # the dashboard's run directories (dashboard/pages.py)
     "HFZERO_CHECKPOINT_PAUSE_AT", "HFZERO_CHECKPOINT_PAUSE_SIGNAL",  # a test hook of hfzero/checkpoint/save.py
+    "HFZERO_FORCE_CPU_CHECKPOINTING", "HFZERO_FORCE_HOST_OFFLOAD",  # test switches of the host paths (FORCE_ENV)
+    "HFZERO_WORKER_START",  # how hfzero.testing.run_distributed starts ranks (testing/spawn.py START_ENV)
 })
 """``HFZERO_*`` variables hfzero reads that are not ZeroConfig fields: never taken for a typo."""
 _PIPELINE = PipelineConfig.options()
