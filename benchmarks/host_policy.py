@@ -49,29 +49,14 @@ FAST = "host_mmap_threshold=33554432,host_trim=True,host_trim_slack=0.02"
 DEFAULT_VARIANTS = ["ddp", *(f"zero{s}{spec}" for s in range(4) for spec in ("", f":{LOWEST}", f":{FAST}"))]
 
 
-def _overrides(spec: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in filter(None, spec.split(",")):
-        key, value = item.split("=", 1)
-        if value in ("True", "False"):
-            out[key] = value == "True"
-        elif value.lstrip("-").isdigit():
-            out[key] = int(value)
-        else:
-            try:
-                out[key] = float(value)
-            except ValueError:
-                out[key] = value  # a string field, e.g. stage3_buffers=mapped
-    return out
-
-
 def _build(variant: str):
     model = tiny_causal_lm("gpt2", hidden=256, layers=4, vocab=VOCAB, positions=128)  # 5.3M parameters
     name, _, spec = variant.partition(":")
     if name == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4), False
-    config = hfzero.ZeroConfig(stage=int(name.removeprefix("zero")), **_overrides(spec))
+    overrides = dict(item.split("=", 1) for item in filter(None, spec.split(",")))
+    config = hfzero.ZeroConfig.from_strings({"stage": name.removeprefix("zero"), **overrides})  # typed per field
     model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
     return model, optimizer, True
 
