@@ -29,12 +29,17 @@ steps of every system in turn, the order rotated from round to round, so machine
 
 Every system runs ``loss.backward()`` as an ordinary script does. Reported per system: the median over
 rounds of the round's median step (wall ms and process CPU ms), and the median over rounds of the ratio
-to ``plain``'s step in the same round, with its range over rounds. ``--compile regional`` compiles the
+to ``plain``'s step in the same round, with its range over rounds. The default, 100 rounds of one step
+each, alternates the systems step by step: on this project's shared 2-core VM the speed drifts by tens
+of percent within seconds (the same plain step measured 41 and 70 ms in two runs minutes apart), and rounds
+of 5 steps per system (the former default, 7 rounds) put whole rounds of one system in a slow spell: their
+medians moved by +-0.1 from run to run (zero2 0.94-1.16 x plain in three runs within ten minutes), while
+ratios of adjacent steps hold to about +-0.01 (zero2 0.985 and 0.990, stage 3 1.164 and 1.165 in two runs). ``--compile regional`` compiles the
 decoder blocks of every system (``hfzero.compile_regions``, before ``fully_shard`` for FSDP2) and warms
 each up before the rounds. The load average is printed beside the figures: a loaded machine inflates
 wall time; the CPU time of a one-thread process (``--threads 1``, default) is steadier there.
 
-    python benchmarks/host_proxy.py [--rounds 7] [--steps 5] [--warmup 3] [--stages 0,1,2,3]
+    python benchmarks/host_proxy.py [--rounds 100] [--steps 1] [--warmup 3] [--stages 0,1,2,3]
         [--baselines plain,fsdp2] [--world 8] [--dtype bf16] [--layers 24] [--hidden 32] [--tokens 8]
         [--persistence 1000] [--stage3-buffers default,mapped] [--compile none|regional] [--threads 1] [--json OUT]
 """
@@ -146,8 +151,8 @@ def bench(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     loads = [os.getloadavg()[0]]
     for round_index in range(args.rounds):
         shift = round_index % len(names)
+        gc.collect()  # once per round: with --steps 1 the systems' steps alternate back to back
         for name in names[shift:] + names[:shift]:
-            gc.collect()
             w, c = [], []
             for _ in range(args.steps):
                 w0, c0 = time.perf_counter(), time.process_time()
@@ -170,8 +175,8 @@ def bench(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps of each system per round")
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=1, help="timed steps of each system per round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each system before the rounds")
     parser.add_argument("--stages", default="0,1,2,3", help="hfzero stages, comma-separated (empty: none)")
     parser.add_argument("--baselines", default="plain,fsdp2",

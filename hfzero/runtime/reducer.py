@@ -80,6 +80,28 @@ backward pass, never at the moment its last gradient happens to arrive, which di
 are kept and reduced at the optimizer step, after the step's one check collective (See [Note: stage-3
 step check] in stage3/step_check.py).
 
+[Note: gradients in place]
+At stage 3 a staging buffer's slots are the parameters' gradients themselves: when the backward pass reaches a
+unit (``expect``, called by the stage-3 scheduler once the unit is gathered, and at the pass's start for the
+persistent parameters' buckets), each bucket of it takes its staging buffer and every parameter whose ``.grad``
+is None gets ``.grad`` = its slot, viewed with the parameter's shape. Autograd's AccumulateGrad then adds the
+gradient into the slot in place (the buffer is zeroed when taken) and the hook only does the bookkeeping; the
+per-parameter copy out of a fresh gradient tensor, a Python-level slice and ``copy_`` per parameter per
+backward, goes away (DDP's ``gradient_as_bucket_view`` does the same for its buckets). The hook clears ``.grad``
+as before, so between passes no parameter points into a staging buffer. Which buffer a bucket takes comes from
+the pool ([Note: staging pool]); the slot views of each (buffer, bucket) pair are made once and kept while the
+buffer is pooled or open (views hold no memory of their own), so a steady state makes no views either.
+What falls back to the copy (the hook sees a gradient that is not its slot): a parameter whose ``.grad`` was set
+when its unit was reached, the pass's first gradient (the reducer starts its pass there: the units reached
+before are pointed at their slots then, but that one parameter already holds its gradient), a gradient computed
+out of place (``create_graph=True`` replaces ``.grad``), a DTensor parameter or one whose dtype is not the
+staging buffer's, and a late gradient: when a bucket is launched, its parameters still pointing at their slots
+are cleared first (``_unset``), so a gradient arriving after its bucket left never writes into a buffer the pool
+may have handed to another bucket. ``torch.autograd.grad`` accumulates into no ``.grad``: the reducer does not
+start a pass for it (units reached are only remembered, ``_expected``, until a first gradient arrives) and the
+scheduler forgets them when the next backward pass starts. Memory: none added; the staging buffer of a unit's
+bucket is taken when the unit's backward starts instead of at its first gradient, a few kernels earlier.
+
 [Note: active buckets]
 A pipeline rank running several stages (a multi-stage schedule) back-propagates one stage at a time;
 the other stages' buckets get nothing from that backward. ``active`` (set by the pipeline driver
@@ -99,6 +121,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hfzero.comm.collectives import Communicator, Handle
 from hfzero.logging import get_logger
@@ -243,6 +266,16 @@ class GradientReducer:
             if self._direct[bucket.index]:
                 view = self._store_region(bucket)[slot.offset: slot.offset + slot.numel].view(slot.shape)
             self._hooked[id(param)] = (slot, view)
+        self._preset: dict[int, torch.Tensor] = {}
+        """``id(param)`` -> the staging slot its ``.grad`` points at in this pass (See [Note: gradients in place])."""
+        self._awaiting = [0] * len(layout.buckets)
+        """Per bucket: its parameters whose ``.grad`` points at a slot and whose gradient has not arrived yet."""
+        self._expected: list[Bucket] = []
+        """Buckets of units the backward pass reached before the reducer's pass started (its first gradient)."""
+        self._slot_views: dict[int, dict[int, list[tuple[nn.Parameter, torch.Tensor]]]] = {}
+        """A pooled or open staging buffer's address (its first element: buffers start their allocation) -> bucket
+        index -> (parameter, its slot view) for the parameters that can accumulate in place; dropped when the buffer
+        leaves the pool (the views keep its memory alive, so no other buffer can take the address meanwhile)."""
         # torch holds these in C++, out of the garbage collector's sight: weak (See [Note: engine lifetime])
         self._hook_handles = [slot.param.register_post_accumulate_grad_hook(WeakHook(self._on_grad))
                               for slot in layout.slots.values()]
@@ -295,11 +328,16 @@ class GradientReducer:
         param.grad = None
         if type(grad) is not torch.Tensor:  # a DTensor's gradient (tensor parallelism): its local shard
             grad = local_tensor(grad)
+        if grad.requires_grad:  # backward(create_graph=True): the stores must never join a graph
+            grad = grad.detach()
         if self._in_backward and graph_task_id() != self._graph_task:
             raise RuntimeError(FAILED_PASS_MESSAGE)
         if not self._in_backward:
-            self._begin_backward()
+            self._begin_backward(param)
+        preset = self._preset.pop(id(param), None) if self._preset else None
         slot, view = self._hooked[id(param)]
+        if preset is not None:
+            self._awaiting[slot.bucket] -= 1
         counted = slot in self._assumed_unused  # the graph lookup missed it: its bucket did not wait
         if counted:
             self._assumed_unused.discard(slot)
@@ -314,7 +352,9 @@ class GradientReducer:
         self.used.add(slot)
         self._dirty = True
         index = slot.bucket
-        if self.sync and index < self._next_launch:  # its reduction already left: a late gradient
+        if preset is grad:
+            pass  # autograd added it into its staging slot: See [Note: gradients in place]
+        elif self.sync and index < self._next_launch:  # its reduction already left: a late gradient
             bucket = self.layout.buckets[index]
             if self.launch_on_fill:
                 raise RuntimeError(
@@ -326,7 +366,7 @@ class GradientReducer:
                 late = self._late[bucket.index] = self._take_buffer(bucket.padded)
             late[slot.offset: slot.offset + slot.numel].add_(grad.reshape(-1))
             return
-        if view is not None and (self.grad_full is not None or (self.sync and self.accumulator is None)):
+        elif view is not None and (self.grad_full is not None or (self.sync and self.accumulator is None)):
             if first and not self._valid[index]:
                 view.copy_(grad)
             else:
@@ -346,7 +386,8 @@ class GradientReducer:
             if self._pending[index] == 0 and self.sync and self.overlap and self.launch_on_fill:
                 self._launch_ready()
 
-    def _begin_backward(self) -> None:
+    def _begin_backward(self, first: nn.Parameter | None = None) -> None:
+        """Start the reducer's pass at its first gradient (``first``'s)."""
         if self.before_first_grad is not None:
             self.before_first_grad()
         self._zero_before_new_sums()
@@ -370,6 +411,9 @@ class GradientReducer:
                     self._pending[slot.bucket] -= 1
             if self.sync and self.overlap and self.launch_on_fill:
                 self._launch_ready()
+        expected, self._expected = self._expected, []
+        if expected:
+            self._point_at_slots(expected, skip=first)
 
     def _zero_before_new_sums(self, every_bucket: bool = False) -> None:
         """After a reduction, before new gradients are added to the store of the active buckets (``every_bucket``:
@@ -432,11 +476,68 @@ class GradientReducer:
         """Treat ``buckets`` as complete for this backward (stage 3: their unit's backward is over on
         every rank) and launch what the fixed order allows. See [Note: collective order across ranks]."""
         if not self._in_backward:
+            if self._expected:  # done before the reducer's pass started: its unit may be released now
+                done = {bucket.index for bucket in buckets}
+                self._expected = [b for b in self._expected if b.index not in done]
             return
         for bucket in buckets:
             self._forced[bucket.index] = True
         if self.sync and self.overlap:
             self._launch_ready()
+
+    # ---- gradients in place (stage 3) ------------------------------------------------------------
+    def expect(self, buckets: list[Bucket], new_pass: bool = False) -> None:
+        """The backward pass reached the unit of ``buckets`` (stage 3, the unit gathered; ``new_pass``: a backward
+        pass starts, ``buckets`` being the persistent parameters'): point their parameters' ``.grad`` at their
+        staging slots, so autograd accumulates into them in place. Before the reducer's pass has started (no
+        gradient yet) the buckets are remembered until it does. See [Note: gradients in place]."""
+        if new_pass:
+            self._expected = []
+        if not buckets:
+            return
+        if not self._in_backward:
+            self._expected.extend(buckets)
+            return
+        if graph_task_id() != self._graph_task:
+            raise RuntimeError(FAILED_PASS_MESSAGE)
+        self._point_at_slots(buckets)
+
+    def _point_at_slots(self, buckets: list[Bucket], skip: nn.Parameter | None = None) -> None:
+        if not self.sync or self.accumulator is not None or self.grad_full is not None:
+            return  # gradients go to the "local" accumulator or the full store: copied by the hook
+        preset, awaiting = self._preset, self._awaiting
+        for bucket in buckets:
+            index = bucket.index
+            if index < self._next_launch or self._direct[index] or not self._is_active(index):
+                continue
+            staging = self._fill_target(bucket)
+            views = self._slot_views.get(staging.data_ptr())
+            slots = None if views is None else views.get(index)
+            if slots is None:
+                slots = self._make_slot_views(staging, bucket)
+            for param, slot_view in slots:
+                if param.grad is None and param is not skip:
+                    param.grad = slot_view
+                    preset[id(param)] = slot_view
+                    awaiting[index] += 1
+
+    def _make_slot_views(self, staging: torch.Tensor, bucket: Bucket) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """The slot views of ``bucket`` in ``staging`` for the parameters that can accumulate in place (plain
+        tensors of the buffer's dtype), kept while the buffer is pooled or open."""
+        origin = staging.storage_offset()
+        slots = [(slot.param, staging.as_strided(slot.shape, slot.stride, origin + slot.offset)) for slot in bucket.slots
+                 if not isinstance(slot.param, DTensor) and slot.param.dtype == staging.dtype]
+        self._slot_views.setdefault(staging.data_ptr(), {})[bucket.index] = slots
+        return slots
+
+    def _unset(self, bucket: Bucket) -> None:
+        """Clear the ``.grad`` of ``bucket``'s parameters still pointing at their slots (before its reduction
+        leaves, or when a pass is abandoned): a later gradient then takes the copy path."""
+        for slot in bucket.slots:
+            view = self._preset.pop(id(slot.param), None)
+            if view is not None and slot.param.grad is view:
+                slot.param.grad = None
+        self._awaiting[bucket.index] = 0
 
     # ---- buffers --------------------------------------------------------------------------------
     def _take_buffer(self, numel: int) -> torch.Tensor:
@@ -454,13 +555,18 @@ class GradientReducer:
                 self.sink.order_after(self._reuse_after.pop(id(flat), None))
         else:  # none fits: free pooled ones (smallest first) that the high-water mark cannot also hold
             while self._pool and self._live + numel + self._pooled > self._live_high:
-                self._pooled -= self._pool.pop().numel()
+                self._drop_pooled(self._pool.pop())
             flat = torch.empty(numel, dtype=self.dtype, device=self.device)
             self.allocations += 1
         self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes() + flat.numel() * self._element)
         self._live += flat.numel()
         self._live_high = max(self._live_high, self._live)
         return (flat if flat.numel() == numel else flat[:numel]).zero_()  # a pooled buffer of the size: no view
+
+    def _drop_pooled(self, buffer: torch.Tensor) -> None:
+        """Let a pooled buffer go (its memory is freed once nothing else holds it), with its slot views."""
+        self._pooled -= buffer.numel()
+        self._slot_views.pop(buffer.data_ptr(), None)
 
     def _give_back(self, buffer: torch.Tensor, copied: torch.cuda.Event | None = None) -> None:
         """Return a staging buffer to the pool, within the high-water mark (see [Note: staging pool]);
@@ -538,6 +644,8 @@ class GradientReducer:
             kept = 0
             for index, buffer in enumerate(self._pool):
                 if kept + buffer.numel() > room:
+                    for dropped in self._pool[index:]:
+                        self._slot_views.pop(dropped.data_ptr(), None)
                     del self._pool[index:]
                     break
                 kept += buffer.numel()
@@ -568,6 +676,8 @@ class GradientReducer:
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket, source: torch.Tensor | None = None) -> None:
+        if self._awaiting[bucket.index]:  # See [Note: gradients in place]
+            self._unset(bucket)
         while len(self._inflight) >= self.max_inflight:
             self._complete(*self._inflight.popleft())
         into = _ADD  # what the owned slice becomes at stages 2-3: See [Note: gradient stores]
@@ -712,6 +822,11 @@ class GradientReducer:
         gradient of this step; wait for reductions already launched (each rank launched the same ones
         when every rank failed at the same point)."""
         self._wait_all()
+        for bucket in self.layout.buckets:
+            if self._awaiting[bucket.index]:
+                self._unset(bucket)
+        self._preset.clear()
+        self._expected = []
         for buffers in (self._staging, self._late):
             for buffer in buffers.values():
                 self._give_back(buffer)

@@ -135,6 +135,10 @@ class Stage3Engine(ZeroEngine):
                                                                        replicate=self._check_replicas())
         """The step's one check collective (gather order, late gradients): See [Note: stage-3 step check]."""
         self.scheduler.on_unit_done = lambda unit: self.reducer.force_ready(unit.buckets)
+        # See [Note: gradients in place] in reducer.py
+        persistent = self._persistent_buckets()
+        self.scheduler.on_backward_begin = lambda: self.reducer.expect(persistent, new_pass=True)
+        self.scheduler.on_unit_backward = lambda unit: self.reducer.expect(unit.buckets)
         self._partitioned = {p for p, unit in self._unit_of.items() if unit != _PERSISTENT}
         self.allow_partitioned_state_dict = False
         # On every module that owns a partitioned parameter, so a submodule's state_dict() is refused

@@ -65,6 +65,7 @@ from hfzero.runtime.compile import eager_hook
 from hfzero.runtime.lifetime import WeakHook
 from hfzero.runtime.tensors import iter_tensors
 from hfzero.runtime.reducer import FAILED_PASS_MESSAGE
+from hfzero.runtime.stage3.entry_hooks import EntryHooks
 from hfzero.runtime.stage3.unit import GatherUnit, UnitState
 from hfzero.runtime.torch_api import graph_task_id, queue_backward_callback
 
@@ -127,6 +128,11 @@ class UnitScheduler:
         self._graph_task = -1
         self.on_unit_done: Callable[[GatherUnit], None] | None = None
         """Called when the backward pass is done with a unit (engine: launch its buckets' reductions)."""
+        self.on_unit_backward: Callable[[GatherUnit], None] | None = None
+        """Called when the backward pass reaches a unit, once it is gathered (engine: point its parameters' gradients
+        at their staging slots: See [Note: gradients in place] in reducer.py)."""
+        self.on_backward_begin: Callable[[], None] | None = None
+        """Called when a backward pass starts, before any unit's ``on_unit_backward``."""
         self.keep_gathered = False
         """When True, units stay gathered after use until ``release_all()`` (called by the step's
         ``publish_params``): gather once per step for all micro-batches (the pipeline's "step" policy)."""
@@ -144,6 +150,9 @@ class UnitScheduler:
         "backward", unit name) events are appended in the order they happen."""
         self._entered: list[nn.Module] = []  # submodules that gathered their unit on demand (a stack)
         self._handles = []
+        self.entry_hooks = EntryHooks()
+        """The submodules' pre-hooks that gather a unit called outside its forward, off while it is in use (See
+        [Note: entry hooks off inside the unit] in entry_hooks.py)."""
         # weak: a hook never keeps the scheduler (and its engine) alive (See [Note: engine lifetime]); eager: a graph
         # boundary under torch.compile (See [Note: compiled regions] in runtime/compile.py)
         for unit in units:
@@ -153,8 +162,7 @@ class UnitScheduler:
                 eager_hook(WeakHook(self._hook_post_forward, unit.index))))
             for module in _entry_modules(unit, units):
                 probe = next(p for p in module.parameters() if any(p is q for q in unit.params))
-                self._handles.append(module.register_forward_pre_hook(self._hook_pre_submodule(unit, probe),
-                                                                      with_kwargs=True))
+                self.entry_hooks.register(unit.index, module, self._hook_pre_submodule(unit, probe))
 
     # ---- public ---------------------------------------------------------------------------------
     def trace(self, enabled: bool) -> None:
@@ -205,6 +213,7 @@ class UnitScheduler:
         self._pass = None
         self.phase = Phase.IDLE
         self._in_use.clear()
+        self.entry_hooks.put_back_all()
         self._backward_seen = set()
         self._finished = set()
         self._finish_from = 0
@@ -278,10 +287,13 @@ class UnitScheduler:
             self._log("forward", unit)
         self._use(unit, forward=True)
         self._in_use.append(unit.index)
+        self.entry_hooks.take_off(unit.index)  # See [Note: entry hooks off inside the unit] in entry_hooks.py
 
     def _leave(self, unit: GatherUnit, output: Any) -> None:
         if self._in_use and self._in_use[-1] == unit.index:
             self._in_use.pop()
+        if unit.index not in self._in_use:
+            self.entry_hooks.put_back(unit.index)
         if self.phase is Phase.BACKWARD:
             return  # activation-checkpoint recomputation: the backward pass owns the unit
         if torch.is_grad_enabled():
@@ -315,6 +327,8 @@ class UnitScheduler:
         if self.events is not None:
             self._log("backward", unit)
         self._use(unit, forward=False)
+        if self.on_unit_backward is not None:
+            self.on_unit_backward(unit)
 
     def _finish_earlier_units(self) -> None:
         """The backward pass reached a new unit: the units it used before are done on every rank (their
@@ -349,6 +363,8 @@ class UnitScheduler:
         self._finished = set()
         self._finish_from = 0
         queue_backward_callback(self._end_backward)
+        if self.on_backward_begin is not None:
+            self.on_backward_begin()
 
     def _end_backward(self) -> None:
         self._finish_earlier_units()
@@ -358,6 +374,7 @@ class UnitScheduler:
         current, self._pass = self._pass, None
         self.phase = Phase.IDLE
         self._in_use.clear()
+        self.entry_hooks.put_back_all()
         if self._step_passes is not None:
             self._step_passes.append(phase)
         if not self.keep_gathered:
@@ -534,6 +551,7 @@ class UnitScheduler:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.entry_hooks.remove()
 
 
 def _entry_modules(unit: GatherUnit, units: list[GatherUnit]) -> list[nn.Module]:

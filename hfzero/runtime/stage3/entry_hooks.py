@@ -1,0 +1,90 @@
+"""The forward pre-hooks by which a unit's submodules gather it when called on their own, taken off while the unit is
+in use.
+
+[Note: entry hooks off inside the unit]
+A submodule of a stage-3 unit may run outside the unit's forward (``model.get_encoder()(...)``, ``lm_head(h)``, an
+embedding called by ``generate``), so each submodule holding some of the unit's gathered parameters carries a
+forward pre-hook that gathers the unit then (See [Note: stage-3 gather order] in scheduler.py). Inside the unit's
+own forward, the common case by far, that hook has nothing to do, yet its mere presence sends every call of the
+submodule through ``nn.Module.__call__``'s slow path (the hook-dispatching ``inner``, several microseconds per
+call): six submodules per decoder block of a GPT-2, some 150 calls per step of the host proxy's 24-layer model,
+twice that with activation checkpointing. So while a unit is in use (between its pre- and post-forward hooks,
+``UnitScheduler._in_use``) its entry hooks are taken out of their modules' hook dicts and put back when it leaves:
+inside the unit its submodules take torch's fast path; outside, a standalone call finds its hook as before.
+
+Putting a hook back restores its place among the module's other pre-hooks (hooks registered after it are moved
+behind it again), so the order in which a user's own pre-hooks and hfzero's run never changes. Taking hooks off
+happens in hooks of the unit's module (or, for a standalone call, in the submodule's own pre-hook, while torch
+iterates a tuple it made of the hooks first, so changing the dict is safe). A pass that raises before the unit's
+post-forward leaves its hooks off: the scheduler puts every hook back whenever it clears its in-use stack (a pass's
+end, ``abort_pass``). A hook removed meanwhile (``unprepare``) is not put back. Under ``torch.compile`` with the
+blocks compiled (``compile_regions``), the unit's pre-hook runs eagerly before the compiled forward, so the
+compiled code always sees its submodules without the entry hooks. Memory: none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+_Taken = tuple[dict, int, Callable[..., Any], list[int]]
+"""(the module's pre-hook dict, the hook's key, the hook, the keys registered after it)."""
+
+
+class EntryHooks:
+    """Per unit: the submodules' entry pre-hooks, registered once; ``take_off`` / ``put_back`` around the unit's use."""
+
+    def __init__(self) -> None:
+        self._hooks: dict[int, list[tuple[nn.Module, RemovableHandle]]] = {}
+        self._taken: dict[int, list[_Taken]] = {}
+        """Units whose hooks are off now -> what to put back."""
+
+    def register(self, index: int, module: nn.Module, hook: Callable[..., Any]) -> RemovableHandle:
+        """Register ``hook`` as ``module``'s forward pre-hook (with kwargs) on behalf of unit ``index``."""
+        handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+        self._hooks.setdefault(index, []).append((module, handle))
+        return handle
+
+    def take_off(self, index: int) -> None:
+        """Unit ``index`` is in use: take its entry hooks out of their modules (no-op when already off or none)."""
+        hooks = self._hooks.get(index)
+        if not hooks or index in self._taken:
+            return
+        taken = []
+        for module, handle in hooks:
+            table = module._forward_pre_hooks
+            if handle.id not in table:  # removed (unprepare)
+                continue
+            later = []
+            if len(table) > 1:  # the keys after it, in the dict's order (a prepended hook may have a larger id)
+                keys = list(table)
+                later = keys[keys.index(handle.id) + 1:]
+            taken.append((table, handle.id, table.pop(handle.id), later))
+        self._taken[index] = taken
+
+    def put_back(self, index: int) -> None:
+        """Unit ``index`` is no longer in use: put its entry hooks back, each at its former place."""
+        taken = self._taken.pop(index, None)
+        if not taken:
+            return
+        for table, key, hook, later in taken:
+            table[key] = hook
+            for other in later:
+                if other in table:
+                    table.move_to_end(other)
+
+    def put_back_all(self) -> None:
+        """Put every unit's entry hooks back (the in-use stack was cleared)."""
+        for index in list(self._taken):
+            self.put_back(index)
+
+    def remove(self) -> None:
+        """Remove every entry hook for good (``unprepare``): hooks off now are dropped, not put back."""
+        self._taken.clear()
+        for hooks in self._hooks.values():
+            for _, handle in hooks:
+                handle.remove()
+        self._hooks.clear()
