@@ -7,7 +7,8 @@ hfzero/runtime/reducer.py), 2 gloo ranks, fp32, every parameter partitioned:
   the pass's first) and no parameter's ``.grad`` is left pointing into a staging buffer after a backward;
 - ``backward(create_graph=True)`` (autograd replaces ``.grad`` out of place: the copy path) and a
   ``torch.autograd.grad`` call through the model before the backward (no gradient accumulated: no reducer pass,
-  nothing left behind) train exactly like the plain backward.
+  nothing left behind) train exactly like the plain backward; so does ``create_graph`` at stages 0 and 2 (the
+  hook copies a detached gradient: before, the stores joined the graph and the step raised).
 """
 
 from __future__ import annotations
@@ -99,6 +100,14 @@ def _worker(rank: int, world: int) -> dict:
             out["paths"] = dict(paths)
             out["params_per_step"] = len(engine.layout.slots)
     reducer_module.GradientReducer._on_grad = hook
+    for stage in (0, 2):  # the copy path at the other stages: create_graph must not pull the stores into a graph
+        model = _Reused()
+        config = hfzero.ZeroConfig(stage=stage, dtype="fp32", reduce_bucket_size=64)
+        model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+        result = _train(model, optimizer, rank, "create_graph")
+        result["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        result["preset_left"] = 0
+        out[f"stage{stage}_create_graph"] = result
 
     reference = _Reused()
     ddp = nn.parallel.DistributedDataParallel(reference)
@@ -113,7 +122,7 @@ def test_in_place_gradients_train_like_ddp_on_every_path():
     results = run_distributed(_worker, 2)
     for rank, out in enumerate(results):
         want = out["ddp"]
-        for mode in ("plain", "create_graph", "grad_first"):
+        for mode in ("plain", "create_graph", "grad_first", "stage0_create_graph", "stage2_create_graph"):
             got = out[mode]
             assert got["left_set"] == 0 and got["preset_left"] == 0, (rank, mode)
             for a, b in zip(got["losses"], want["losses"]):

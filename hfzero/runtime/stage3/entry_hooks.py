@@ -10,7 +10,12 @@ submodule through ``nn.Module.__call__``'s slow path (the hook-dispatching ``inn
 call): six submodules per decoder block of a GPT-2, some 150 calls per step of the host proxy's 24-layer model,
 twice that with activation checkpointing. So while a unit is in use (between its pre- and post-forward hooks,
 ``UnitScheduler._in_use``) its entry hooks are taken out of their modules' hook dicts and put back when it leaves:
-inside the unit its submodules take torch's fast path; outside, a standalone call finds its hook as before.
+inside the unit its submodules take torch's fast path; outside, a standalone call finds its hook as before. The
+backward pass keeps them off from the moment it reaches the unit until it is done with it (the pass moves on to
+the next unit, or ends): an activation-checkpoint recomputation then runs the unit's body as its forward did.
+That matters under ``torch.compile``: transformers' checkpointing layers recompute the block's body without
+``Module.__call__`` (so without the unit's pre-hook), and a compiled body that saw the hooks off in forward and
+on in recomputation ran two different graphs, whose saved tensors did not match (CheckpointError).
 
 Putting a hook back restores its place among the module's other pre-hooks (hooks registered after it are moved
 behind it again), so the order in which a user's own pre-hooks and hfzero's run never changes. Taking hooks off
@@ -19,7 +24,7 @@ iterates a tuple it made of the hooks first, so changing the dict is safe). A pa
 post-forward leaves its hooks off: the scheduler puts every hook back whenever it clears its in-use stack (a pass's
 end, ``abort_pass``). A hook removed meanwhile (``unprepare``) is not put back. Under ``torch.compile`` with the
 blocks compiled (``compile_regions``), the unit's pre-hook runs eagerly before the compiled forward, so the
-compiled code always sees its submodules without the entry hooks. Memory: none.
+compiled code always sees its submodules without the entry hooks, in forward and in recomputation. Memory: none.
 """
 
 from __future__ import annotations

@@ -292,10 +292,10 @@ class UnitScheduler:
     def _leave(self, unit: GatherUnit, output: Any) -> None:
         if self._in_use and self._in_use[-1] == unit.index:
             self._in_use.pop()
+        if self.phase is Phase.BACKWARD:  # the backward window keeps the entry hooks off (See _hook_pre_backward)
+            return  # activation-checkpoint recomputation: the backward pass owns the unit
         if unit.index not in self._in_use:
             self.entry_hooks.put_back(unit.index)
-        if self.phase is Phase.BACKWARD:
-            return  # activation-checkpoint recomputation: the backward pass owns the unit
         if torch.is_grad_enabled():
             hook = self._backward_hooks.get(unit.index)
             if hook is None:
@@ -320,6 +320,7 @@ class UnitScheduler:
             if unit.state is UnitState.SHARDED:  # used again after it was finished (a shared block)
                 self._issue(unit)
                 unit.wait()
+                self.entry_hooks.take_off(unit.index)  # back on at the pass's end
             return
         if unit is not self.root:  # the root's output hooks may sit on a block's output tensor too
             self._finish_earlier_units()
@@ -327,6 +328,9 @@ class UnitScheduler:
         if self.events is not None:
             self._log("backward", unit)
         self._use(unit, forward=False)
+        # an activation-checkpoint recomputation runs the unit's body as its forward did: entry hooks off (See
+        # [Note: entry hooks off inside the unit] in entry_hooks.py); back on when the pass is done with the unit
+        self.entry_hooks.take_off(unit.index)
         if self.on_unit_backward is not None:
             self.on_unit_backward(unit)
 
@@ -343,6 +347,7 @@ class UnitScheduler:
                 continue
             self._finished.add(index)
             unit = self.units[index]
+            self.entry_hooks.put_back(index)
             if self.on_unit_done is not None:
                 self.on_unit_done(unit)
             if not self.keep_gathered:
