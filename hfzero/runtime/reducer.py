@@ -100,7 +100,10 @@ are cleared first (``_unset``), so a gradient arriving after its bucket left nev
 may have handed to another bucket. ``torch.autograd.grad`` accumulates into no ``.grad``: the reducer does not
 start a pass for it (units reached are only remembered, ``_expected``, until a first gradient arrives) and the
 scheduler forgets them when the next backward pass starts. Memory: none added; the staging buffer of a unit's
-bucket is taken when the unit's backward starts instead of at its first gradient, a few kernels earlier.
+bucket is taken when the unit's backward starts instead of at its first gradient, a few kernels earlier, and the
+persistent parameters' buckets (small: each parameter is under ``param_persistence_threshold``) at the pass's
+first gradient instead of at their own first, which in a decoder is the last block's norm, near the start too.
+Under the "local" accumulation policy inside ``no_sync`` gradients still go to the accumulator by copy.
 
 [Note: active buckets]
 A pipeline rank running several stages (a multi-stage schedule) back-propagates one stage at a time;
