@@ -22,7 +22,9 @@ behind it again), so the order in which a user's own pre-hooks and hfzero's run 
 happens in hooks of the unit's module (or, for a standalone call, in the submodule's own pre-hook, while torch
 iterates a tuple it made of the hooks first, so changing the dict is safe). A pass that raises before the unit's
 post-forward leaves its hooks off: the scheduler puts every hook back whenever it clears its in-use stack (a pass's
-end, ``abort_pass``). A hook removed meanwhile (``unprepare``) is not put back. Under ``torch.compile`` with the
+end, ``abort_pass``). A hook whose handle was removed meanwhile (``unprepare``, or anyone holding it) is not put
+back: removing a handle also drops its key from the module's with-kwargs flags, which taking the hook off leaves
+alone. Under ``torch.compile`` with the
 blocks compiled (``compile_regions``), the unit's pre-hook runs eagerly before the compiled forward, so the
 compiled code always sees its submodules without the entry hooks, in forward and in recomputation. Memory: none.
 """
@@ -35,8 +37,8 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-_Taken = tuple[dict, int, Callable[..., Any], list[int]]
-"""(the module's pre-hook dict, the hook's key, the hook, the keys registered after it)."""
+_Taken = tuple[dict, dict, int, Callable[..., Any], list[int]]
+"""(the module's pre-hook dict, its with-kwargs flags, the hook's key, the hook, the keys registered after it)."""
 
 
 class EntryHooks:
@@ -67,7 +69,7 @@ class EntryHooks:
             if len(table) > 1:  # the keys after it, in the dict's order (a prepended hook may have a larger id)
                 keys = list(table)
                 later = keys[keys.index(handle.id) + 1:]
-            taken.append((table, handle.id, table.pop(handle.id), later))
+            taken.append((table, module._forward_pre_hooks_with_kwargs, handle.id, table.pop(handle.id), later))
         self._taken[index] = taken
 
     def put_back(self, index: int) -> None:
@@ -75,7 +77,9 @@ class EntryHooks:
         taken = self._taken.pop(index, None)
         if not taken:
             return
-        for table, key, hook, later in taken:
+        for table, with_kwargs, key, hook, later in taken:
+            if key not in with_kwargs:  # its handle was removed while it was off: it stays removed
+                continue
             table[key] = hook
             for other in later:
                 if other in table:
