@@ -124,7 +124,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from hfzero.comm.collectives import Communicator, Handle
 from hfzero.logging import get_logger
@@ -284,10 +283,12 @@ class GradientReducer:
                               for slot in layout.slots.values()]
 
     def remove_hooks(self) -> None:
-        """Remove the post-accumulate-grad hooks from the parameters (``unprepare``)."""
+        """Remove the post-accumulate-grad hooks from the parameters (``unprepare``), and any ``.grad`` still pointing
+        at a staging slot (a pass that raised: See [Note: gradients in place])."""
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+        self._unset_all()
 
     # ---- switches -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -529,7 +530,7 @@ class GradientReducer:
         tensors of the buffer's dtype), kept while the buffer is pooled or open."""
         origin = staging.storage_offset()
         slots = [(slot.param, staging.as_strided(slot.shape, slot.stride, origin + slot.offset)) for slot in bucket.slots
-                 if not isinstance(slot.param, DTensor) and slot.param.dtype == staging.dtype]
+                 if local_tensor(slot.param) is slot.param and slot.param.dtype == staging.dtype]  # no DTensor
         self._slot_views.setdefault(staging.data_ptr(), {})[bucket.index] = slots
         return slots
 
@@ -541,6 +542,13 @@ class GradientReducer:
             if view is not None and slot.param.grad is view:
                 slot.param.grad = None
         self._awaiting[bucket.index] = 0
+
+    def _unset_all(self) -> None:
+        """``_unset`` every bucket with parameters still pointing at their slots."""
+        for bucket in self.layout.buckets:
+            if self._awaiting[bucket.index]:
+                self._unset(bucket)
+        self._preset.clear()
 
     # ---- buffers --------------------------------------------------------------------------------
     def _take_buffer(self, numel: int) -> torch.Tensor:
@@ -567,9 +575,11 @@ class GradientReducer:
         return (flat if flat.numel() == numel else flat[:numel]).zero_()  # a pooled buffer of the size: no view
 
     def _drop_pooled(self, buffer: torch.Tensor) -> None:
-        """Let a pooled buffer go (its memory is freed once nothing else holds it), with its slot views."""
+        """Forget a buffer leaving the pool (the caller takes it out of ``_pool``; its memory is freed once nothing
+        else holds it), with its slot views and its offload copy's event."""
         self._pooled -= buffer.numel()
         self._slot_views.pop(buffer.data_ptr(), None)
+        self._reuse_after.pop(id(buffer), None)
 
     def _give_back(self, buffer: torch.Tensor, copied: torch.cuda.Event | None = None) -> None:
         """Return a staging buffer to the pool, within the high-water mark (see [Note: staging pool]);
@@ -648,14 +658,10 @@ class GradientReducer:
             for index, buffer in enumerate(self._pool):
                 if kept + buffer.numel() > room:
                     for dropped in self._pool[index:]:
-                        self._slot_views.pop(dropped.data_ptr(), None)
+                        self._drop_pooled(dropped)
                     del self._pool[index:]
                     break
                 kept += buffer.numel()
-            self._pooled = kept
-        if self._reuse_after:
-            pooled = {id(t) for t in self._pool}
-            self._reuse_after = {k: v for k, v in self._reuse_after.items() if k in pooled}
 
     def _live_numel(self) -> int:
         """Elements of the open staging and late buffers (their whole allocations)."""
@@ -825,10 +831,7 @@ class GradientReducer:
         gradient of this step; wait for reductions already launched (each rank launched the same ones
         when every rank failed at the same point)."""
         self._wait_all()
-        for bucket in self.layout.buckets:
-            if self._awaiting[bucket.index]:
-                self._unset(bucket)
-        self._preset.clear()
+        self._unset_all()
         self._expected = []
         for buffers in (self._staging, self._late):
             for buffer in buffers.values():
