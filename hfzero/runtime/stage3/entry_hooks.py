@@ -45,14 +45,15 @@ class EntryHooks:
     """Per unit: the submodules' entry pre-hooks, registered once; ``take_off`` / ``put_back`` around the unit's use."""
 
     def __init__(self) -> None:
-        self._hooks: dict[int, list[tuple[nn.Module, RemovableHandle]]] = {}
+        self._hooks: dict[int, list[tuple[nn.Module, RemovableHandle, int]]] = {}
+        """Per unit: (module, the hook's handle, its key in the module's tables)."""
         self._taken: dict[int, list[_Taken]] = {}
         """Units whose hooks are off now -> what to put back."""
 
     def register(self, index: int, module: nn.Module, hook: Callable[..., Any]) -> RemovableHandle:
         """Register ``hook`` as ``module``'s forward pre-hook (with kwargs) on behalf of unit ``index``."""
         handle = module.register_forward_pre_hook(hook, with_kwargs=True)
-        self._hooks.setdefault(index, []).append((module, handle))
+        self._hooks.setdefault(index, []).append((module, handle, handle.id))
         return handle
 
     def take_off(self, index: int) -> None:
@@ -61,15 +62,17 @@ class EntryHooks:
         if not hooks or index in self._taken:
             return
         taken = []
-        for module, handle in hooks:
+        for module, _, key in hooks:
             table = module._forward_pre_hooks
-            if handle.id not in table:  # removed (unprepare)
+            if len(table) == 1:  # the entry hook alone, the common case: nothing to keep the order of
+                hook = table.pop(key, None)
+                if hook is not None:
+                    taken.append((table, module._forward_pre_hooks_with_kwargs, key, hook, ()))
                 continue
-            later = []
-            if len(table) > 1:  # the keys after it, in the dict's order (a prepended hook may have a larger id)
-                keys = list(table)
-                later = keys[keys.index(handle.id) + 1:]
-            taken.append((table, module._forward_pre_hooks_with_kwargs, handle.id, table.pop(handle.id), later))
+            if key not in table:  # removed (unprepare)
+                continue
+            keys = list(table)  # the keys after it, in the dict's order (a prepended hook may have a larger id)
+            taken.append((table, module._forward_pre_hooks_with_kwargs, key, table.pop(key), keys[keys.index(key) + 1:]))
         self._taken[index] = taken
 
     def put_back(self, index: int) -> None:
@@ -94,6 +97,6 @@ class EntryHooks:
         """Remove every entry hook for good (``unprepare``): hooks off now are dropped, not put back."""
         self._taken.clear()
         for hooks in self._hooks.values():
-            for _, handle in hooks:
+            for _, handle, _ in hooks:
                 handle.remove()
         self._hooks.clear()
