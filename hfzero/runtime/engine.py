@@ -75,6 +75,9 @@ from hfzero.runtime.tensors import is_replicated_over_tp, local_tensor, scale_
 
 logger = get_logger(__name__)
 
+_LATE_BACKWARD = ("hfzero: backward after clip_grad_norm_() and before step(): gradients of this step were already "
+                  "finalized; call step() (or zero_grad()) first")
+
 
 UNPREPARED = ("hfzero: this model was unprepared (hfzero.unprepare): its engine and sharded optimizer are gone. Build "
               "a new optimizer over model.parameters() (and call hfzero.prepare again to train with ZeRO)")
@@ -370,8 +373,7 @@ class ZeroEngine:
             raise RuntimeError("hfzero: with dtype='fp16' call optimizer.backward(loss) instead of "
                                "loss.backward(), so the loss is scaled and the step can unscale it")
         if self._materialized:
-            raise RuntimeError("hfzero: backward after clip_grad_norm_() and before step(): gradients of "
-                               "this step were already finalized; call step() (or zero_grad()) first")
+            raise RuntimeError(_LATE_BACKWARD)
 
     # ---- step -----------------------------------------------------------------------------------
     def materialize_grads(self) -> None:
@@ -381,6 +383,8 @@ class ZeroEngine:
         overflowed, in the step's one host read. See [Note: gradient sums] in reducer.py.
         """
         if self._materialized:
+            if self.reducer.has_arrivals():  # a backward that reached no stage-3 unit, after clipping
+                raise RuntimeError(_LATE_BACKWARD)
             return
         self.reducer.reduce_pending()
         self._reduce_shard_over_replicas()  # HSDP: before the checks, so fp16's overflow flag sees whole sums
@@ -392,14 +396,23 @@ class ZeroEngine:
         if converted:
             self.master_grad_flat = torch.empty_like(self.master_flat)
         scale = self._factor_tensor(factor) if converted and factor != 1.0 else None
-        for bucket, master in zip(self.layout.buckets, self.master_views):
-            grad = self.reducer.owned_grad(bucket)  # offloaded: the host fp32 sum, scaled in place
-            if converted:  # one pass: See [Note: one pass to the fp32 gradient]
-                view = self.master_grad_flat[bucket.shard_offset: bucket.shard_offset + bucket.chunk]
-                grad = view.copy_(grad) if scale is None else torch.mul(grad, scale, out=view)
-            elif factor != 1.0:
-                grad.mul_(factor)
-            master.grad = grad
+        shard = self.reducer.settled_shard() if converted else None
+        if shard is not None and shard.numel() == self.master_grad_flat.numel():  # laid out alike: one kernel
+            if scale is None:
+                self.master_grad_flat.copy_(shard)
+            else:
+                torch.mul(shard, scale, out=self.master_grad_flat)
+            for bucket, master in zip(self.layout.buckets, self.master_views):
+                master.grad = self.master_grad_flat[bucket.shard_offset: bucket.shard_offset + bucket.chunk]
+        else:
+            for bucket, master in zip(self.layout.buckets, self.master_views):
+                grad = self.reducer.owned_grad(bucket)  # offloaded: the host fp32 sum, scaled in place
+                if converted:  # one pass: See [Note: one pass to the fp32 gradient]
+                    view = self.master_grad_flat[bucket.shard_offset: bucket.shard_offset + bucket.chunk]
+                    grad = view.copy_(grad) if scale is None else torch.mul(grad, scale, out=view)
+                elif factor != 1.0:
+                    grad.mul_(factor)
+                master.grad = grad
         self._materialized = True
         self.unused_ranges = self._find_unused_ranges() if self.config.find_unused_parameters else []
 

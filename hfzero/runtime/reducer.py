@@ -105,6 +105,24 @@ persistent parameters' buckets (small: each parameter is under ``param_persisten
 first gradient instead of at their own first, which in a decoder is the last block's norm, near the start too.
 Under the "local" accumulation policy inside ``no_sync`` gradients still go to the accumulator by copy.
 
+[Note: gradients collected at rank-independent points]
+At stages 0-2 a bucket launches as soon as its last gradient arrives, so each parameter's post-accumulate hook is a
+Python call that does the bookkeeping at once. Stage 3 launches a unit's buckets only when the backward pass is done
+with the unit ([Note: collective order across ranks]), so nothing needs the gradient the moment it lands: there the
+hook is ``list.append`` of ``_arrived`` (``defer_hooks``), a C function autograd calls without entering the
+interpreter, and ``collect`` does the same per-parameter work over the arrivals, in order, at the scheduler's points:
+when the backward pass reaches a unit (before pointing it at its slots: the first arrivals start the reducer's pass),
+when it is done with a unit (before the unit's buckets launch) and at its end (before the reducer's end, which is
+queued after the scheduler's). FSDP2 likewise reads ``.grad`` at each group's post-backward instead of hooking
+parameters. On the host proxy's 24-layer model that is 292 Python hook calls per step fewer (about 5% of a plain
+step). Semantics kept: a gradient that arrives twice in a pass (the first collect took both sums) raises as before;
+``torch.autograd.grad`` accumulates nothing, so nothing arrives and no pass starts. A backward that reaches no unit
+(a penalty on persistent parameters alone) leaves its arrivals to ``flush``, a reducer pass of their own at the next
+backward's start or at the step (rank-independent points: every rank ran the same backward), or to ``zero_grad``,
+which forgets them. The gradients that arrive before the reducer's pass starts (it starts at the first collect that
+finds any: in a decoder, the final norm's, when the backward pass reaches the last block) take the copy path.
+Memory: the list of arrivals only.
+
 [Note: active buckets]
 A pipeline rank running several stages (a multi-stage schedule) back-propagates one stage at a time;
 the other stages' buckets get nothing from that backward. ``active`` (set by the pipeline driver
@@ -278,6 +296,10 @@ class GradientReducer:
         """A pooled or open staging buffer's address (its first element: buffers start their allocation) -> bucket
         index -> (parameter, its slot view) for the parameters that can accumulate in place; dropped when the buffer
         leaves the pool (the views keep its memory alive, so no other buffer can take the address meanwhile)."""
+        self._arrived: list[nn.Parameter] = []
+        """With the hooks deferred (stage 3): the parameters autograd accumulated a gradient into since the last
+        ``collect``, in order. See [Note: gradients collected at rank-independent points]."""
+        self.deferred = False
         # torch holds these in C++, out of the garbage collector's sight: weak (See [Note: engine lifetime])
         self._hook_handles = [slot.param.register_post_accumulate_grad_hook(WeakHook(self._on_grad))
                               for slot in layout.slots.values()]
@@ -324,17 +346,75 @@ class GradientReducer:
             self._graph_roots.extend(roots)
 
     # ---- hooks ----------------------------------------------------------------------------------
-    def _on_grad(self, param: nn.Parameter) -> None:
+    def defer_hooks(self) -> None:
+        """Stage 3: replace each parameter's Python hook by ``list.append`` of ``_arrived``; the gradients are
+        taken by ``collect`` at the scheduler's points. See [Note: gradients collected at rank-independent points]."""
+        for handle in self._hook_handles:
+            handle.remove()
+        append = self._arrived.append  # holds the list only: no path back to the reducer (See [Note: engine lifetime])
+        self._hook_handles = [slot.param.register_post_accumulate_grad_hook(append) for slot in self.layout.slots.values()]
+        self.deferred = True
+
+    def collect(self) -> None:
+        """Take the gradients that arrived since the last call, in order (deferred hooks: stage 3's scheduler calls it
+        when the backward pass is done with a unit, before its buckets launch, and at the pass's end)."""
+        arrived = self._arrived
+        if not arrived:
+            return
+        batch = arrived.copy()
+        arrived.clear()
+        if self._in_backward and graph_task_id() != self._graph_task:  # once for the batch: all arrived in this task
+            raise RuntimeError(FAILED_PASS_MESSAGE)
+        preset_of, hooked, fired, awaiting, pending = self._preset, self._hooked, self._fired, self._awaiting, self._pending
+        for param in batch:
+            # ``_on_grad``'s in-place case inlined (one Python call fewer per parameter): the gradient is in its slot,
+            # the pass is running, the parameter's first gradient of the pass; anything else takes ``_on_grad``
+            key = id(param)
+            preset = preset_of.get(key)
+            if preset is not None and preset is param.grad and self._in_backward:
+                slot = hooked[key][0]
+                if slot not in fired and slot not in self._assumed_unused:
+                    del preset_of[key]
+                    param.grad = None
+                    awaiting[slot.bucket] -= 1
+                    pending[slot.bucket] -= 1
+                    fired.add(slot)
+                    self.used.add(slot)
+                    continue
+            self._on_grad(param, True)
+            pending = self._pending  # (a pass begun by the first gradient has new counts)
+        self._dirty = True
+
+    def has_arrivals(self) -> bool:
+        """Deferred gradients wait to be taken (``collect`` / ``flush``)."""
+        return bool(self._arrived)
+
+    def flush(self) -> None:
+        """Take, as a reducer pass of their own, deferred gradients that no backward pass collected (a backward that
+        reached no stage-3 unit: the scheduler saw nothing of it). Called at rank-independent points: the next
+        backward's start, the step."""
+        if not self._arrived:
+            return
+        if self._in_backward:  # a pass is running (or one raised: the collect below says so)
+            self.collect()
+            return
+        self._begin_backward(queue=False, check=False)  # (fp16: it may have been scaled; the engine checks the clip case)
+        self.collect()
+        self._end_backward()
+
+    def _on_grad(self, param: nn.Parameter, deferred: bool = False) -> None:
         # the hot path: one call per parameter per backward, so no work here that a parameter does not need
         grad = param.grad
         if grad is None:
+            if deferred and self._in_backward and self._hooked[id(param)][0] in self._fired:
+                raise RuntimeError(_TWO_GRADIENTS)  # it arrived twice: the first collect took both sums
             return
         param.grad = None
         if type(grad) is not torch.Tensor:  # a DTensor's gradient (tensor parallelism): its local shard
             grad = local_tensor(grad)
         if grad.requires_grad:  # backward(create_graph=True): the stores must never join a graph
             grad = grad.detach()
-        if self._in_backward and graph_task_id() != self._graph_task:
+        if self._in_backward and not deferred and graph_task_id() != self._graph_task:  # (collect checks once)
             raise RuntimeError(FAILED_PASS_MESSAGE)
         if not self._in_backward:
             self._begin_backward(param)
@@ -346,11 +426,7 @@ class GradientReducer:
         if counted:
             self._assumed_unused.discard(slot)
         elif slot in self._fired:
-            raise RuntimeError(
-                "hfzero: a parameter received two gradients in one backward pass. Reentrant activation "
-                "checkpointing (torch.utils.checkpoint with use_reentrant=True) does this; use "
-                "use_reentrant=False (e.g. model.gradient_checkpointing_enable("
-                "gradient_checkpointing_kwargs={'use_reentrant': False})).")
+            raise RuntimeError(_TWO_GRADIENTS)
         self._fired.add(slot)
         first = slot not in self.used  # its first gradient since zero(): See [Note: gradient stores]
         self.used.add(slot)
@@ -390,9 +466,10 @@ class GradientReducer:
             if self._pending[index] == 0 and self.sync and self.overlap and self.launch_on_fill:
                 self._launch_ready()
 
-    def _begin_backward(self, first: nn.Parameter | None = None) -> None:
-        """Start the reducer's pass at its first gradient (``first``'s)."""
-        if self.before_first_grad is not None:
+    def _begin_backward(self, first: nn.Parameter | None = None, queue: bool = True, check: bool = True) -> None:
+        """Start the reducer's pass at its first gradient (``first``'s); ``queue``: end it when autograd's backward
+        pass ends (else the caller ends it: ``flush``); ``check``: run ``before_first_grad``."""
+        if check and self.before_first_grad is not None:
             self.before_first_grad()
         self._zero_before_new_sums()
         if self.state is GradState.EMPTY and self.on_step_begin is not None:
@@ -404,7 +481,8 @@ class GradientReducer:
         self._fired.clear()
         self._assumed_unused.clear()
         self._next_launch = 0
-        queue_backward_callback(self._end_backward)
+        if queue:
+            queue_backward_callback(self._end_backward)
         roots, self._graph_roots = self._graph_roots, []
         complete, self._roots_complete = self._roots_complete, True
         if self.find_unused and roots and complete:
@@ -756,6 +834,7 @@ class GradientReducer:
         if self._in_backward:
             self.abort_pass()
             raise RuntimeError(FAILED_PASS_MESSAGE)
+        self.flush()
         if self.state is not GradState.LOCAL:
             return
         for bucket in self.layout.buckets:
@@ -855,6 +934,15 @@ class GradientReducer:
         lo, hi = bucket.mine()
         return self.grad_full[bucket.offset + lo: bucket.offset + hi]
 
+    def settled_shard(self) -> torch.Tensor | None:
+        """The whole shard store (stages 2-3, not offloaded), every bucket's region settled (valid in the REDUCED
+        state): the buckets' ``owned_grad`` views side by side at their ``shard_offset``; None at stages 0-1 or
+        offloaded."""
+        if self.sink is not None or self.grad_shard is None:
+            return None
+        self.settle_store()
+        return self.grad_shard
+
     def zero(self) -> None:
         """Forget all gradients (the state becomes EMPTY); buffers stay allocated.
 
@@ -868,6 +956,9 @@ class GradientReducer:
             return
         self.used.clear()
         self._graph_roots, self._roots_complete = [], True
+        for param in self._arrived:  # deferred gradients no pass took: forgotten like every other
+            param.grad = None
+        self._arrived.clear()
         for buffer in self._late.values():  # late gradients of an abandoned step (stage 3)
             self._give_back(buffer)
         self._late.clear()
@@ -888,6 +979,12 @@ class GradientReducer:
     def accumulator_bytes(self) -> int:
         """Bytes of the full local accumulator held across micro-batches (GRAD_ACCUM), if any."""
         return 0 if self.accumulator is None else self.accumulator.numel() * self.accumulator.element_size()
+
+
+_TWO_GRADIENTS = (
+    "hfzero: a parameter received two gradients in one backward pass. Reentrant activation checkpointing "
+    "(torch.utils.checkpoint with use_reentrant=True) does this; use use_reentrant=False (e.g. "
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})).")
 
 
 def _reachable_params(roots: list[torch.autograd.graph.Node]) -> set[torch.Tensor]:

@@ -134,11 +134,13 @@ class Stage3Engine(ZeroEngine):
                                                                        len(self.layout.buckets),
                                                                        replicate=self._check_replicas())
         """The step's one check collective (gather order, late gradients): See [Note: stage-3 step check]."""
-        self.scheduler.on_unit_done = lambda unit: self.reducer.force_ready(unit.buckets)
-        # See [Note: gradients in place] in reducer.py
+        # See [Note: gradients collected at rank-independent points] and [Note: gradients in place] in reducer.py
+        self.reducer.defer_hooks()
+        self.scheduler.on_unit_done = self._unit_done
         persistent = self._persistent_buckets()
-        self.scheduler.on_backward_begin = lambda: self.reducer.expect(persistent, new_pass=True)
-        self.scheduler.on_unit_backward = lambda unit: self.reducer.expect(unit.buckets)
+        self.scheduler.on_backward_begin = lambda: (self.reducer.flush(), self.reducer.expect(persistent, new_pass=True))
+        self.scheduler.on_backward_end = lambda: self.reducer.collect()
+        self.scheduler.on_unit_backward = self._unit_reached
         self._partitioned = {p for p, unit in self._unit_of.items() if unit != _PERSISTENT}
         self.allow_partitioned_state_dict = False
         # On every module that owns a partitioned parameter, so a submodule's state_dict() is refused
@@ -176,6 +178,18 @@ class Stage3Engine(ZeroEngine):
 
     def _bucket_unit_of(self) -> Callable[[nn.Parameter], Hashable]:
         return self._unit_of.__getitem__
+
+    def _unit_reached(self, unit: GatherUnit) -> None:
+        """The backward pass reached ``unit``, gathered: take the gradients that arrived (the first ones start the
+        reducer's pass), then point the unit's parameters' gradients at their staging slots."""
+        self.reducer.collect()
+        self.reducer.expect(unit.buckets)
+
+    def _unit_done(self, unit: GatherUnit) -> None:
+        """The backward pass is done with ``unit`` (a rank-independent point): take the gradients that arrived,
+        then launch the unit's reductions."""
+        self.reducer.collect()
+        self.reducer.force_ready(unit.buckets)
 
     def _persistent_buckets(self) -> list[Bucket]:
         return [b for b in self.layout.buckets if self._unit_of[b.slots[0].param] == _PERSISTENT]

@@ -133,6 +133,8 @@ class UnitScheduler:
         at their staging slots: See [Note: gradients in place] in reducer.py)."""
         self.on_backward_begin: Callable[[], None] | None = None
         """Called when a backward pass starts, before any unit's ``on_unit_backward``."""
+        self.on_backward_end: Callable[[], None] | None = None
+        """Called when a backward pass ends, after the last ``on_unit_done`` (engine: take the gradients left)."""
         self.keep_gathered = False
         """When True, units stay gathered after use until ``release_all()`` (called by the step's
         ``publish_params``): gather once per step for all micro-batches (the pipeline's "step" policy)."""
@@ -373,6 +375,8 @@ class UnitScheduler:
 
     def _end_backward(self) -> None:
         self._finish_earlier_units()
+        if self.on_backward_end is not None:
+            self.on_backward_end()
         self._end_pass(Phase.BACKWARD, _END_BACKWARD)  # a training pass: checked at the step
 
     def _end_pass(self, phase: Phase, marker: int | None) -> None:

@@ -1,0 +1,118 @@
+"""Stage 3 takes gradients at rank-independent points, not in a Python hook per parameter (issue 34; [Note: gradients
+collected at rank-independent points] in hfzero/runtime/reducer.py), 2 gloo ranks, fp32:
+
+- a backward that reaches no stage-3 unit (a penalty on the persistent parameters alone: the scheduler sees none of
+  it) before the model's backward, after it, or as the step's only backward, trains exactly like a single-process
+  reference on both ranks' data; its gradients are taken as a reducer pass of their own at the next backward's
+  start or at the step;
+- nothing is left behind: no ``.grad`` set after the step, no parameter waiting to be collected;
+- ``zero_grad`` after such a backward forgets its gradients like any others; after clipping, the step refuses it
+  (the step's gradients were final), as it refuses any backward there.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+import hfzero
+from hfzero.testing.spawn import run_distributed
+
+STEPS = 3
+UNITS = ["blocks.0", "blocks.1"]
+
+
+class _Net(nn.Module):
+    """An embedding, two linear blocks (the units) and a head; the biases (8 elements) stay whole (persistent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(16, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h)
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, 16, (4, 6), generator=g), torch.randint(0, 16, (4, 6), generator=g)
+
+
+def _loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(ids).reshape(-1, 16), labels.reshape(-1))
+
+
+def _penalty(model: nn.Module) -> torch.Tensor:
+    """A term on the persistent biases only: its backward passes through no unit's output."""
+    return 0.3 * sum((block.bias ** 2).sum() for block in model.blocks)
+
+
+def _step(model: nn.Module, rank: int, world: int, step: int, mode: str, reference: bool) -> None:
+    """One step's backward passes; the reference sums every rank's batch loss / world in one process."""
+    ranks = range(world) if reference else [rank]
+    if mode in ("penalty_first", "penalty_only"):
+        _penalty(model).backward()
+    if mode != "penalty_only":
+        for r in ranks:
+            (_loss(model, *_batch(r, step)) / (world if reference else 1)).backward()
+    if mode == "penalty_last":
+        _penalty(model).backward()
+
+
+def _worker(rank: int, world: int) -> dict:
+    out = {}
+    for mode in ("penalty_first", "penalty_last", "penalty_only"):
+        base = _Net()
+        reference = copy.deepcopy(base)
+        config = hfzero.ZeroConfig(stage=3, dtype="fp32", param_persistence_threshold=20, reduce_bucket_size=64)
+        model, optimizer = hfzero.prepare(base, torch.optim.AdamW(base.parameters(), lr=1e-2), config, units=UNITS)
+        engine = hfzero.get_engine(model)
+        ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        left = 0
+        for step in range(STEPS):
+            _step(model, rank, world, step, mode, reference=False)
+            optimizer.step()
+            optimizer.zero_grad()
+            left += sum(p.grad is not None for p in model.parameters()) + len(engine.reducer._arrived)
+            _step(reference, rank, world, step, mode, reference=True)
+            for param in reference.parameters():  # the engine steps every parameter (zeros where none reached it)
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+        # a backward that reaches no unit, then zero_grad: its gradients are forgotten, nothing is reduced
+        _penalty(model).backward()
+        optimizer.zero_grad()
+        left += sum(p.grad is not None for p in model.parameters()) + len(engine.reducer._arrived)
+        got = hfzero.full_state_dict(model, rank0_only=False)
+        out[mode] = {"left": left, "params": {k: v.detach().clone() for k, v in got.items()},
+                     "want": {k: v.detach().clone() for k, v in reference.state_dict().items()}}
+    # such a backward after clipping (the step's gradients are final): refused at the step, as any backward is
+    _loss(model, *_batch(rank, 0)).backward()
+    optimizer.clip_grad_norm_(1.0)
+    _penalty(model).backward()
+    try:
+        optimizer.step()
+        refused = ""
+    except RuntimeError as error:
+        refused = str(error)
+    optimizer.zero_grad()
+    return {"modes": out, "refused": refused}
+
+
+def test_backward_reaching_no_unit_trains_like_reference():
+    for rank, result in enumerate(run_distributed(_worker, 2)):
+        assert "backward after clip_grad_norm_()" in result["refused"], (rank, result["refused"])
+        for mode, got in result["modes"].items():
+            assert got["left"] == 0, (rank, mode)
+            for name, value in got["want"].items():
+                torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, n=name, mo=mode: f"rank {rank} {mo} {n}: {m}")
