@@ -19,39 +19,14 @@ from torch import nn
 
 import hfzero
 from hfzero.testing.spawn import run_distributed
+from test_stage3_grads_in_place import UNITS, _batch, _loss, _Reused
 
 STEPS = 3
-UNITS = ["blocks.0", "blocks.1"]
-
-
-class _Net(nn.Module):
-    """An embedding, two linear blocks (the units) and a head; the biases (8 elements) stay whole (persistent)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(16, 16)
-        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
-        self.head = nn.Linear(16, 16)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)
-        for block in self.blocks:
-            h = torch.tanh(block(h))
-        return self.head(h)
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randint(0, 16, (4, 6), generator=g), torch.randint(0, 16, (4, 6), generator=g)
-
-
-def _loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(ids).reshape(-1, 16), labels.reshape(-1))
 
 
 def _penalty(model: nn.Module) -> torch.Tensor:
-    """A term on the persistent biases only: its backward passes through no unit's output."""
+    """A term on the blocks' biases only (persistent: 8 elements, under the threshold): its backward passes through no
+    unit's output."""
     return 0.3 * sum((block.bias ** 2).sum() for block in model.blocks)
 
 
@@ -70,7 +45,7 @@ def _step(model: nn.Module, rank: int, world: int, step: int, mode: str, referen
 def _worker(rank: int, world: int) -> dict:
     out = {}
     for mode in ("penalty_first", "penalty_last", "penalty_only"):
-        base = _Net()
+        base = _Reused()
         reference = copy.deepcopy(base)
         config = hfzero.ZeroConfig(stage=3, dtype="fp32", param_persistence_threshold=20, reduce_bucket_size=64)
         model, optimizer = hfzero.prepare(base, torch.optim.AdamW(base.parameters(), lr=1e-2), config, units=UNITS)
