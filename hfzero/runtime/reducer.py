@@ -299,7 +299,6 @@ class GradientReducer:
         self._arrived: list[nn.Parameter] = []
         """With the hooks deferred (stage 3): the parameters autograd accumulated a gradient into since the last
         ``collect``, in order. See [Note: gradients collected at rank-independent points]."""
-        self.deferred = False
         # torch holds these in C++, out of the garbage collector's sight: weak (See [Note: engine lifetime])
         self._hook_handles = [slot.param.register_post_accumulate_grad_hook(WeakHook(self._on_grad))
                               for slot in layout.slots.values()]
@@ -353,7 +352,6 @@ class GradientReducer:
             handle.remove()
         append = self._arrived.append  # holds the list only: no path back to the reducer (See [Note: engine lifetime])
         self._hook_handles = [slot.param.register_post_accumulate_grad_hook(append) for slot in self.layout.slots.values()]
-        self.deferred = True
 
     def collect(self) -> None:
         """Take the gradients that arrived since the last call, in order (deferred hooks: stage 3's scheduler calls it

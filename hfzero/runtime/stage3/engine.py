@@ -136,11 +136,11 @@ class Stage3Engine(ZeroEngine):
         """The step's one check collective (gather order, late gradients): See [Note: stage-3 step check]."""
         # See [Note: gradients collected at rank-independent points] and [Note: gradients in place] in reducer.py
         self.reducer.defer_hooks()
-        self.scheduler.on_unit_done = self._unit_done
-        persistent = self._persistent_buckets()
-        self.scheduler.on_backward_begin = lambda: (self.reducer.flush(), self.reducer.expect(persistent, new_pass=True))
-        self.scheduler.on_backward_end = lambda: self.reducer.collect()
+        self._persistent = self._persistent_buckets()
+        self.scheduler.on_backward_begin = self._backward_begins
         self.scheduler.on_unit_backward = self._unit_reached
+        self.scheduler.on_unit_done = self._unit_done
+        self.scheduler.on_backward_end = lambda: self.reducer.collect()
         self._partitioned = {p for p, unit in self._unit_of.items() if unit != _PERSISTENT}
         self.allow_partitioned_state_dict = False
         # On every module that owns a partitioned parameter, so a submodule's state_dict() is refused
@@ -178,6 +178,12 @@ class Stage3Engine(ZeroEngine):
 
     def _bucket_unit_of(self) -> Callable[[nn.Parameter], Hashable]:
         return self._unit_of.__getitem__
+
+    def _backward_begins(self) -> None:
+        """A backward pass starts: take, as a pass of their own, gradients of an earlier backward that reached no unit;
+        remember the persistent parameters' buckets, pointed at their slots when the reducer's pass starts."""
+        self.reducer.flush()
+        self.reducer.expect(self._persistent, new_pass=True)
 
     def _unit_reached(self, unit: GatherUnit) -> None:
         """The backward pass reached ``unit``, gathered: take the gradients that arrived (the first ones start the
