@@ -85,13 +85,14 @@ At stage 3 a staging buffer's slots are the parameters' gradients themselves: wh
 unit (``expect``, called by the stage-3 scheduler once the unit is gathered, and at the pass's start for the
 persistent parameters' buckets), each bucket of it takes its staging buffer and every parameter whose ``.grad``
 is None gets ``.grad`` = its slot, viewed with the parameter's shape. Autograd's AccumulateGrad then adds the
-gradient into the slot in place (the buffer is zeroed when taken) and the hook only does the bookkeeping; the
+gradient into the slot in place (the buffer is zeroed when taken) and the reducer only does the bookkeeping when it
+collects the gradient ([Note: gradients collected at rank-independent points]); the
 per-parameter copy out of a fresh gradient tensor, a Python-level slice and ``copy_`` per parameter per
-backward, goes away (DDP's ``gradient_as_bucket_view`` does the same for its buckets). The hook clears ``.grad``
-as before, so between passes no parameter points into a staging buffer. Which buffer a bucket takes comes from
-the pool ([Note: staging pool]); the slot views of each (buffer, bucket) pair are made once and kept while the
+backward, goes away (DDP's ``gradient_as_bucket_view`` does the same for its buckets). The reducer clears ``.grad``
+when it collects it, so between passes no parameter points into a staging buffer. Which buffer a bucket takes comes
+from the pool ([Note: staging pool]); the slot views of each (buffer, bucket) pair are made once and kept while the
 buffer is pooled or open (views hold no memory of their own), so a steady state makes no views either.
-What falls back to the copy (the hook sees a gradient that is not its slot): a parameter whose ``.grad`` was set
+What falls back to the copy (the collected gradient is not its slot): a parameter whose ``.grad`` was set
 when its unit was reached, the pass's first gradient (the reducer starts its pass there: the units reached
 before are pointed at their slots then, but that one parameter already holds its gradient), a gradient computed
 out of place (``create_graph=True`` replaces ``.grad``), a DTensor parameter or one whose dtype is not the
