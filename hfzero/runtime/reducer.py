@@ -120,7 +120,8 @@ step). Semantics kept: a gradient that arrives twice in a pass (the first collec
 ``torch.autograd.grad`` accumulates nothing, so nothing arrives and no pass starts. A backward that reaches no unit
 (a penalty on persistent parameters alone) leaves its arrivals to ``flush``, a reducer pass of their own at the next
 backward's start or at the step (rank-independent points: every rank ran the same backward), or to ``zero_grad``,
-which forgets them. The gradients that arrive before the reducer's pass starts (it starts at the first collect that
+which forgets them; such a pass sees the ``no_sync`` state of the moment it is flushed and skips fp16's check that
+the loss was scaled (it cannot be judged then). The gradients that arrive before the reducer's pass starts (it starts at the first collect that
 finds any: in a decoder, the final norm's, when the backward pass reaches the last block) take the copy path.
 Memory: the list of arrivals only.
 
