@@ -7,7 +7,8 @@ collected at rank-independent points] in hfzero/runtime/reducer.py), 2 gloo rank
   start or at the step;
 - nothing is left behind: no ``.grad`` set after the step, no parameter waiting to be collected;
 - ``zero_grad`` after such a backward forgets its gradients like any others; after clipping, the step refuses it
-  (the step's gradients were final), as it refuses any backward there.
+  (the step's gradients were final), as it refuses any backward there; a model backward after clipping is refused
+  inside the backward, and ``zero_grad`` then leaves no gradient behind.
 """
 
 from __future__ import annotations
@@ -80,12 +81,26 @@ def _worker(rank: int, world: int) -> dict:
     except RuntimeError as error:
         refused = str(error)
     optimizer.zero_grad()
-    return {"modes": out, "refused": refused}
+    # a model backward after clipping is refused inside the backward, at the first collect; zero_grad then leaves no
+    # gradient behind, of that collect's batch either (a stale .grad would be added into the next step's)
+    _loss(model, *_batch(rank, 0)).backward()
+    optimizer.clip_grad_norm_(1.0)
+    try:
+        _loss(model, *_batch(rank, 1)).backward()
+        refused_in_backward = ""
+    except RuntimeError as error:
+        refused_in_backward = str(error)
+    optimizer.zero_grad()
+    left_after_refusal = sum(p.grad is not None for p in model.parameters()) + len(engine.reducer._arrived)
+    return {"modes": out, "refused": refused, "refused_in_backward": refused_in_backward,
+            "left_after_refusal": left_after_refusal}
 
 
 def test_backward_reaching_no_unit_trains_like_reference():
     for rank, result in enumerate(run_distributed(_worker, 2)):
         assert "backward after clip_grad_norm_()" in result["refused"], (rank, result["refused"])
+        assert "backward after clip_grad_norm_()" in result["refused_in_backward"], (rank, result["refused_in_backward"])
+        assert result["left_after_refusal"] == 0, (rank, result["left_after_refusal"])
         for mode, got in result["modes"].items():
             assert got["left"] == 0, (rank, mode)
             for name, value in got["want"].items():

@@ -121,9 +121,9 @@ step). Semantics kept: a gradient that arrives twice in a pass (the first collec
 (a penalty on persistent parameters alone) leaves its arrivals to ``flush``, a reducer pass of their own at the next
 backward's start or at the step (rank-independent points: every rank ran the same backward), or to ``zero_grad``,
 which forgets them; such a pass sees the ``no_sync`` state of the moment it is flushed and skips fp16's check that
-the loss was scaled (it cannot be judged then). The gradients that arrive before the reducer's pass starts (it starts at the first collect that
-finds any: in a decoder, the final norm's, when the backward pass reaches the last block) take the copy path.
-Memory: the list of arrivals only.
+the loss was scaled (it cannot be judged then). The gradients that arrive before the reducer's pass starts (it
+starts at the first collect that finds any: in a decoder, the final norm's, when the backward pass reaches the last
+block) take the copy path. Memory: the list of arrivals only.
 
 [Note: active buckets]
 A pipeline rank running several stages (a multi-stage schedule) back-propagates one stage at a time;
@@ -361,12 +361,12 @@ class GradientReducer:
         arrived = self._arrived
         if not arrived:
             return
-        batch = arrived.copy()
-        arrived.clear()
         if self._in_backward and graph_task_id() != self._graph_task:  # once for the batch: all arrived in this task
             raise RuntimeError(FAILED_PASS_MESSAGE)
         preset_of, hooked, fired, awaiting, pending = self._preset, self._hooked, self._fired, self._awaiting, self._pending
-        for param in batch:
+        # nothing appends while this runs (no AccumulateGrad does); cleared after, so a raise leaves the whole batch
+        # to zero_grad (``zero``), which clears every .grad in it
+        for param in arrived:
             # ``_on_grad``'s in-place case inlined (one Python call fewer per parameter): the gradient is in its slot,
             # the pass is running, the parameter's first gradient of the pass; anything else takes ``_on_grad``
             key = id(param)
@@ -383,6 +383,7 @@ class GradientReducer:
                     continue
             self._on_grad(param, True)
             pending = self._pending  # (a pass begun by the first gradient has new counts)
+        arrived.clear()
         self._dirty = True
 
     def has_arrivals(self) -> bool:
