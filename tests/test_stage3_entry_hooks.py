@@ -3,7 +3,11 @@ hfzero/runtime/stage3/entry_hooks.py): in process, no ranks.
 
 - while off, the module has no pre-hook of hfzero's (torch's fast path) and the user's hooks still run;
 - put back, every pre-hook is where it was: one registered before, one after, one prepended after ours;
-- a hook removed while off (``unprepare``) is not put back; ``put_back_all`` restores every unit.
+- a hook removed while off (``unprepare``) is not put back; ``put_back_all`` restores every unit;
+- in the backward window (2 gloo ranks, stage 3, fp32; [Note: entry hooks in the backward window]): without
+  activation checkpointing nothing takes a unit's hooks off; with it, the recomputation's first submodule call does,
+  once per unit and backward (no new use of the unit: the recorded backward order lists each unit once), the hooks
+  are all back after each backward, and both train identically.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 from torch import nn
 
 from hfzero.runtime.stage3.entry_hooks import EntryHooks
+from hfzero.testing.spawn import run_distributed
 
 
 def _order(module: nn.Module) -> list[int]:
@@ -60,3 +65,59 @@ def test_hooks_come_back_at_their_places_and_only_while_registered():
     assert ours.id not in module._forward_pre_hooks
     hooks.remove()
     assert not other._forward_pre_hooks
+
+
+def _train_counting_toggles(rank: int, world: int, checkpointing: bool) -> dict:
+    import hfzero
+    from hfzero.runtime.stage3.scheduler import Phase
+    from hfzero.testing.models import tiny_causal_lm
+
+    model = tiny_causal_lm("gpt2", layers=3)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      hfzero.ZeroConfig(stage=3, dtype="fp32", param_persistence_threshold=0))
+    scheduler = optimizer.engine.scheduler
+    hooks = scheduler.entry_hooks
+    taken_in_backward: list[int] = []
+    take_off = hooks.take_off
+
+    def counting(index: int) -> None:
+        if scheduler.phase is Phase.BACKWARD and index not in hooks._taken:
+            taken_in_backward.append(index)
+        take_off(index)
+
+    hooks.take_off = counting
+    entry = [(module, key) for index in hooks._hooks for module, _, key in hooks._hooks[index]]
+    assert entry, "the blocks' submodules carry entry hooks"
+    generator = torch.Generator().manual_seed(rank)
+    losses, per_backward = [], []
+    for _ in range(3):
+        tokens = torch.randint(0, 64, (2, 12), generator=generator)
+        before = len(taken_in_backward)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        per_backward.append(len(taken_in_backward) - before)
+        assert all(key in module._forward_pre_hooks for module, key in entry), "hooks back on after the backward"
+        order = scheduler.orders[Phase.BACKWARD]
+        assert len(order) == len(set(order)), f"a recomputation is no new use of its unit: {order}"
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    params = {name: p.detach().clone() for name, p in hfzero.full_state_dict(model).items()}
+    return {"losses": losses, "per_backward": per_backward, "blocks": len(model.transformer.h), "params": params}
+
+
+def _both(rank: int, world: int) -> dict:
+    return {"plain": _train_counting_toggles(rank, world, False), "checkpointed": _train_counting_toggles(rank, world, True)}
+
+
+def test_backward_takes_entry_hooks_off_only_for_a_recomputation():
+    for result in run_distributed(_both, 2):
+        plain, checkpointed = result["plain"], result["checkpointed"]
+        assert plain["per_backward"] == [0, 0, 0]
+        assert checkpointed["per_backward"] == [checkpointed["blocks"]] * 3  # each block's recomputation, once
+        assert checkpointed["losses"] == plain["losses"]
+        for name, value in plain["params"].items():
+            torch.testing.assert_close(checkpointed["params"][name], value, rtol=1e-6, atol=1e-7)

@@ -9,7 +9,7 @@ logging, Python bookkeeping, host synchronizations) runs eagerly. Where such a h
 inside a compiled region, dynamo ends the graph before it and starts a new one after it: the graph
 breaks are exactly at the unit boundaries (the start and end of the root's forward, and of each
 stage-3 unit's forward), never inside a decoder block. Hooks that run in backward (post-accumulate-grad
-hooks of the reducer, tensor hooks on a unit's outputs) run in the autograd engine, outside compiled
+hooks of the reducer, pre-hooks on the nodes that made a unit's outputs) run in the autograd engine, outside compiled
 code, unless compiled autograd is enabled (not supported: hfzero's gradient hooks must see each
 parameter's gradient as it is accumulated).
 
@@ -44,6 +44,9 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 _COMPILED_ATTR = "_hfzero_compiled_forward"
 _BODY_ATTR = "_hfzero_compiled_body"
+
+_compilations = 0
+"""How many times ``compile_regions`` compiled something in this process (``compilations``)."""
 
 BLOCKS_ATTR = "hfzero_block_names"
 """A module that holds a model's blocks under its own names (a pipeline stage: parallel/pipeline/split.py's
@@ -91,9 +94,11 @@ def compile_regions(model: nn.Module, names: list[str] | None = None, **compile_
         raise ConfigError(f"hfzero.compile_regions: {unknown} are not submodules of the model; pass names from "
                           "model.named_modules(), e.g. 'model.layers.0'")
     check_no_tensor_parallel(model, names)
+    global _compilations
+    _compilations += 1
     for name in names:
         module = modules[name]
-        if getattr(module, _COMPILED_ATTR, None) is not None:
+        if holds_compiled_region(module):
             continue  # already compiled: keep its compiled function (no second wrapper)
         compiled = torch.compile(module.forward, **compile_kwargs)
         module.forward = compiled
@@ -145,8 +150,19 @@ def check_no_tensor_parallel(model: nn.Module, names: list[str]) -> None:
 
 def is_compiled(model: nn.Module) -> bool:
     """True when ``model`` is a ``torch.compile`` wrapper or holds blocks ``compile_regions`` compiled."""
-    return any(is_compile_wrapper(m) or getattr(m, _COMPILED_ATTR, None) is not None
+    return any(is_compile_wrapper(m) or holds_compiled_region(m)
                for m in model.modules())
+
+
+def compilations() -> int:
+    """A count that changes whenever ``compile_regions`` compiles modules: a cache of ``holds_compiled_region``'s
+    answers is stale once it moved."""
+    return _compilations
+
+
+def holds_compiled_region(module: nn.Module) -> bool:
+    """Whether ``compile_regions`` compiled ``module``'s own forward (not its submodules')."""
+    return getattr(module, _COMPILED_ATTR, None) is not None
 
 
 def checkpointed_body(function: Callable[..., Any]) -> Callable[..., Any]:

@@ -10,12 +10,22 @@ submodule through ``nn.Module.__call__``'s slow path (the hook-dispatching ``inn
 call): six submodules per decoder block of a GPT-2, some 150 calls per step of the host proxy's 24-layer model,
 twice that with activation checkpointing. So while a unit is in use (between its pre- and post-forward hooks,
 ``UnitScheduler._in_use``) its entry hooks are taken out of their modules' hook dicts and put back when it leaves:
-inside the unit its submodules take torch's fast path; outside, a standalone call finds its hook as before. The
-backward pass keeps them off from the moment it reaches the unit until it is done with it (the pass moves on to
-the next unit, or ends): an activation-checkpoint recomputation then runs the unit's body as its forward did.
-That matters under ``torch.compile``: transformers' checkpointing layers recompute the block's body without
-``Module.__call__`` (so without the unit's pre-hook), and a compiled body that saw the hooks off in forward and
-on in recomputation ran two different graphs, whose saved tensors did not match (CheckpointError).
+inside the unit its submodules take torch's fast path; outside, a standalone call finds its hook as before.
+
+[Note: entry hooks in the backward window]
+While the backward pass holds a unit (from reaching it until it is done with it: the pass moves on to the next
+unit, or ends), an activation-checkpoint recomputation runs the unit's body, and its submodules should run as in
+the forward: with the hooks off. Eagerly that needs nothing ahead: a recomputation through ``Module.__call__`` runs
+the unit's pre-hook, which takes them off; one that runs the body directly meets an entry hook at its first
+submodule call, which sees the backward pass holding the unit and takes them off then (one slow-path call per
+recomputation). A unit without checkpointing, the common case, so never touches its hooks in backward: 25 of the
+100 toggles per step of the host proxy's 24-layer model, and the put-backs that went with them. Under regional
+compilation (``compile_regions``) the hooks must be off before the body starts: transformers' checkpointing layers
+recompute the block's compiled body without ``Module.__call__``, and a compiled body that saw the hooks off in
+forward and on in recomputation ran two different graphs, whose saved tensors did not match (CheckpointError). So
+when a compiled region runs the unit's body (the unit's module or a submodule carrying its hooks was compiled in
+place: ``UnitScheduler._runs_compiled``), the backward pass takes the hooks off as it reaches the unit. Either way
+they are back on when the pass is done with the unit.
 
 Putting a hook back restores its place among the module's other pre-hooks (hooks registered after it are moved
 behind it again), so the order in which a user's own pre-hooks and hfzero's run never changes. Taking hooks off
@@ -55,6 +65,10 @@ class EntryHooks:
         handle = module.register_forward_pre_hook(hook, with_kwargs=True)
         self._hooks.setdefault(index, []).append((module, handle, handle.id))
         return handle
+
+    def modules(self, index: int) -> list[nn.Module]:
+        """The submodules carrying unit ``index``'s entry hooks."""
+        return [module for module, _, _ in self._hooks.get(index, ())]
 
     def take_off(self, index: int) -> None:
         """Unit ``index`` is in use: take its entry hooks out of their modules (no-op when already off or none)."""

@@ -7,7 +7,7 @@ per data-parallel group] in engine.py); the reductions are launched only at rank
 the backward pass (when it moves on to the next unit, and at its end), so the interleaving of the two
 sequences is the same on every rank too (see [Note: collective order across ranks] in reducer.py).
 Within a pass (one forward of the root, or one backward) a unit is gathered on demand by its forward
-pre-hook (forward) or by a hook on its forward outputs' gradients (backward), and the next units of the
+pre-hook (forward) or by a pre-hook on the autograd nodes of its forward outputs (backward), and the next units of the
 order recorded in the previous pass of the same kind are prefetched: the next unit always, whatever its
 size (a decoder block of a 1B-parameter model, ~61M elements, is larger than any budget, and gathering
 it on demand would serialize every gather with compute), and the units after it within
@@ -61,7 +61,7 @@ from torch import nn
 
 from hfzero.comm.collectives import Communicator
 from hfzero.logging import get_logger
-from hfzero.runtime.compile import eager_hook
+from hfzero.runtime.compile import compilations, eager_hook, holds_compiled_region
 from hfzero.runtime.lifetime import WeakHook
 from hfzero.runtime.tensors import iter_tensors
 from hfzero.runtime.reducer import FAILED_PASS_MESSAGE
@@ -152,6 +152,9 @@ class UnitScheduler:
         "backward", unit name) events are appended in the order they happen."""
         self._entered: list[nn.Module] = []  # submodules that gathered their unit on demand (a stack)
         self._handles = []
+        self._compiled_seen = -1  # ``compilations()`` when ``_compiled_units`` was made
+        self._compiled_units: set[int] = set()
+        """Units a compiled region runs the body of (``_runs_compiled``)."""
         self.entry_hooks = EntryHooks()
         """The submodules' pre-hooks that gather a unit called outside its forward, off while it is in use (See
         [Note: entry hooks off inside the unit] in entry_hooks.py)."""
@@ -273,6 +276,11 @@ class UnitScheduler:
         unit = self.units[index]
         if unit.index in self._in_use:
             return
+        if self.phase is Phase.BACKWARD and index in self._backward_seen and index not in self._finished:
+            # the backward pass holds the unit gathered: a recomputation of its body (See [Note: entry hooks in
+            # the backward window] in entry_hooks.py)
+            self.entry_hooks.take_off(index)
+            return
         self._enter(unit)
         self._entered.append(module)
         handles = []  # a one-shot post-forward hook: none sits inside a unit's forward otherwise
@@ -294,7 +302,8 @@ class UnitScheduler:
     def _leave(self, unit: GatherUnit, output: Any) -> None:
         if self._in_use and self._in_use[-1] == unit.index:
             self._in_use.pop()
-        if self.phase is Phase.BACKWARD:  # the backward window keeps the entry hooks off (See _hook_pre_backward)
+        if self.phase is Phase.BACKWARD:  # hooks off until the pass is done with the unit (See [Note: entry hooks
+            # in the backward window] in entry_hooks.py)
             return  # activation-checkpoint recomputation: the backward pass owns the unit
         if unit.index not in self._in_use:
             self.entry_hooks.put_back(unit.index)
@@ -303,16 +312,32 @@ class UnitScheduler:
             if hook is None:
                 # See [Note: engine lifetime]: the hook reaches the scheduler weakly
                 hook = self._backward_hooks[unit.index] = WeakHook(self._hook_pre_backward, unit.index)
+            # on the node that made each output (See [Note: backward reached on the output's node])
             for t in (output,) if isinstance(output, torch.Tensor) else iter_tensors(output):
                 if t.requires_grad:
-                    t.register_hook(hook)
+                    node = t.grad_fn
+                    if node is not None:
+                        node.register_prehook(hook)
+                    else:  # an input passed through unchanged (a leaf): its gradient's hook
+                        t.register_hook(hook)
         if self.events is not None:
             self._log("forward_end", unit)
         if unit.index not in self._in_use and not self.keep_gathered:
             self._release(unit)
 
-    def _hook_pre_backward(self, index: int, grad: torch.Tensor) -> None:
-        """A gradient hook on unit ``index``'s forward outputs: the backward pass reached the unit, gather it."""
+    def _hook_pre_backward(self, index: int, grads: Any) -> None:
+        """A pre-hook on the nodes that made unit ``index``'s forward outputs: the backward pass reached the unit,
+        gather it.
+
+        [Note: backward reached on the output's node]
+        The backward pass reaches a unit when autograd is about to run a node that made one of its forward outputs:
+        the hook sits on that node (``grad_fn.register_prehook``) rather than on the output tensor
+        (``Tensor.register_hook``), which fires at the same moment (a tensor's hooks are its node's pre-hooks for that
+        output) but goes through a Python wrapper per registration (checks, a handle, the tensor's hook dict): some
+        25 registrations per training forward of a 24-layer model. Several outputs made by one node register the hook
+        on it several times; it fires once per registration, like tensor hooks once per output, and a unit already
+        reached returns at once. An output without a node (an input passed through, a leaf) keeps the tensor hook.
+        ``grads``: the node's incoming gradients, or the tensor's gradient; unused."""
         unit = self.units[index]
         if self.phase is Phase.BACKWARD and graph_task_id() != self._graph_task:
             raise RuntimeError(FAILED_PASS_MESSAGE)
@@ -324,17 +349,25 @@ class UnitScheduler:
                 unit.wait()
                 self.entry_hooks.take_off(unit.index)  # back on at the pass's end
             return
-        if unit is not self.root:  # the root's output hooks may sit on a block's output tensor too
+        if unit is not self.root:  # the root's output hooks may sit on a block's output node too
             self._finish_earlier_units()
         self._backward_seen.add(unit.index)
         if self.events is not None:
             self._log("backward", unit)
         self._use(unit, forward=False)
-        # an activation-checkpoint recomputation runs the unit's body as its forward did: entry hooks off (See
-        # [Note: entry hooks off inside the unit] in entry_hooks.py); back on when the pass is done with the unit
-        self.entry_hooks.take_off(unit.index)
+        if self._runs_compiled(unit):  # See [Note: entry hooks in the backward window] in entry_hooks.py
+            self.entry_hooks.take_off(unit.index)
         if self.on_unit_backward is not None:
             self.on_unit_backward(unit)
+
+    def _runs_compiled(self, unit: GatherUnit) -> bool:
+        """Whether a region compiled by ``compile_regions`` runs the unit's body: the unit's module or a submodule
+        carrying its entry hooks (answers cached until ``compile_regions`` compiles again)."""
+        if self._compiled_seen != compilations():
+            self._compiled_seen = compilations()
+            self._compiled_units = {u.index for u in self.units if any(
+                holds_compiled_region(m) for m in (u.module, *self.entry_hooks.modules(u.index)))}
+        return unit.index in self._compiled_units
 
     def _finish_earlier_units(self) -> None:
         """The backward pass reached a new unit: the units it used before are done on every rank (their
