@@ -1,6 +1,6 @@
 """The communicator's direct asynchronous gather and reduce-scatter (See [Note: direct collectives] in
 hfzero/comm/collectives.py) give what the ``torch.distributed`` functions give, and the fallback is taken where
-the process group lacks the methods."""
+the process group lacks the methods; under torch's profiler the direct calls carry their labels too."""
 
 from __future__ import annotations
 
@@ -19,10 +19,13 @@ def _gather_and_scatter(rank: int, world: int, direct: bool) -> tuple[list[float
     took_direct = comm._gather_async is not None and comm._scatter_async is not None
     shard = torch.arange(4, dtype=torch.float32) + 10 * rank
     full = torch.full((4 * world,), -1.0)
-    comm.all_gather(full, shard, async_op=True).wait()
     source = torch.arange(4 * world, dtype=torch.float32) * (rank + 1)
     mine = torch.zeros(4)
-    comm.reduce_scatter(mine, source, async_op=True).wait()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        comm.all_gather(full, shard, async_op=True).wait()
+        comm.reduce_scatter(mine, source, async_op=True).wait()
+    labels = {event.name for event in profile.events()}
+    assert {"hfzero::all_gather", "hfzero::reduce_scatter"} <= labels, sorted(labels)
     stats = comm.stats()
     assert stats["all_gather"].calls == 1 and stats["reduce_scatter"].calls == 1
     return full.tolist(), mine.tolist(), took_direct

@@ -70,9 +70,11 @@ def _process_group_method(group: Any, name: str) -> Callable[[torch.Tensor, torc
     gathers and one reduce-scatter per unit). None of those checks applies here: the communicator's tensors are
     plain, real and contiguous, its rank is in its group (``rank >= 0``), and hfzero opens no coalescing context.
     So an asynchronous gather or reduce-scatter calls the group's method with its default options (``asyncOp``
-    true, a SUM reduction): the work the wrapper would have launched with ``async_op=True``. Blocking calls and
-    torches without the methods take the ``torch.distributed`` function; tests/test_collectives_direct.py
-    runs both paths on gloo and compares the results."""
+    true, a SUM reduction): the work the wrapper would have launched with ``async_op=True``, from the first lines
+    of ``all_gather`` / ``reduce_scatter`` (the accounting, the timer's mark, the call and its handle, and the label
+    only while the profiler collects: no further frame). Blocking calls and torches without the methods take the
+    ``torch.distributed`` function; tests/test_collectives_direct.py runs both paths on gloo and compares the
+    results."""
     method = getattr(group, name, None) if group is not None else None
     return method if callable(method) else None
 
@@ -309,6 +311,14 @@ class Communicator:
         if input.numel() != output.numel() * self.world_size:
             raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
                              f"{output.numel()} x {self.world_size}")
+        if async_op and self._scatter_async is not None and not self.reduce_scatter_via_all_reduce and self.world_size > 1:
+            # stage 3's per-unit reductions: the direct call in one frame (See [Note: direct collectives])
+            stats = self._account("reduce_scatter", "reduce_scatter", input.numel(), input.element_size())
+            started = self.timer.mark()
+            if _profiling():
+                with record_function("hfzero::reduce_scatter"):
+                    return Handle(self._scatter_async(output, input), stats, self.timer, started)
+            return Handle(self._scatter_async(output, input), stats, self.timer, started)
         impl = "all_reduce" if self.reduce_scatter_via_all_reduce else "reduce_scatter"
         stats = self._account("reduce_scatter", impl, input.numel(), input.element_size())
         started = self._mark()
@@ -340,6 +350,14 @@ class Communicator:
             raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                              f"{input.numel()} x {self.world_size}")
         impl = self.all_gather_impl
+        if async_op and self._gather_async is not None and impl != "broadcast" and self.world_size > 1:
+            # stage 3's per-unit gathers: the direct call in one frame (See [Note: direct collectives])
+            stats = self._account("all_gather", impl, output.numel(), output.element_size())
+            started = self.timer.mark()
+            if _profiling():
+                with record_function("hfzero::all_gather"):
+                    return Handle(self._gather_async(output, input), stats, self.timer, started)
+            return Handle(self._gather_async(output, input), stats, self.timer, started)
         stats = self._account("all_gather", impl, output.numel(), output.element_size())
         started = self._mark()
         if self.world_size == 1:
