@@ -26,10 +26,11 @@ backings serves it (``GatherBuffers.kind``, ``ZeroConfig.stage3_buffers``):
   unit's values or freed memory. The cost is the page faults of each gather (one per 4 KiB page touched;
   docs/stage3.md has measured figures: benchmarks/stage3_buffers.py).
 - "resized" (the default, every device): release resizes the storage to 0 bytes and a gather resizes it
-  back (FSDP1's and FSDP2's technique); saved views then see a 0-byte storage (any read raises) until the
-  gather refills it. On CUDA the memory comes from the caching allocator, which is the pool: a block
-  freed by a release is reused by the next allocation of its size on the same stream, with no
-  ``cudaMalloc`` after the first step. On the host it is glibc: item 3 holds only as far as glibc reuses
+  back (FSDP1's and FSDP2's technique); saved views then see a 0-byte storage until the gather refills it (nothing
+  reads them meanwhile: torch does not check a tensor against its storage's size, so a read would touch memory that
+  is not there, which is also why a released unit's parameters point at a 0-element tensor). On CUDA the memory
+  comes from the caching allocator, which is the pool: a block freed by a release is reused by the next allocation
+  of its size on the same stream, with no ``cudaMalloc`` after the first step. On the host it is glibc: item 3 holds only as far as glibc reuses
   the freed block (tests/test_memory_flat.py checks the peak stays flat over 12 steps; it does, within 2%).
 
 Why "resized" is the default on the host too (wave 4): measured side by side, it is the faster backing
