@@ -110,7 +110,8 @@ def _train_counting_toggles(rank: int, world: int, checkpointing: bool) -> dict:
 
 
 def _both(rank: int, world: int) -> dict:
-    return {"plain": _train_counting_toggles(rank, world, False), "checkpointed": _train_counting_toggles(rank, world, True)}
+    return {"plain": _train_counting_toggles(rank, world, False),
+            "checkpointed": _train_counting_toggles(rank, world, True)}
 
 
 def test_backward_takes_entry_hooks_off_only_for_a_recomputation():

@@ -311,7 +311,8 @@ class Communicator:
         if input.numel() != output.numel() * self.world_size:
             raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
                              f"{output.numel()} x {self.world_size}")
-        if async_op and self._scatter_async is not None and not self.reduce_scatter_via_all_reduce and self.world_size > 1:
+        direct = self._scatter_async is not None and not self.reduce_scatter_via_all_reduce
+        if async_op and direct and self.world_size > 1:
             # stage 3's per-unit reductions: the direct call in one frame (See [Note: direct collectives])
             stats = self._account("reduce_scatter", "reduce_scatter", input.numel(), input.element_size())
             started = self.timer.mark()

@@ -30,8 +30,9 @@ backings serves it (``GatherBuffers.kind``, ``ZeroConfig.stage3_buffers``):
   reads them meanwhile: torch does not check a tensor against its storage's size, so a read would touch memory that
   is not there, which is also why a released unit's parameters point at a 0-element tensor). On CUDA the memory
   comes from the caching allocator, which is the pool: a block freed by a release is reused by the next allocation
-  of its size on the same stream, with no ``cudaMalloc`` after the first step. On the host it is glibc: item 3 holds only as far as glibc reuses
-  the freed block (tests/test_memory_flat.py checks the peak stays flat over 12 steps; it does, within 2%).
+  of its size on the same stream, with no ``cudaMalloc`` after the first step. On the host it is glibc: item 3
+  holds only as far as glibc reuses the freed block (tests/test_memory_flat.py checks the peak stays flat over 12
+  steps; it does, within 2%).
 
 Why "resized" is the default on the host too (wave 4): measured side by side, it is the faster backing
 and its host peak is no higher. On 2 CPU ranks with a 5.3M GPT-2, every parameter partitioned

@@ -7,8 +7,8 @@ per data-parallel group] in engine.py); the reductions are launched only at rank
 the backward pass (when it moves on to the next unit, and at its end), so the interleaving of the two
 sequences is the same on every rank too (see [Note: collective order across ranks] in reducer.py).
 Within a pass (one forward of the root, or one backward) a unit is gathered on demand by its forward
-pre-hook (forward) or by a pre-hook on the autograd nodes of its forward outputs (backward), and the next units of the
-order recorded in the previous pass of the same kind are prefetched: the next unit always, whatever its
+pre-hook (forward) or by a pre-hook on the autograd nodes of its forward outputs (backward), and the next units of
+the order recorded in the previous pass of the same kind are prefetched: the next unit always, whatever its
 size (a decoder block of a 1B-parameter model, ~61M elements, is larger than any budget, and gathering
 it on demand would serialize every gather with compute), and the units after it within
 ``allgather_bucket_size`` elements of not-yet-used gathered units. So at most the root, the unit in use
@@ -302,9 +302,8 @@ class UnitScheduler:
     def _leave(self, unit: GatherUnit, output: Any) -> None:
         if self._in_use and self._in_use[-1] == unit.index:
             self._in_use.pop()
-        if self.phase is Phase.BACKWARD:  # hooks off until the pass is done with the unit (See [Note: entry hooks
-            # in the backward window] in entry_hooks.py)
-            return  # activation-checkpoint recomputation: the backward pass owns the unit
+        if self.phase is Phase.BACKWARD:  # activation-checkpoint recomputation: the backward pass owns the unit, its
+            return  # hooks stay off until the pass is done with it (See [Note: entry hooks in the backward window])
         if unit.index not in self._in_use:
             self.entry_hooks.put_back(unit.index)
         if torch.is_grad_enabled():
