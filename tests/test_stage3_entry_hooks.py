@@ -7,7 +7,9 @@ hfzero/runtime/stage3/entry_hooks.py): in process, no ranks.
 - in the backward window (2 gloo ranks, stage 3, fp32; [Note: entry hooks in the backward window]): without
   activation checkpointing nothing takes a unit's hooks off; with it, the recomputation's first submodule call does,
   once per unit and backward (no new use of the unit: the recorded backward order lists each unit once), the hooks
-  are all back after each backward, and both train identically.
+  are all back after each backward, and both train identically; both ways a recomputation can run: the body
+  directly (transformers 5.24's checkpointing layers: it meets an entry hook) and through the unit's
+  ``__call__`` (torch's checkpoint of the block, as transformers 5.17 does: it meets the unit's pre-hook).
 """
 
 from __future__ import annotations
@@ -67,17 +69,50 @@ def test_hooks_come_back_at_their_places_and_only_while_registered():
     assert not other._forward_pre_hooks
 
 
-def _train_counting_toggles(rank: int, world: int, checkpointing: bool) -> dict:
+class _Stack(nn.Module):
+    """Three two-layer blocks (the stage-3 units) and a head; with ``checkpointing`` each block runs under torch's
+    non-reentrant checkpoint through its ``__call__``, so the recomputation meets the unit's own pre-hook (what
+    transformers 5.17's checkpointing layers do; 5.24's checkpoint the body, which meets an entry hook)."""
+
+    def __init__(self, checkpointing: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.checkpointing = checkpointing
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
+        return self.head(x)
+
+
+def _train_counting_toggles(rank: int, world: int, kind: str, checkpointing: bool) -> dict:
     import hfzero
     from hfzero.runtime.stage3.scheduler import Phase
     from hfzero.testing.models import tiny_causal_lm
 
-    model = tiny_causal_lm("gpt2", layers=3)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                      hfzero.ZeroConfig(stage=3, dtype="fp32", param_persistence_threshold=0))
+    config = hfzero.ZeroConfig(stage=3, dtype="fp32", param_persistence_threshold=0)
+    generator = torch.Generator().manual_seed(rank)
+    if kind == "gpt2":
+        model = tiny_causal_lm("gpt2", layers=3)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+        blocks = len(model.transformer.h)
+
+        def loss_of() -> torch.Tensor:
+            tokens = torch.randint(0, 64, (2, 12), generator=generator)
+            return model(input_ids=tokens, labels=tokens).loss
+    else:
+        model = _Stack(checkpointing)
+        model, optimizer = hfzero.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config,
+                                          units=["blocks.0", "blocks.1", "blocks.2"])
+        blocks = 3
+
+        def loss_of() -> torch.Tensor:
+            return model(torch.randn(4, 8, generator=generator)).square().mean()
     scheduler = optimizer.engine.scheduler
     hooks = scheduler.entry_hooks
     taken_in_backward: list[int] = []
@@ -91,12 +126,10 @@ def _train_counting_toggles(rank: int, world: int, checkpointing: bool) -> dict:
     hooks.take_off = counting
     entry = [(module, key) for index in hooks._hooks for module, _, key in hooks._hooks[index]]
     assert entry, "the blocks' submodules carry entry hooks"
-    generator = torch.Generator().manual_seed(rank)
     losses, per_backward = [], []
     for _ in range(3):
-        tokens = torch.randint(0, 64, (2, 12), generator=generator)
         before = len(taken_in_backward)
-        loss = model(input_ids=tokens, labels=tokens).loss
+        loss = loss_of()
         loss.backward()
         per_backward.append(len(taken_in_backward) - before)
         assert all(key in module._forward_pre_hooks for module, key in entry), "hooks back on after the backward"
@@ -106,19 +139,20 @@ def _train_counting_toggles(rank: int, world: int, checkpointing: bool) -> dict:
         optimizer.zero_grad()
         losses.append(loss.item())
     params = {name: p.detach().clone() for name, p in hfzero.full_state_dict(model).items()}
-    return {"losses": losses, "per_backward": per_backward, "blocks": len(model.transformer.h), "params": params}
+    return {"losses": losses, "per_backward": per_backward, "blocks": blocks, "params": params}
 
 
-def _both(rank: int, world: int) -> dict:
-    return {"plain": _train_counting_toggles(rank, world, False),
-            "checkpointed": _train_counting_toggles(rank, world, True)}
+def _all(rank: int, world: int) -> dict:
+    return {(kind, checkpointing): _train_counting_toggles(rank, world, kind, checkpointing)
+            for kind in ("gpt2", "calls") for checkpointing in (False, True)}
 
 
 def test_backward_takes_entry_hooks_off_only_for_a_recomputation():
-    for result in run_distributed(_both, 2):
-        plain, checkpointed = result["plain"], result["checkpointed"]
-        assert plain["per_backward"] == [0, 0, 0]
-        assert checkpointed["per_backward"] == [checkpointed["blocks"]] * 3  # each block's recomputation, once
-        assert checkpointed["losses"] == plain["losses"]
-        for name, value in plain["params"].items():
-            torch.testing.assert_close(checkpointed["params"][name], value, rtol=1e-6, atol=1e-7)
+    for result in run_distributed(_all, 2):
+        for kind in ("gpt2", "calls"):
+            plain, checkpointed = result[(kind, False)], result[(kind, True)]
+            assert plain["per_backward"] == [0, 0, 0], kind
+            assert checkpointed["per_backward"] == [checkpointed["blocks"]] * 3, kind  # each block's recomputation
+            assert checkpointed["losses"] == plain["losses"], kind
+            for name, value in plain["params"].items():
+                torch.testing.assert_close(checkpointed["params"][name], value, rtol=1e-6, atol=1e-7)

@@ -15,10 +15,11 @@ inside the unit its submodules take torch's fast path; outside, a standalone cal
 [Note: entry hooks in the backward window]
 While the backward pass holds a unit (from reaching it until it is done with it: the pass moves on to the next
 unit, or ends), an activation-checkpoint recomputation runs the unit's body, and its submodules should run as in
-the forward: with the hooks off. Eagerly that needs nothing ahead: a recomputation through ``Module.__call__`` runs
-the unit's pre-hook, which takes them off; one that runs the body directly meets an entry hook at its first
-submodule call, which sees the backward pass holding the unit and takes them off then (one slow-path call per
-recomputation). A unit without checkpointing, the common case, so never touches its hooks in backward: 25 of the
+the forward: with the hooks off. Eagerly that needs nothing ahead: a recomputation through ``Module.__call__`` (as
+transformers 5.17's checkpointing layers run it) meets the unit's pre-hook, one that runs the body directly (5.24's)
+an entry hook at its first submodule call (one slow-path call per recomputation); either sees the backward pass
+holding the unit (reached, not yet done) and only takes the hooks off: a recomputation is no new use of the unit
+(the pass's recorded order lists each unit once, so its prefetch and its signature do not depend on checkpointing). A unit without checkpointing, the common case, so never touches its hooks in backward: 25 of the
 100 toggles per step of the host proxy's 24-layer model, and the put-backs that went with them. Under regional
 compilation (``compile_regions``) the hooks must be off before the body starts: transformers' checkpointing layers
 recompute the block's compiled body without ``Module.__call__``, and a compiled body that saw the hooks off in

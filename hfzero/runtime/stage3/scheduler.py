@@ -234,6 +234,11 @@ class UnitScheduler:
             logger.warning("stage 3: the previous forward pass raised before its end; its gathered units "
                            "are released and this forward starts afresh")
             self.abort_pass()
+        if self.phase is Phase.BACKWARD and index in self._backward_seen and index not in self._finished:
+            # the backward pass holds the unit gathered: a recomputation of its forward, no new use (See [Note:
+            # entry hooks in the backward window] in entry_hooks.py)
+            self.entry_hooks.take_off(index)
+            return
         if unit is self.root and self.phase is Phase.IDLE:
             self.phase = Phase.FORWARD
             self._pass = _Pass(self.orders[Phase.FORWARD], torch.is_grad_enabled())
@@ -311,13 +316,15 @@ class UnitScheduler:
             if hook is None:
                 # See [Note: engine lifetime]: the hook reaches the scheduler weakly
                 hook = self._backward_hooks[unit.index] = WeakHook(self._hook_pre_backward, unit.index)
-            # on the node that made each output (See [Note: backward reached on the output's node])
+            # on the node that made each output, the root's on the tensors (See [Note: backward reached on the
+            # output's node])
+            root = unit is self.root
             for t in (output,) if isinstance(output, torch.Tensor) else iter_tensors(output):
                 if t.requires_grad:
                     node = t.grad_fn
-                    if node is not None:
+                    if node is not None and not root:
                         node.register_prehook(hook)
-                    else:  # an input passed through unchanged (a leaf): its gradient's hook
+                    else:  # the model's outputs, or an input passed through unchanged (a leaf)
                         t.register_hook(hook)
         if self.events is not None:
             self._log("forward_end", unit)
@@ -335,8 +342,12 @@ class UnitScheduler:
         output) but goes through a Python wrapper per registration (checks, a handle, the tensor's hook dict): some
         25 registrations per training forward of a 24-layer model. Several outputs made by one node register the hook
         on it several times; it fires once per registration, like tensor hooks once per output, and a unit already
-        reached returns at once. An output without a node (an input passed through, a leaf) keeps the tensor hook.
-        ``grads``: the node's incoming gradients, or the tensor's gradient; unused."""
+        reached returns at once. An output without a node (an input passed through, a leaf) keeps the tensor hook,
+        and so do the root's outputs: they are the model's outputs, on which a user or hfzero's profiler hangs tensor
+        hooks of its own, and autograd runs a node's tensor hooks before its pre-hooks. On the tensor, the root's
+        hook keeps its place among them (registered in the root's forward hook, it runs before those registered
+        later: the profiler's "backward begin" record sees the units the backward gathers first, and a user's hook
+        sees the root gathered). ``grads``: the node's incoming gradients, or the tensor's gradient; unused."""
         unit = self.units[index]
         if self.phase is Phase.BACKWARD and graph_task_id() != self._graph_task:
             raise RuntimeError(FAILED_PASS_MESSAGE)
