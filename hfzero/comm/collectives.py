@@ -71,8 +71,8 @@ def _process_group_method(group: Any, name: str) -> Callable[[torch.Tensor, torc
     plain, real and contiguous, its rank is in its group (``rank >= 0``), and hfzero opens no coalescing context.
     So an asynchronous gather or reduce-scatter calls the group's method with its default options (``asyncOp``
     true, a SUM reduction): the work the wrapper would have launched with ``async_op=True``, from the first lines
-    of ``all_gather`` / ``reduce_scatter`` (the accounting, the timer's mark, the call and its handle, and the label
-    only while the profiler collects: no further frame). Blocking calls and torches without the methods take the
+    of ``all_gather`` / ``reduce_scatter`` in one helper (``Communicator._direct``: the accounting, the timer's mark,
+    the call and its handle, and the label only while the profiler collects). Blocking calls and torches without the methods take the
     ``torch.distributed`` function; tests/test_collectives_direct.py runs both paths on gloo and compares the
     results."""
     method = getattr(group, name, None) if group is not None else None
@@ -301,6 +301,19 @@ class Communicator:
             handle.wait()
         return handle
 
+    def _direct(self, method: Callable[[torch.Tensor, torch.Tensor], Any], kind: str, impl: str, output: torch.Tensor,
+                input: torch.Tensor, counted: torch.Tensor) -> Handle:
+        """Launch an asynchronous collective by the group's own method: account ``counted``'s elements, mark, call,
+        hand back; the label only while the profiler collects (See [Note: direct collectives])."""
+        stats = self._account(kind, impl, counted.numel(), counted.element_size())
+        started = self.timer.mark()
+        if _profiling():
+            with record_function(f"hfzero::{kind}"):
+                work = method(output, input)
+        else:
+            work = method(output, input)
+        return Handle(work, stats, self.timer, started)
+
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Handle:
         """Sum ``input`` (numel = world * output.numel) across ranks; this rank's chunk lands in ``output``.
 
@@ -312,14 +325,8 @@ class Communicator:
             raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
                              f"{output.numel()} x {self.world_size}")
         direct = self._scatter_async is not None and not self.reduce_scatter_via_all_reduce
-        if async_op and direct and self.world_size > 1:
-            # stage 3's per-unit reductions: the direct call in one frame (See [Note: direct collectives])
-            stats = self._account("reduce_scatter", "reduce_scatter", input.numel(), input.element_size())
-            started = self.timer.mark()
-            if _profiling():
-                with record_function("hfzero::reduce_scatter"):
-                    return Handle(self._scatter_async(output, input), stats, self.timer, started)
-            return Handle(self._scatter_async(output, input), stats, self.timer, started)
+        if async_op and direct and self.world_size > 1:  # stage 3's per-unit reductions
+            return self._direct(self._scatter_async, "reduce_scatter", "reduce_scatter", output, input, input)
         impl = "all_reduce" if self.reduce_scatter_via_all_reduce else "reduce_scatter"
         stats = self._account("reduce_scatter", impl, input.numel(), input.element_size())
         started = self._mark()
@@ -352,13 +359,7 @@ class Communicator:
                              f"{input.numel()} x {self.world_size}")
         impl = self.all_gather_impl
         if async_op and self._gather_async is not None and impl != "broadcast" and self.world_size > 1:
-            # stage 3's per-unit gathers: the direct call in one frame (See [Note: direct collectives])
-            stats = self._account("all_gather", impl, output.numel(), output.element_size())
-            started = self.timer.mark()
-            if _profiling():
-                with record_function("hfzero::all_gather"):
-                    return Handle(self._gather_async(output, input), stats, self.timer, started)
-            return Handle(self._gather_async(output, input), stats, self.timer, started)
+            return self._direct(self._gather_async, "all_gather", impl, output, input, output)  # stage 3's gathers
         stats = self._account("all_gather", impl, output.numel(), output.element_size())
         started = self._mark()
         if self.world_size == 1:

@@ -42,7 +42,7 @@ compiled code always sees its submodules without the entry hooks, in forward and
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
@@ -67,9 +67,9 @@ class EntryHooks:
         self._hooks.setdefault(index, []).append((module, handle, handle.id))
         return handle
 
-    def modules(self, index: int) -> list[nn.Module]:
+    def modules(self, index: int) -> Iterator[nn.Module]:
         """The submodules carrying unit ``index``'s entry hooks."""
-        return [module for module, _, _ in self._hooks.get(index, ())]
+        return (module for module, _, _ in self._hooks.get(index, ()))
 
     def take_off(self, index: int) -> None:
         """Unit ``index`` is in use: take its entry hooks out of their modules (no-op when already off or none)."""

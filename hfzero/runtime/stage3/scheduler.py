@@ -61,7 +61,7 @@ from torch import nn
 
 from hfzero.comm.collectives import Communicator
 from hfzero.logging import get_logger
-from hfzero.runtime.compile import compilations, eager_hook, holds_compiled_region
+from hfzero.runtime.compile import eager_hook, holds_compiled_region
 from hfzero.runtime.lifetime import WeakHook
 from hfzero.runtime.tensors import iter_tensors
 from hfzero.runtime.reducer import FAILED_PASS_MESSAGE
@@ -152,9 +152,6 @@ class UnitScheduler:
         "backward", unit name) events are appended in the order they happen."""
         self._entered: list[nn.Module] = []  # submodules that gathered their unit on demand (a stack)
         self._handles = []
-        self._compiled_seen = -1  # ``compilations()`` when ``_compiled_units`` was made
-        self._compiled_units: set[int] = set()
-        """Units a compiled region runs the body of (``_runs_compiled``)."""
         self.entry_hooks = EntryHooks()
         """The submodules' pre-hooks that gather a unit called outside its forward, off while it is in use (See
         [Note: entry hooks off inside the unit] in entry_hooks.py)."""
@@ -234,10 +231,7 @@ class UnitScheduler:
             logger.warning("stage 3: the previous forward pass raised before its end; its gathered units "
                            "are released and this forward starts afresh")
             self.abort_pass()
-        if self.phase is Phase.BACKWARD and index in self._backward_seen and index not in self._finished:
-            # the backward pass holds the unit gathered: a recomputation of its forward, no new use (See [Note:
-            # entry hooks in the backward window] in entry_hooks.py)
-            self.entry_hooks.take_off(index)
+        if self._recomputing(index):
             return
         if unit is self.root and self.phase is Phase.IDLE:
             self.phase = Phase.FORWARD
@@ -281,10 +275,7 @@ class UnitScheduler:
         unit = self.units[index]
         if unit.index in self._in_use:
             return
-        if self.phase is Phase.BACKWARD and index in self._backward_seen and index not in self._finished:
-            # the backward pass holds the unit gathered: a recomputation of its body (See [Note: entry hooks in
-            # the backward window] in entry_hooks.py)
-            self.entry_hooks.take_off(index)
+        if self._recomputing(index):
             return
         self._enter(unit)
         self._entered.append(module)
@@ -370,14 +361,21 @@ class UnitScheduler:
         if self.on_unit_backward is not None:
             self.on_unit_backward(unit)
 
+    def _recomputing(self, index: int) -> bool:
+        """Whether a forward of unit ``index`` now (through its ``__call__`` or one of its submodules) is a
+        recomputation inside the backward pass that holds it gathered (reached, not yet done): then its entry hooks
+        are taken off and nothing else happens, no new use (See [Note: entry hooks in the backward window] in
+        entry_hooks.py)."""
+        if self.phase is Phase.BACKWARD and index in self._backward_seen and index not in self._finished:
+            self.entry_hooks.take_off(index)
+            return True
+        return False
+
     def _runs_compiled(self, unit: GatherUnit) -> bool:
         """Whether a region compiled by ``compile_regions`` runs the unit's body: the unit's module or a submodule
-        carrying its entry hooks (answers cached until ``compile_regions`` compiles again)."""
-        if self._compiled_seen != compilations():
-            self._compiled_seen = compilations()
-            self._compiled_units = {u.index for u in self.units if any(
-                holds_compiled_region(m) for m in (u.module, *self.entry_hooks.modules(u.index)))}
-        return unit.index in self._compiled_units
+        carrying its entry hooks (a few attribute reads, once per unit and backward)."""
+        return holds_compiled_region(unit.module) or any(
+            holds_compiled_region(m) for m in self.entry_hooks.modules(unit.index))
 
     def _finish_earlier_units(self) -> None:
         """The backward pass reached a new unit: the units it used before are done on every rank (their
