@@ -45,6 +45,9 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 _COMPILED_ATTR = "_hfzero_compiled_forward"
 _BODY_ATTR = "_hfzero_compiled_body"
 
+_compilations = 0
+"""How many times ``compile_regions`` compiled something in this process (``compilations``)."""
+
 BLOCKS_ATTR = "hfzero_block_names"
 """A module that holds a model's blocks under its own names (a pipeline stage: parallel/pipeline/split.py's
 DecoderStage) lists their qualified names in this attribute; ``region_names`` compiles those."""
@@ -91,6 +94,8 @@ def compile_regions(model: nn.Module, names: list[str] | None = None, **compile_
         raise ConfigError(f"hfzero.compile_regions: {unknown} are not submodules of the model; pass names from "
                           "model.named_modules(), e.g. 'model.layers.0'")
     check_no_tensor_parallel(model, names)
+    global _compilations
+    _compilations += 1
     for name in names:
         module = modules[name]
         if holds_compiled_region(module):
@@ -147,6 +152,12 @@ def is_compiled(model: nn.Module) -> bool:
     """True when ``model`` is a ``torch.compile`` wrapper or holds blocks ``compile_regions`` compiled."""
     return any(is_compile_wrapper(m) or holds_compiled_region(m)
                for m in model.modules())
+
+
+def compilations() -> int:
+    """A count that changes whenever ``compile_regions`` compiles modules: a cache of ``holds_compiled_region``'s
+    answers is stale once it moved."""
+    return _compilations
 
 
 def holds_compiled_region(module: nn.Module) -> bool:
